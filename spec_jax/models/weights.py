@@ -1,0 +1,152 @@
+"""One description per weight: shape, logical axes and initializer.
+
+Random init, sharding (see `spec_jax.sharding`) and checkpoint shape checks are all derived from the
+tree returned by `model_weight_specs` / `layer_weight_specs`, so target models, draft models and the
+DFlash drafter (which reuses the decoder layers) never describe a weight twice.
+
+Logical axis names:
+  layers   stacked decoder layers          vocab     vocabulary
+  embed    model width (hidden size)       mlp       MLP width
+  q_heads  query heads                     kv_heads  key/value heads
+  head_dim per-head width                  None      never sharded
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str = "normal"  # "normal" (scaled by fan-in), "ones", "zeros"
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, WeightSpec)
+
+
+def layer_weight_specs(
+    num_layers: int,
+    hidden: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    qk_norm: bool,
+) -> dict[str, WeightSpec]:
+    """Stacked decoder-layer weights ([L, ...]); shared by targets, draft models and DFlash."""
+    L, H, N, K, D, F = num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate
+    specs = {
+        "attn_norm": WeightSpec((L, H), ("layers", None), "ones"),
+        "wq": WeightSpec((L, H, N, D), ("layers", "embed", "q_heads", "head_dim")),
+        "wk": WeightSpec((L, H, K, D), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": WeightSpec((L, H, K, D), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": WeightSpec((L, N, D, H), ("layers", "q_heads", "head_dim", "embed")),
+        "mlp_norm": WeightSpec((L, H), ("layers", None), "ones"),
+        "w_gate": WeightSpec((L, H, F), ("layers", "embed", "mlp")),
+        "w_up": WeightSpec((L, H, F), ("layers", "embed", "mlp")),
+        "w_down": WeightSpec((L, F, H), ("layers", "mlp", "embed")),
+    }
+    if qk_norm:
+        specs["q_norm"] = WeightSpec((L, D), ("layers", None), "ones")
+        specs["k_norm"] = WeightSpec((L, D), ("layers", None), "ones")
+    return specs
+
+
+def model_weight_specs(cfg: ModelConfig) -> dict[str, Any]:
+    specs: dict[str, Any] = {
+        "embed": WeightSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
+        "layers": layer_weight_specs(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.qk_norm,
+        ),
+        "final_norm": WeightSpec((cfg.hidden_size,), (None,), "ones"),
+    }
+    if not cfg.tie_embeddings:
+        specs["lm_head"] = WeightSpec((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def _fan_in(spec: WeightSpec) -> int:
+    # Contracted dims: everything but the output dims. For our layouts the input is the
+    # first non-"layers" axis, except wo whose input is (q_heads, head_dim).
+    dims = [d for d, a in zip(spec.shape, spec.axes) if a != "layers"]
+    if spec.axes[-1] == "embed" and len(dims) == 3:  # wo [N, D, H]
+        return dims[0] * dims[1]
+    return dims[0]
+
+
+def init_from_specs(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: float = 1.0) -> Any:
+    """Random params for a spec tree (normal(0, scale/sqrt(fan_in)), norms at one)."""
+    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for spec, k in zip(leaves, keys):
+        if spec.init == "ones":
+            out.append(jnp.ones(spec.shape, dtype))
+        elif spec.init == "zeros":
+            out.append(jnp.zeros(spec.shape, dtype))
+        else:
+            std = scale / np.sqrt(_fan_in(spec))
+            out.append((jax.random.normal(k, spec.shape, jnp.float32) * std).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def abstract_from_specs(specs: Any, dtype: Any = jnp.float32) -> Any:
+    """ShapeDtypeStruct tree (allocates nothing) for eval_shape and restore targets."""
+    return jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec
+    )
+
+
+def check_params_match_specs(params: Any, specs: Any, what: str = "checkpoint") -> None:
+    """Raise a clear error naming every missing, unexpected or mis-shaped weight."""
+    flat_specs = {
+        jax.tree_util.keystr(p): s
+        for p, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+    }
+    flat_params = {
+        jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    missing = sorted(set(flat_specs) - set(flat_params))
+    unexpected = sorted(set(flat_params) - set(flat_specs))
+    wrong = [
+        f"{name}: expected {flat_specs[name].shape}, got {tuple(np.shape(flat_params[name]))}"
+        for name in sorted(set(flat_specs) & set(flat_params))
+        if tuple(np.shape(flat_params[name])) != flat_specs[name].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing weights {missing}")
+    if unexpected:
+        problems.append(f"unexpected weights {unexpected}")
+    if wrong:
+        problems.append("shape mismatch (config and weights disagree): " + "; ".join(wrong))
+    if problems:
+        raise ValueError(f"{what} does not match its config: " + ". ".join(problems))
+
+
+def count_params(specs: Any) -> int:
+    return int(
+        sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(specs, is_leaf=is_spec))
+    )
+
+

@@ -1,0 +1,1 @@
+"""spec_jax.training"""
