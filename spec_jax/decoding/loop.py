@@ -1,0 +1,296 @@
+"""The one jitted loop: prefill, then draft -> verify -> accept in a `lax.while_loop`.
+
+The autoregressive baseline is this same loop with no drafter (K = 0): every step verifies just
+the last committed token and emits the one token sampled from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from spec_jax.decoding.sampling import SamplingParams, accept, sample, warp
+from spec_jax.drafters.base import Drafter, Target
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.decoder import KVCache, forward, init_cache
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_NAMES = {FINISH_NONE: "none", FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+MAX_STOP_IDS = 8  # stop ids are a fixed-size traced array padded with -1, so they never recompile
+
+
+@struct.dataclass
+class Stats:
+    """Per-row counters over verify steps (finished rows do not count).
+
+    steps:             [B]        verify steps taken
+    drafted:           [B]        draft tokens proposed (K per step)
+    accepted:          [B]        draft tokens accepted
+    emitted:           [B]        tokens committed by verify steps (accepted + correction/bonus,
+                                  less any cut by a stop token or the length cap)
+    histogram:         [B, K+1]   steps that accepted exactly n drafts, n = 0..K
+    position_accepted: [B, K]     steps whose draft at position i (0-based) was accepted
+    """
+
+    steps: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    emitted: jax.Array
+    histogram: jax.Array
+    position_accepted: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, k: int) -> "Stats":
+        z = jnp.zeros((batch,), jnp.int32)
+        return cls(
+            steps=z,
+            drafted=z,
+            accepted=z,
+            emitted=z,
+            histogram=jnp.zeros((batch, k + 1), jnp.int32),
+            position_accepted=jnp.zeros((batch, k), jnp.int32),
+        )
+
+
+@struct.dataclass
+class LoopState:
+    """Everything the while loop carries.
+
+    tokens:         [B, S] int32  prompt + output, right-padded (S = cache capacity)
+    lengths:        [B] int32     committed tokens; tokens[b, lengths[b]-1] is not yet in the cache
+    prompt_lengths: [B] int32
+    done:           [B] bool      row finished (stop token or length cap); it writes nothing more
+    finish_reason:  [B] int32     FINISH_NONE / FINISH_STOP / FINISH_LENGTH
+    cache:          target KVCache, valid for lengths - 1 positions per row
+    drafter_state:  the drafter's pytree (caches, context)
+    key:            PRNG key
+    step:           [] int32      verify steps taken
+    stats:          Stats
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    prompt_lengths: jax.Array
+    done: jax.Array
+    finish_reason: jax.Array
+    cache: KVCache
+    drafter_state: Any
+    key: jax.Array
+    step: jax.Array
+    stats: Stats
+
+
+@struct.dataclass
+class GenerateOutput:
+    """What the jitted loop returns (device arrays; `spec_jax.generate` turns it into lists).
+
+    tokens [B, S], prompt_lengths [B], lengths [B] (prompt + generated), finish_reason [B],
+    steps [] (verify steps of the loop), stats (per row).
+    """
+
+    tokens: jax.Array
+    prompt_lengths: jax.Array
+    lengths: jax.Array
+    finish_reason: jax.Array
+    steps: jax.Array
+    stats: Stats
+
+
+def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+def prefill(
+    target: Target,
+    drafter: Drafter | None,
+    drafter_params: Any,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    key: jax.Array,
+    sampling: SamplingParams,
+    max_new_tokens: jax.Array,
+    stop_ids: jax.Array,
+    capacity: int,
+) -> LoopState:
+    """Run the prompt through the target, sample the first token, start the drafter."""
+    batch, prompt_len = prompt_tokens.shape
+    k = drafter.k if drafter is not None else 0
+    capture = drafter.capture_layers if drafter is not None else ()
+    rows = jnp.arange(batch)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+    cache = init_cache(target.cfg, batch, capacity)
+    with jax.named_scope("prefill"):
+        logits, captured, cache = forward(
+            target.params, target.cfg, prompt_tokens, positions, cache, capture
+        )
+    key, first_key = jax.random.split(key)
+    first = sample(first_key, warp(logits[rows, prompt_lengths - 1], sampling))  # [B]
+    tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_len].set(prompt_tokens)
+    tokens = tokens.at[rows, prompt_lengths].set(first)
+    is_stop = _is_stop(first, stop_ids)
+    hit_length = max_new_tokens <= 1
+    finish = jnp.where(is_stop, FINISH_STOP, jnp.where(hit_length, FINISH_LENGTH, FINISH_NONE))
+    drafter_state = ()
+    if drafter is not None:
+        drafter_state = drafter.init(
+            drafter_params, target, prompt_tokens, prompt_lengths, captured, capacity
+        )
+    return LoopState(
+        tokens=tokens,
+        lengths=prompt_lengths + 1,
+        prompt_lengths=prompt_lengths,
+        done=is_stop | hit_length,
+        finish_reason=finish.astype(jnp.int32),
+        cache=cache.with_lengths(prompt_lengths),
+        drafter_state=drafter_state,
+        key=key,
+        step=jnp.zeros((), jnp.int32),
+        stats=Stats.zeros(batch, k),
+    )
+
+
+def speculative_step(
+    state: LoopState,
+    target: Target,
+    drafter: Drafter | None,
+    drafter_params: Any,
+    sampling: SamplingParams,
+    max_new_tokens: jax.Array,
+    stop_ids: jax.Array,
+) -> LoopState:
+    """One draft -> verify -> accept step for every row (finished rows write nothing)."""
+    batch = state.tokens.shape[0]
+    k = drafter.k if drafter is not None else 0
+    capture = drafter.capture_layers if drafter is not None else ()
+    rows = jnp.arange(batch)
+    key, draft_key, accept_key = jax.random.split(state.key, 3)
+
+    # Step 1: draft K tokens per row.
+    if drafter is not None:
+        with jax.named_scope("draft"):
+            drafts, draft_probs, drafter_state = drafter.propose(
+                drafter_params, target, state.drafter_state, state.tokens, state.lengths,
+                draft_key, sampling,
+            )
+    else:
+        drafts, draft_probs, drafter_state = jnp.zeros((batch, 0), jnp.int32), None, ()
+
+    # Step 2: verify [last committed token, d_1..d_K] in one target pass.
+    start = state.lengths - 1  # [B]
+    last = state.tokens[rows, start]
+    verify_tokens = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, K+1]
+    offsets = jnp.arange(k + 1, dtype=jnp.int32)
+    verify_positions = start[:, None] + offsets  # [B, K+1]
+    with jax.named_scope("verify"):
+        logits, captured, cache = forward(
+            target.params, target.cfg, verify_tokens, verify_positions, state.cache, capture
+        )
+
+    # Step 3: accept a prefix of the drafts; sample the correction or bonus token.
+    with jax.named_scope("accept"):
+        num_accepted, next_token = accept(accept_key, warp(logits, sampling), drafts, draft_probs)
+    out = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    out = out.at[rows, num_accepted].set(next_token)  # [B, K+1]: d_1..d_n, next, (unused)
+
+    # Step 4: cut the emitted run at the length cap, then just after the first stop token.
+    generated = state.lengths - state.prompt_lengths
+    num_new = jnp.minimum(num_accepted + 1, max_new_tokens - generated)
+    stop_mask = _is_stop(out, stop_ids) & (offsets[None, :] < num_new[:, None])
+    has_stop = jnp.any(stop_mask, axis=-1)
+    num_new = jnp.where(has_stop, jnp.argmax(stop_mask, axis=-1) + 1, num_new)
+    active = ~state.done
+    num_new = jnp.where(active, num_new, 0)
+
+    # Step 5: commit. Unwritten slots go to an out-of-range index and are dropped.
+    capacity = state.tokens.shape[1]
+    write_at = jnp.where(offsets < num_new[:, None], state.lengths[:, None] + offsets, capacity)
+    tokens = state.tokens.at[rows[:, None], write_at].set(out, mode="drop")
+    lengths = state.lengths + num_new
+    hit_length = active & ~has_stop & (lengths - state.prompt_lengths >= max_new_tokens)
+    newly_stopped = active & has_stop
+    finish = jnp.where(
+        newly_stopped, FINISH_STOP, jnp.where(hit_length, FINISH_LENGTH, state.finish_reason)
+    )
+    if drafter is not None:
+        drafter_state = drafter.commit(
+            drafter_params, target, drafter_state, start, num_accepted, captured
+        )
+
+    live = active.astype(jnp.int32)
+    stats = state.stats
+    stats = Stats(
+        steps=stats.steps + live,
+        drafted=stats.drafted + live * k,
+        accepted=stats.accepted + live * num_accepted,
+        emitted=stats.emitted + num_new,
+        histogram=stats.histogram
+        + live[:, None] * jax.nn.one_hot(num_accepted, k + 1, dtype=jnp.int32),
+        position_accepted=stats.position_accepted
+        + live[:, None] * (offsets[None, :k] < num_accepted[:, None]).astype(jnp.int32),
+    )
+    return LoopState(
+        tokens=tokens,
+        lengths=lengths,
+        prompt_lengths=state.prompt_lengths,
+        done=state.done | newly_stopped | hit_length,
+        finish_reason=finish.astype(jnp.int32),
+        cache=cache.with_lengths(lengths - 1),
+        drafter_state=drafter_state,
+        key=key,
+        step=state.step + 1,
+        stats=stats,
+    )
+
+
+def generate_loop(
+    target_params: Any,
+    drafter_params: Any,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    key: jax.Array,
+    sampling: SamplingParams,
+    max_new_tokens: jax.Array,
+    stop_ids: jax.Array,
+    *,
+    cfg: ModelConfig,
+    drafter: Drafter | None,
+    capacity: int,
+) -> GenerateOutput:
+    """Prefill + the whole speculative loop; meant to run under one `jax.jit`.
+
+    Static: cfg, drafter (hashable, holds K), capacity, and the shapes of prompt_tokens [B, P].
+    Traced: everything else, so new sampling values, caps or stop ids never recompile.
+    """
+    target = Target(target_params, cfg)
+    state = prefill(
+        target, drafter, drafter_params, prompt_tokens, prompt_lengths, key, sampling,
+        max_new_tokens, stop_ids, capacity,
+    )
+
+    def not_finished(s: LoopState) -> jax.Array:
+        # Every live row emits >= 1 token per step, so max_new_tokens steps always suffice.
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def step(s: LoopState) -> LoopState:
+        return speculative_step(s, target, drafter, drafter_params, sampling, max_new_tokens, stop_ids)
+
+    state = jax.lax.while_loop(not_finished, step, state)
+    return GenerateOutput(
+        tokens=state.tokens,
+        prompt_lengths=state.prompt_lengths,
+        lengths=state.lengths,
+        finish_reason=state.finish_reason,
+        steps=state.step,
+        stats=state.stats,
+    )
+
+
+generate_jit = jax.jit(generate_loop, static_argnames=("cfg", "drafter", "capacity"))
+
+
+def with_k(drafter: Drafter, k: int) -> Drafter:
+    return dataclasses.replace(drafter, k=k)

@@ -1,0 +1,82 @@
+"""The drafter protocol: the one interface the speculative loop talks to.
+
+A drafter is a frozen, hashable object holding static hyperparameters (it is a static argument of
+the jitted loop); its weights travel separately as a pytree (`params`), and its per-sequence state
+(caches, context) is a pytree returned by `init` and threaded through `propose` and `commit`.
+
+Positions: after a step, `lengths[b]` tokens of row b are committed and the last one,
+`tokens[b, lengths[b] - 1]`, has not been run through the target yet. The next verify pass scores
+[last token, d_1..d_K] at positions lengths - 1 .. lengths - 1 + K.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+from flax import struct
+
+from spec_jax.decoding.sampling import SamplingParams
+from spec_jax.models.config import ModelConfig
+
+Params = Any
+DrafterState = Any
+
+
+@struct.dataclass
+class Target:
+    """The target model as drafters see it: its params (traced) and config (static).
+
+    Drafters that share the target's embedding or LM head (DFlash) read them from here explicitly.
+    """
+
+    params: Params
+    cfg: ModelConfig = struct.field(pytree_node=False)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    k: int  # drafts per verify step (static)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target layers whose hidden states `init`/`commit` need (HF hidden_states[id + 1])."""
+        ...
+
+    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
+        """Host-side compatibility checks; raise a clear ValueError before anything compiles."""
+        ...
+
+    def init(
+        self,
+        params: Params,
+        target: Target,
+        prompt_tokens: jax.Array,  # [B, P] right-padded
+        prompt_lengths: jax.Array,  # [B]
+        prefill_captured: jax.Array | None,  # [B, P, n*H] when capture_layers
+        capacity: int,
+    ) -> DrafterState: ...
+
+    def propose(
+        self,
+        params: Params,
+        target: Target,
+        state: DrafterState,
+        tokens: jax.Array,  # [B, S] committed tokens (prompt + output), right-padded
+        lengths: jax.Array,  # [B] committed lengths
+        key: jax.Array,
+        sampling: SamplingParams,
+    ) -> tuple[jax.Array, jax.Array | None, DrafterState]:
+        """-> (drafts [B, K] int32, draft probs [B, K, V] warped like the target's or None when
+        the drafts are deterministic (one-hot), new state)."""
+        ...
+
+    def commit(
+        self,
+        params: Params,
+        target: Target,
+        state: DrafterState,
+        start: jax.Array,  # [B] position of the first verified token (old lengths - 1)
+        num_accepted: jax.Array,  # [B] n: drafts accepted; inputs start..start+n are now final
+        verify_captured: jax.Array | None,  # [B, K+1, n*H] hidden states of the verified inputs
+    ) -> DrafterState: ...
