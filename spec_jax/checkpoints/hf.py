@@ -1,0 +1,415 @@
+"""HF checkpoints (config.json + safetensors) to and from spec_jax's stacked params.
+
+One table, `LAYER_WEIGHTS`, says how each HF decoder-layer weight maps to our stacked layout.
+`stack_layers_from_hf` / `unstack_layers_to_hf` apply it under any per-layer name prefix, so the
+target loader (`model.layers.{i}.`) and the DFlash drafter loader (`layers.{i}.`) share it.
+
+HF stores a linear layer as [out, in]; we store [in..., out...] with heads split out, e.g.
+q_proj [N*D, H] -> wq [H, N, D] and o_proj [H, N*D] -> wo [N, D, H]. Both directions are a
+transpose plus a reshape, fixed by how many leading axes of our layout are the input side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from spec_jax.checkpoints.errors import CheckpointError, CheckpointNotFoundError
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.weights import (
+    WeightSpec,
+    check_params_match_specs,
+    model_weight_specs,
+)
+
+Params = dict[str, Any]
+LayerPrefix = str | Callable[[int], str]
+GetTensor = Callable[[str], np.ndarray]
+
+TARGET_LAYER_PREFIX = "model.layers.{i}."
+
+
+@dataclasses.dataclass(frozen=True)
+class HFWeight:
+    """One weight: our params key, its HF name, and how many leading axes of ours are HF's input.
+
+    in_axes == 0 means the array is copied as is (norms, the embedding table).
+    """
+
+    name: str
+    hf_name: str
+    in_axes: int
+
+
+LAYER_WEIGHTS: tuple[HFWeight, ...] = (
+    HFWeight("attn_norm", "input_layernorm.weight", 0),
+    HFWeight("wq", "self_attn.q_proj.weight", 1),  # [N*D, H] -> [H, N, D]
+    HFWeight("wk", "self_attn.k_proj.weight", 1),  # [Kv*D, H] -> [H, Kv, D]
+    HFWeight("wv", "self_attn.v_proj.weight", 1),  # [Kv*D, H] -> [H, Kv, D]
+    HFWeight("wo", "self_attn.o_proj.weight", 2),  # [H, N*D] -> [N, D, H]
+    HFWeight("q_norm", "self_attn.q_norm.weight", 0),
+    HFWeight("k_norm", "self_attn.k_norm.weight", 0),
+    HFWeight("mlp_norm", "post_attention_layernorm.weight", 0),
+    HFWeight("w_gate", "mlp.gate_proj.weight", 1),  # [F, H] -> [H, F]
+    HFWeight("w_up", "mlp.up_proj.weight", 1),  # [F, H] -> [H, F]
+    HFWeight("w_down", "mlp.down_proj.weight", 1),  # [H, F] -> [F, H]
+)
+
+MODEL_WEIGHTS: tuple[HFWeight, ...] = (
+    HFWeight("embed", "model.embed_tokens.weight", 0),  # [V, H] both sides
+    HFWeight("final_norm", "model.norm.weight", 0),
+    HFWeight("lm_head", "lm_head.weight", 1),  # [V, H] -> [H, V]
+)
+
+_LAYER_WEIGHT = {w.name: w for w in LAYER_WEIGHTS}
+_MODEL_WEIGHT = {w.name: w for w in MODEL_WEIGHTS}
+
+# Buffers that some checkpoints carry but that hold no parameters.
+_IGNORED_HF_NAMES = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+# ----------------------------------------------------------------------------- layout mapping
+def hf_shape(shape: tuple[int, ...], in_axes: int) -> tuple[int, ...]:
+    """HF shape of one (unstacked) weight whose shape in our layout is `shape`."""
+    if in_axes == 0:
+        return tuple(shape)
+    return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes]))
+
+
+def from_hf(w: np.ndarray, shape: tuple[int, ...], in_axes: int) -> np.ndarray:
+    """One HF tensor -> our layout `shape`."""
+    return w.reshape(shape) if in_axes == 0 else w.T.reshape(shape)
+
+
+def to_hf(w: np.ndarray, in_axes: int) -> np.ndarray:
+    """One (unstacked) weight in our layout -> HF layout."""
+    if in_axes == 0:
+        return w
+    return w.reshape(math.prod(w.shape[:in_axes]), -1).T
+
+
+def _prefix_fn(prefix: LayerPrefix) -> Callable[[int], str]:
+    return prefix if callable(prefix) else (lambda i: prefix.format(i=i))
+
+
+def _layer_weight(name: str) -> HFWeight:
+    if name not in _LAYER_WEIGHT:
+        raise ValueError(f"no HF name is known for layer weight {name!r}; add it to LAYER_WEIGHTS")
+    return _LAYER_WEIGHT[name]
+
+
+def expected_hf_layer_shapes(
+    layer_specs: Mapping[str, WeightSpec], prefix: LayerPrefix
+) -> dict[str, tuple[int, ...]]:
+    """HF name -> HF shape for every per-layer tensor the stacked `layer_specs` need."""
+    name_of = _prefix_fn(prefix)
+    out = {}
+    for name, spec in layer_specs.items():
+        w = _layer_weight(name)
+        for i in range(spec.shape[0]):
+            out[name_of(i) + w.hf_name] = hf_shape(spec.shape[1:], w.in_axes)
+    return out
+
+
+def stack_layers_from_hf(
+    get_tensor: GetTensor, prefix: LayerPrefix, layer_specs: Mapping[str, WeightSpec]
+) -> dict[str, np.ndarray]:
+    """Read per-layer HF tensors and stack them as `layer_specs` ([L, ...]) describes.
+
+    get_tensor: HF name -> array (already in the wanted dtype).
+    prefix:     "model.layers.{i}." (targets), "layers.{i}." (DFlash), or a function of the layer
+                index for checkpoints that name some layers differently.
+    """
+    name_of = _prefix_fn(prefix)
+    layers = {}
+    for name, spec in layer_specs.items():
+        w = _layer_weight(name)
+        per_layer = spec.shape[1:]
+        layers[name] = np.stack(
+            [from_hf(get_tensor(name_of(i) + w.hf_name), per_layer, w.in_axes) for i in range(spec.shape[0])]
+        )
+    return layers
+
+
+def unstack_layers_to_hf(layers: Mapping[str, Any], prefix: LayerPrefix) -> dict[str, np.ndarray]:
+    """Inverse of `stack_layers_from_hf`: stacked [L, ...] params -> {HF name: tensor}."""
+    name_of = _prefix_fn(prefix)
+    out = {}
+    for name, stacked in layers.items():
+        w = _layer_weight(name)
+        stacked = np.asarray(stacked)
+        for i in range(stacked.shape[0]):
+            out[name_of(i) + w.hf_name] = np.ascontiguousarray(to_hf(stacked[i], w.in_axes))
+    return out
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape for every tensor a target checkpoint with config `cfg` must hold."""
+    specs = model_weight_specs(cfg)
+    out = expected_hf_layer_shapes(specs["layers"], TARGET_LAYER_PREFIX)
+    for name, spec in specs.items():
+        if name != "layers":
+            w = _MODEL_WEIGHT[name]
+            out[w.hf_name] = hf_shape(spec.shape, w.in_axes)
+    return out
+
+
+def params_from_hf(get_tensor: GetTensor, cfg: ModelConfig) -> Params:
+    """Target params (host numpy) from HF-named tensors."""
+    specs = model_weight_specs(cfg)
+    params: Params = {"layers": stack_layers_from_hf(get_tensor, TARGET_LAYER_PREFIX, specs["layers"])}
+    for name, spec in specs.items():
+        if name != "layers":
+            w = _MODEL_WEIGHT[name]
+            params[name] = from_hf(get_tensor(w.hf_name), spec.shape, w.in_axes)
+    check_params_match_specs(params, specs)
+    return params
+
+
+def params_to_hf(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """Target params -> {HF name: numpy tensor} (no lm_head when embeddings are tied)."""
+    check_params_match_specs(params, model_weight_specs(cfg), what="params")
+    out = unstack_layers_to_hf(params["layers"], TARGET_LAYER_PREFIX)
+    for name, value in params.items():
+        if name != "layers":
+            w = _MODEL_WEIGHT[name]
+            out[w.hf_name] = np.ascontiguousarray(to_hf(np.asarray(value), w.in_axes))
+    return out
+
+
+def check_hf_tensors(
+    available: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    source: str,
+    ignore: Iterable[str] = (),
+) -> None:
+    """Raise one CheckpointError naming every missing, unknown or mis-shaped tensor."""
+    ignore = set(ignore)
+    present = {n for n in available if n not in ignore and not _IGNORED_HF_NAMES.match(n)}
+    missing = sorted(set(expected) - present)
+    unknown = sorted(present - set(expected))
+    wrong = [
+        f"{n}: config implies {tuple(expected[n])}, file has {tuple(available[n])}"
+        for n in sorted(present & set(expected))
+        if tuple(available[n]) != tuple(expected[n])
+    ]
+    problems = []
+    if wrong:
+        problems.append(
+            "shape mismatch between config.json and the weights (" + "; ".join(_clip(wrong)) + ")"
+        )
+    if missing:
+        problems.append(f"missing weights {_clip(missing)}")
+    if unknown:
+        problems.append(f"unknown weights {_clip(unknown)}")
+    if problems:
+        raise CheckpointError(
+            f"Checkpoint {source} does not match its config: "
+            + "; ".join(problems)
+            + ". Check that config.json belongs to these weights and that the model is a plain "
+            "Llama/Qwen3 decoder."
+        )
+
+
+def _clip(items: list[str], limit: int = 8) -> list[str]:
+    return items if len(items) <= limit else items[:limit] + [f"... {len(items) - limit} more"]
+
+
+# ----------------------------------------------------------------------------- files
+def looks_like_hub_id(spec: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", spec)) and not spec.endswith(".gguf")
+
+
+def resolve_hf_dir(spec: str | os.PathLike) -> Path:
+    """A local checkpoint dir for `spec`: an existing directory, or a hub id downloaded by
+    `huggingface_hub.snapshot_download` (config, safetensors and tokenizer files only)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(
+            f"{str(spec)!r} is a file, not a checkpoint directory; pass the directory holding "
+            "config.json and *.safetensors (or a .gguf file)."
+        )
+    if not looks_like_hub_id(str(spec)):
+        raise CheckpointNotFoundError(
+            f"Checkpoint path {str(spec)!r} does not exist; pass an existing HF checkpoint dir, a .gguf "
+            "file, or a hub id like 'org/name'."
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(
+            repo_id=str(spec),
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"],
+        )
+    except Exception as e:  # offline, unknown repo, gated repo, ...
+        raise CheckpointNotFoundError(
+            f"Could not fetch hub model {str(spec)!r} ({type(e).__name__}: {e}). Download it on a "
+            f"machine with network access (`huggingface-cli download {spec}`) or pass a local "
+            "checkpoint directory instead."
+        ) from e
+    return Path(local)
+
+
+class SafetensorsFiles(contextlib.AbstractContextManager):
+    """The tensors of a checkpoint dir (one file or a sharded index), opened lazily as numpy."""
+
+    def __init__(self, directory: Path):
+        from safetensors import SafetensorError, safe_open
+
+        self.directory = directory
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(
+                    f"{index} is not a valid safetensors index ({e}); re-download the checkpoint."
+                ) from e
+            files = sorted(set(weight_map.values()))
+        elif (directory / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(
+                f"No *.safetensors weights in {directory}; spec_jax reads safetensors only. Re-save the "
+                "model with `model.save_pretrained(dir, safe_serialization=True)`."
+            )
+        self._stack = contextlib.ExitStack()
+        self._handles = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._file_of: dict[str, str] = {}
+        for name in files:
+            file = directory / name
+            if not file.exists():
+                raise CheckpointError(
+                    f"Shard {name} listed in {index.name} is missing from {directory}; re-download "
+                    "the checkpoint."
+                )
+            try:
+                handle = self._stack.enter_context(safe_open(str(file), framework="numpy"))
+            except (SafetensorError, OSError) as e:
+                self._stack.close()
+                raise CheckpointError(
+                    f"Weights file {file} is truncated or corrupt ({e}); re-download or re-save it."
+                ) from e
+            self._handles[name] = handle
+            for key in handle.keys():
+                self.shapes[key] = tuple(handle.get_slice(key).get_shape())
+                self._file_of[key] = name
+
+    def get_tensor(self, name: str, dtype: Any = None) -> np.ndarray:
+        from safetensors import SafetensorError
+
+        try:
+            array = self._handles[self._file_of[name]].get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"Could not read {name} from {self.directory / self._file_of[name]} ({e}); the file "
+                "is corrupt, re-download or re-save it."
+            ) from e
+        return array if dtype is None else np.asarray(array, dtype=dtype)
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        return None
+
+
+def read_hf_config(directory: Path, dtype: str = "float32") -> tuple[dict[str, Any], ModelConfig]:
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(
+            f"{directory} has no config.json; an HF checkpoint dir needs config.json next to its "
+            "*.safetensors files."
+        )
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file} is not valid JSON ({e}); fix or re-download it.") from e
+    try:
+        cfg = ModelConfig.from_hf_config(hf, dtype=dtype)
+    except KeyError as e:
+        raise CheckpointError(f"{config_file} lacks the field {e}; it is not a complete decoder config.") from e
+    except ValueError as e:
+        raise CheckpointError(f"{config_file}: {e}") from e
+    return hf, cfg
+
+
+def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, Params]:
+    """(config, host numpy params) from an HF checkpoint dir or hub id.
+
+    Every name and shape is checked against config.json before any tensor is read.
+    """
+    import jax.numpy as jnp
+
+    directory = resolve_hf_dir(path)
+    _, cfg = read_hf_config(directory, dtype)
+    np_dtype = jnp.dtype(dtype)
+    with SafetensorsFiles(directory) as files:
+        ignore = ["lm_head.weight"] if cfg.tie_embeddings else []  # a tied head duplicates the embedding
+        check_hf_tensors(files.shapes, expected_hf_shapes(cfg), str(directory), ignore=ignore)
+        params = params_from_hf(lambda n: files.get_tensor(n, np_dtype), cfg)
+    return cfg, params
+
+
+def save_hf_dir(
+    path: str | os.PathLike,
+    cfg: ModelConfig,
+    params: Params,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer files) that transformers loads.
+
+    Written to a temporary sibling dir and renamed into place, so `path` never holds half a
+    checkpoint. An existing non-empty `path` is replaced only with overwrite=True.
+    """
+    from safetensors.numpy import save_file
+
+    path = Path(path).expanduser().absolute()
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or a new path.")
+    tensors = params_to_hf(cfg, params)  # checks params against cfg before writing anything
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.rmdir(old)
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_hf_tokenizer(directory: Path) -> Any:
+    """The dir's fast tokenizer, or None when it ships none. Does not import torch."""
+    if not (directory / "tokenizer.json").exists():
+        return None
+    # PreTrainedTokenizerFast reads tokenizer_config.json (special tokens, chat template) too;
+    # AutoTokenizer would import torch.
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(directory))
