@@ -1,0 +1,108 @@
+"""A small language model (or the target itself, "self") as drafter, with its own KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.decoding.sampling import SamplingParams, sample, warp
+from spec_jax.drafters.base import Target
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.decoder import KVCache, forward, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelDrafter:
+    """K sequential steps of a draft LM per verify step; drafts sampled from its warped logits.
+
+    The draft cache is indexed by position like the target's, so rejected drafts roll back by
+    length alone. Each propose first re-feeds the last two committed tokens: after a fully accepted
+    block the draft model has seen neither d_K nor the bonus token, and a fixed two-token step keeps
+    shapes static (re-writing an already cached position is harmless).
+    """
+
+    cfg: ModelConfig
+    k: int = 4
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return ()
+
+    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
+        if self.k < 1:
+            raise ValueError(f"K must be >= 1 for a draft model, got {self.k}.")
+        small, large = sorted((self.cfg.vocab_size, target_cfg.vocab_size))
+        # Checkpoints pad vocabularies to multiples of 64/128; a bigger gap is another tokenizer.
+        if large - small > 256:
+            raise ValueError(
+                f"Draft model vocab ({self.cfg.vocab_size}) and target vocab "
+                f"({target_cfg.vocab_size}) differ by more than padding: the drafter must use the "
+                "target's tokenizer. Pick a draft model from the same family."
+            )
+
+    def _draft_probs(self, logits: jax.Array, target_vocab: int, sampling: SamplingParams) -> jax.Array:
+        """Draft logits [B, V_d] -> warped probs over the target's vocabulary [B, V_t]."""
+        vd = logits.shape[-1]
+        if vd > target_vocab:
+            logits = logits[:, :target_vocab]
+        elif vd < target_vocab:
+            logits = jnp.pad(logits, ((0, 0), (0, target_vocab - vd)), constant_values=-jnp.inf)
+        return warp(logits, sampling)
+
+    def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
+        batch, prompt_len = prompt_tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+        cache = init_cache(self.cfg, batch, capacity)
+        _, _, cache = forward(params, self.cfg, prompt_tokens, positions, cache)
+        return cache.with_lengths(prompt_lengths)
+
+    def propose(self, params, target: Target, state: KVCache, tokens, lengths, key, sampling):
+        batch = tokens.shape[0]
+        rows = jnp.arange(batch)
+        vocab = target.cfg.vocab_size
+        keys = jax.random.split(key, self.k)
+        # Draft step 1: the last two committed tokens at positions L-2, L-1.
+        pos = jnp.stack([lengths - 2, lengths - 1], axis=1)  # [B, 2]
+        inputs = tokens[rows[:, None], pos]
+        logits, _, cache = forward(params, self.cfg, inputs, pos, state)
+        probs = self._draft_probs(logits[:, -1], vocab, sampling)  # [B, V]
+        draft = sample(keys[0], probs)
+
+        # Draft steps 2..K: feed the previous draft at the next position.
+        def step(carry, step_key):
+            cache, draft, position = carry
+            logits, _, cache = forward(params, self.cfg, draft[:, None], position[:, None], cache)
+            probs = self._draft_probs(logits[:, 0], vocab, sampling)
+            nxt = sample(step_key, probs)
+            return (cache, nxt, position + 1), (nxt, probs)
+
+        (cache, _, _), (rest, rest_probs) = jax.lax.scan(step, (cache, draft, lengths), keys[1:])
+        drafts = jnp.concatenate([draft[:, None], rest.T], axis=1)  # [B, K]
+        draft_probs = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_probs, 0, 1)], axis=1)
+        return drafts, draft_probs, cache
+
+    def commit(self, params, target, state: KVCache, start, num_accepted, verify_captured):
+        # Everything up to the accepted drafts stays valid; later slots are masked by position.
+        return state.with_lengths(start + num_accepted + 1)
+
+
+def self_drafter(target_cfg: ModelConfig, k: int = 4) -> DraftModelDrafter:
+    """The target drafting for itself: a diagnostic whose every draft must be accepted."""
+    return DraftModelDrafter(cfg=target_cfg, k=k)
+
+
+def check_same_tokenizer(target_tokenizer: Any, draft_tokenizer: Any) -> None:
+    """Raise when drafter and target tokenize differently (ids would mean different text)."""
+    if target_tokenizer is None or draft_tokenizer is None:
+        return
+    probe = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # é 中"
+    a = target_tokenizer.encode(probe, add_special_tokens=False)
+    b = draft_tokenizer.encode(probe, add_special_tokens=False)
+    if a != b or target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError(
+            "The draft model's tokenizer differs from the target's, so its token ids mean "
+            "different text. Use a draft model trained with the target's tokenizer."
+        )
