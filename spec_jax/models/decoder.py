@@ -117,6 +117,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, t, n, d)
 
 
+def attention_output(lp: Params, attn: jax.Array) -> jax.Array:
+    """attn [B, T, N, D] -> [B, T, H]. Flattened (N*D) so XLA does not transpose wo every step."""
+    b, t, n, d = attn.shape
+    return jnp.dot(attn.reshape(b, t, n * d), lp["wo"].reshape(n * d, -1))
+
+
 def mlp(lp: Params, x: jax.Array) -> jax.Array:
     gate = jnp.einsum("bth,hf->btf", x, lp["w_gate"])
     up = jnp.einsum("bth,hf->btf", x, lp["w_up"])
@@ -135,8 +141,10 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final-normed hidden states [B, T, H] -> float32 logits [B, T, V]."""
-    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return jnp.einsum("bth,hv->btv", x, w, preferred_element_type=jnp.float32)
+    # Contract the tied embedding as stored ([V, H]): a transposed view would be copied every step.
+    if cfg.tie_embeddings:
+        return jnp.einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("bth,hv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -189,7 +197,7 @@ def forward(
             v_cache = v_cache.at[layer_idx, rows, positions].set(v, mode="drop")
             mask = causal_window_mask(positions, k_pos, window)
             attn = attend(q, k_cache[layer_idx], v_cache[layer_idx], mask)
-            x = x + jnp.einsum("btnd,ndh->bth", attn, lp["wo"])
+            x = x + attention_output(lp, attn)
         with jax.named_scope("mlp"):
             x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
         if capture:
