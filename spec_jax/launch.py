@@ -1,0 +1,250 @@
+"""From what a user types to what `generate` takes: prompts, drafters, stop ids, mesh.
+
+Shared by the CLI (`spec-jax generate | bench | info`) and `spec_jax.bench`. Everything a user can
+get wrong raises `UsageError` (a ValueError) with a one-line message naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
+
+DRAFTER_KINDS = ("none", "ngram", "self", "draft-model", "dflash")
+DRAFTER_KINDS_WITH_PATH = ("draft-model", "dflash")
+
+# End-of-turn markers of common chat templates; the one a template uses becomes a stop id.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+
+class UsageError(ValueError):
+    """A mistake in the user's arguments or inputs (the CLI prints it and exits 2)."""
+
+
+# --------------------------------------------------------------------------- prompts
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt as given: exactly one of text (a user message), messages (a chat) or ids."""
+
+    text: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    ids: tuple[int, ...] | None = None
+    source: str = ""  # for error messages: "argument 1", "prompts.jsonl:3"
+
+
+def parse_prompt_ids(text: str, source: str = "--prompt-ids") -> Prompt:
+    """ "1,2,3" -> Prompt(ids=(1, 2, 3))."""
+    parts = [p.strip() for p in text.replace(" ", ",").split(",") if p.strip()]
+    try:
+        ids = tuple(int(p) for p in parts)
+    except ValueError:
+        raise UsageError(
+            f"{source} {text!r} is not a comma-separated list of integer token ids (e.g. 1,2,3)."
+        ) from None
+    if not ids:
+        raise UsageError(f"{source} is empty: give at least one token id, e.g. --prompt-ids 1,2,3.")
+    return Prompt(ids=ids, source=source)
+
+
+def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
+    """A JSONL file, one object per line with "prompt" (text), "messages" ([{role, content}])
+    or "prompt_ids" ([int]). Blank lines are skipped."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UsageError(f"prompt file {str(path)!r} does not exist.")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where} is not valid JSON ({e.msg}); write one JSON object per line.") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: expected a JSON object with 'prompt', 'messages' or 'prompt_ids'.")
+        if "prompt_ids" in obj:
+            ids = obj["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise UsageError(f"{where}: 'prompt_ids' must be a list of integers.")
+            if not ids:
+                raise UsageError(f"{where}: 'prompt_ids' is empty; give at least one token id.")
+            prompts.append(Prompt(ids=tuple(ids), source=where))
+        elif "messages" in obj:
+            messages = obj["messages"]
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+            ):
+                raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+            prompts.append(Prompt(messages=tuple(messages), source=where))
+        elif "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise UsageError(f"{where}: 'prompt' must be a string.")
+            prompts.append(Prompt(text=obj["prompt"], source=where))
+        else:
+            raise UsageError(f"{where}: the object has none of 'prompt', 'messages', 'prompt_ids'.")
+    if not prompts:
+        raise UsageError(f"prompt file {str(path)!r} holds no prompts.")
+    return prompts
+
+
+def encode_prompts(target: LoadedModel, prompts: Sequence[Prompt], chat: bool | None = None) -> list[list[int]]:
+    """Token ids per prompt. Text is wrapped in the chat template unless chat is False (default
+    on); messages always are; ids are used as given."""
+    if not prompts:
+        raise UsageError("no prompt given: pass PROMPT text, --prompt-file or --prompt-ids.")
+    encoded = []
+    for i, p in enumerate(prompts):
+        where = p.source or f"prompt {i}"
+        if p.ids is not None:
+            encoded.append(list(p.ids))
+            continue
+        if target.tokenizer is None:
+            raise UsageError(
+                f"{target.source} ships no tokenizer, so text prompts cannot be encoded; pass "
+                "--prompt-ids or a checkpoint with tokenizer files."
+            )
+        if p.messages is not None:
+            ids = apply_chat_template(target.tokenizer, list(p.messages), target.chat_template)
+        else:
+            if not p.text or not p.text.strip():
+                raise UsageError(f"{where} is empty: give some prompt text.")
+            if chat is False:
+                ids = list(target.tokenizer.encode(p.text))
+            else:
+                ids = apply_chat_template(target.tokenizer, p.text, target.chat_template)
+        encoded.append(ids)
+    return encoded
+
+
+def uses_chat(prompts: Sequence[Prompt], chat: bool | None) -> bool:
+    """Whether any prompt goes through the chat template (so end-of-turn should stop)."""
+    return any(p.messages is not None or (p.text is not None and chat is not False) for p in prompts)
+
+
+def stop_ids_for(target: LoadedModel, chatting: bool, ignore_eos: bool = False) -> list[int]:
+    """The config's and tokenizer's EOS ids, plus the template's end-of-turn token when chatting."""
+    if ignore_eos:
+        return []
+    ids = list(target.cfg.eos_token_ids)
+    tok = target.tokenizer
+    if tok is not None:
+        if getattr(tok, "eos_token_id", None) is not None:
+            ids.append(int(tok.eos_token_id))
+        if chatting and target.chat_template:
+            vocab = tok.get_vocab()
+            ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in target.chat_template and t in vocab]
+    return list(dict.fromkeys(ids))
+
+
+def check_fits(target: LoadedModel, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, k: int) -> None:
+    """Prompt + new tokens + drafts must stay inside the model's trained positions."""
+    longest = max(len(p) for p in prompt_ids)
+    limit = target.cfg.max_position_embeddings
+    if longest + max_new_tokens + k > limit:
+        raise UsageError(
+            f"prompt too long: {longest} prompt tokens + max_new_tokens={max_new_tokens} + K={k} "
+            f"exceeds the model's {limit} positions; shorten the prompt or lower --max-new-tokens."
+        )
+
+
+# --------------------------------------------------------------------------- drafters
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    """A drafter as named by the user: kind, optional checkpoint path, optional K."""
+
+    kind: str
+    path: str | None = None
+    k: int | None = None
+
+    @property
+    def label(self) -> str:
+        name = self.kind if self.path is None else f"{self.kind}:{Path(self.path).name or self.path}"
+        return name if self.k is None else f"{name} k={self.k}"
+
+
+def parse_drafter_spec(text: str, k: int | None = None) -> DrafterSpec:
+    """ "ngram", "self", "draft-model=PATH" / "draft-model:PATH", "dflash=PATH"."""
+    kind, path = text, None
+    for sep in ("=", ":"):
+        if sep in text:
+            kind, path = text.split(sep, 1)
+            break
+    return make_drafter_spec(kind.strip(), path, k)
+
+
+def make_drafter_spec(kind: str, path: str | None, k: int | None) -> DrafterSpec:
+    if kind not in DRAFTER_KINDS:
+        raise UsageError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}.")
+    if kind in DRAFTER_KINDS_WITH_PATH and not path:
+        raise UsageError(f"drafter {kind!r} needs a checkpoint: --drafter {kind} PATH.")
+    if kind not in DRAFTER_KINDS_WITH_PATH and path:
+        raise UsageError(f"drafter {kind!r} takes no checkpoint path (got {path!r}).")
+    if k is not None and k < 1:
+        raise UsageError(f"--k must be >= 1 (drafts per step), got {k}.")
+    return DrafterSpec(kind, path, k)
+
+
+def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, Any]:
+    """(drafter, drafter_params) for `generate`; (None, None) for the AR baseline."""
+    if spec is None or spec.kind == "none":
+        return None, None
+    k = spec.k
+    if spec.kind == "ngram":
+        from spec_jax.drafters.ngram import NGramDrafter
+
+        return (NGramDrafter() if k is None else NGramDrafter(k=k)), None
+    if spec.kind == "self":
+        from spec_jax.drafters.draft_model import self_drafter
+
+        return self_drafter(target.cfg, **({} if k is None else {"k": k})), target.params
+    if spec.kind == "draft-model":
+        from spec_jax.drafters.draft_model import DraftModelDrafter, check_same_tokenizer
+
+        draft = load_target(spec.path)
+        check_same_tokenizer(target.tokenizer, draft.tokenizer)
+        drafter = DraftModelDrafter(draft.cfg) if k is None else DraftModelDrafter(draft.cfg, k=k)
+        return drafter, draft.params
+    if spec.kind == "dflash":
+        try:
+            from spec_jax.checkpoints.dflash import load_dflash
+        except ImportError as e:  # the DFlash drafter is not part of this build
+            raise UsageError(f"the DFlash drafter is not available in this build ({e}).") from None
+        import jax
+        import jax.numpy as jnp
+
+        drafter, params = load_dflash(spec.path, k=k)
+        drafter.validate(target.cfg, 0)
+        return drafter, jax.tree.map(jnp.asarray, params)
+    raise UsageError(f"unknown drafter {spec.kind!r}.")
+
+
+def drafter_k(drafter: Any) -> int:
+    return 0 if drafter is None else int(drafter.k)
+
+
+# --------------------------------------------------------------------------- mesh
+def mesh_kwargs(mesh_spec: str | None, target: LoadedModel) -> dict[str, Any]:
+    """{"mesh": Mesh} for `generate` when a mesh was asked for, else {}."""
+    if not mesh_spec:
+        return {}
+    from spec_jax.decoding.generate import generate
+    from spec_jax.sharding.mesh import make_mesh
+
+    if "mesh" not in inspect.signature(generate).parameters:
+        raise UsageError("--mesh needs sharded generation (generate(mesh=...)), which this build lacks.")
+    return {"mesh": make_mesh(mesh_spec, cfg=target.cfg)}
+
+
+def load_target_or_fail(spec: str | None) -> LoadedModel:
+    """`load_target`, with a missing local path reported as a usage error."""
+    if spec is not None and not spec.strip():
+        raise UsageError("--target is empty; pass an HF dir, a hub id or a .gguf file.")
+    return load_target(spec)

@@ -1,0 +1,170 @@
+"""`spec-jax generate | bench | info` run in-process on a tiny random checkpoint (and once on the
+default model): JSON shape, greedy exactness of drafters, user errors exit 2 with one line."""
+
+import json
+
+import jax
+import pytest
+
+from spec_jax.checkpoints import save_hf_dir
+from spec_jax.cli import main
+from spec_jax.models import init_params
+from spec_jax.models.config import ModelConfig
+
+VOCAB = 61
+# Repetitive prompts so the n-gram drafter finds matches.
+PROMPT_A = "5,6,7,8,9,5,6,7,8,9,5,6,7"
+PROMPT_B = "11,12,13,11,12,13,11"
+RESULT_KEYS = {"generated_ids", "text", "finish_reason", "stats"}
+STATS_KEYS = {"steps", "drafted", "accepted", "tau", "acceptance_histogram"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_embeddings=True,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    params = init_params(cfg, jax.random.key(0), scale=4.0)
+    return str(save_hf_dir(tmp_path_factory.mktemp("tiny") / "model", cfg, params))
+
+
+def run_json(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)  # exactly one JSON object: json.loads rejects trailing text
+
+
+def run_error(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert out == ""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def gen_args(tiny_dir, *extra):
+    return ["generate", "--target", tiny_dir, "--prompt-ids", PROMPT_A, "--prompt-ids", PROMPT_B,
+            "--max-new-tokens", "12", "--json", *extra]
+
+
+def test_generate_json_and_drafters_match_ar(tiny_dir, capsys):
+    ar = run_json(capsys, gen_args(tiny_dir, "--ignore-eos"))
+    assert set(ar) >= {"results", "timing", "stats"}
+    assert set(ar["timing"]) == {"compile_s", "generate_s", "tokens_per_second"}
+    assert len(ar["results"]) == 2
+    for row in ar["results"]:
+        assert set(row) >= RESULT_KEYS
+        assert set(row["stats"]) >= STATS_KEYS
+        assert len(row["generated_ids"]) == 12 and row["finish_reason"] == "length"
+        assert row["text"] is None  # the tiny checkpoint ships no tokenizer
+    assert ar["stats"]["drafted"] == 0
+    for drafter in (["ngram"], ["self"]):
+        spec = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--drafter", *drafter, "--k", "3"))
+        assert [r["generated_ids"] for r in spec["results"]] == [r["generated_ids"] for r in ar["results"]]
+        assert spec["stats"]["drafted"] > 0
+    # self drafting under greedy is always accepted
+    assert spec["stats"]["accepted"] == spec["stats"]["drafted"]
+
+
+def test_generate_stops_at_eos_unless_ignored(tiny_dir, capsys):
+    # The random model rarely emits EOS by itself; pretend its first greedy token is EOS.
+    ar = run_json(capsys, gen_args(tiny_dir, "--ignore-eos"))
+    first = ar["results"][0]["generated_ids"][0]
+    out = run_json(capsys, ["generate", "--target", tiny_dir, "--prompt-ids", PROMPT_A,
+                            "--max-new-tokens", "12", "--json", "--temperature", "0"])
+    ids = out["results"][0]["generated_ids"]
+    if first == 2:
+        assert ids == [2] and out["results"][0]["finish_reason"] == "stop"
+    else:
+        assert 2 not in ids[:-1]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--prompt-ids", ""], "empty"),
+        (["--prompt-ids", "1,x"], "token ids"),
+        (["--prompt-ids", "1000"], "vocabulary"),
+        (["--max-new-tokens", "400"], "too long"),
+        (["--drafter", "nonsense"], "unknown drafter"),
+        (["--drafter", "draft-model"], "needs a checkpoint"),
+    ],
+)
+def test_generate_user_errors(tiny_dir, capsys, argv, needle):
+    base = ["generate", "--target", tiny_dir, "--json"]
+    if "--prompt-ids" not in argv:
+        base += ["--prompt-ids", "3,4,5"]
+    assert needle in run_error(capsys, base + argv)
+
+
+def test_generate_bad_paths_and_missing_prompts(tiny_dir, tmp_path, capsys):
+    assert "does not exist" in run_error(
+        capsys, ["generate", "--target", str(tmp_path / "nope.gguf"), "--prompt-ids", "1,2"]
+    )
+    run_error(capsys, ["generate", "--target", str(tmp_path / "missing_dir"), "--prompt-ids", "1,2"])
+    assert "no prompt" in run_error(capsys, ["generate", "--target", tiny_dir])
+    assert "tokenizer" in run_error(capsys, ["generate", "--target", tiny_dir, "hello"])
+    assert "does not exist" in run_error(
+        capsys, ["generate", "--target", tiny_dir, "--prompt-file", str(tmp_path / "none.jsonl")]
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_ids": [1, 2]}\nnot json\n')
+    assert "bad.jsonl:2" in run_error(capsys, ["generate", "--target", tiny_dir, "--prompt-file", str(bad)])
+
+
+def test_bench_writes_json_and_png(tiny_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt_ids": [int(t) for t in p.split(",")]}) for p in (PROMPT_A, PROMPT_B)) + "\n"
+    )
+    out_dir = tmp_path / "bench"
+    report = run_json(capsys, [
+        "bench", "--target", tiny_dir, "--prompt-file", str(prompts), "--drafters", "ngram,self",
+        "--k", "2", "--max-new-tokens", "8", "--ignore-eos", "--batch-size", "2", "--json",
+        "--no-progress", "--out", str(out_dir),
+    ])
+    methods = [(r["method"], r["k"]) for r in report["results"]]
+    assert methods == [("AR", 0), ("ngram", 2), ("self", 2)]
+    for row in report["results"][1:]:
+        assert row["mismatches"] == []
+        assert len(row["acceptance_histogram"]) == 3
+    assert json.loads((out_dir / "results.json").read_text())["results"][0]["method"] == "AR"
+    assert (out_dir / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [3, 4, 5, 3, 4]}) + "\n")
+    code = main(["bench", "--target", tiny_dir, "--prompt-file", str(prompts), "--drafters", "ngram",
+                 "--max-new-tokens", "4", "--ignore-eos", "--no-progress"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "speedup" in out and "ngram" in out
+    info = run_json(capsys, ["info", "--target", tiny_dir, "--drafter", "self", "--json"])
+    assert info["target"]["params"] == VOCAB * 32 + 2 * (4 * 32 * 8 * 2 + 2 * 2 * 8 * 32 + 3 * 32 * 64 + 2 * 32) + 32
+    assert info["target"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+    assert info["drafter"]["params"] == info["target"]["params"]
+
+
+def test_default_model_generate(capsys):
+    out = run_json(capsys, ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8",
+                            "--json", "--drafter", "ngram"])
+    row = out["results"][0]
+    assert 1 <= len(row["generated_ids"]) <= 8
+    assert isinstance(row["text"], str)
+    assert out["target"].startswith("default:")
