@@ -129,6 +129,8 @@ def generate(
     stop_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     capacity: int | None = None,
+    mesh: Any = None,
+    sharding_rules: Any = None,
 ) -> GenerationResult:
     """Generate continuations of token-id prompts (one batch) with an optional drafter.
 
@@ -136,6 +138,9 @@ def generate(
     drafter: None for the autoregressive baseline, else a Drafter; `k` overrides its K.
     stop_ids: default the model's EOS ids; `ignore_eos=True` disables stopping.
     capacity: KV cache/buffer length; default bucket(prompt) + max_new_tokens + K + 1 rounded up.
+    mesh: a `jax.sharding.Mesh` from `spec_jax.sharding.make_mesh` ("data=D,model=M") to run the
+      whole loop sharded: params are placed per `sharding_rules` (default
+      `spec_jax.sharding.ShardingRules()`), prompts split over `data`; None runs unsharded.
     Everything a user can get wrong is checked here, before compiling.
     """
     cfg, params = _target_parts(target)
@@ -193,20 +198,35 @@ def generate(
         jnp.asarray(max_new_tokens, jnp.int32),
         jnp.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32),
     )
+    if mesh is not None:
+        from spec_jax.sharding.placement import place_generate_args
+
+        args = place_generate_args(args, cfg, drafter, mesh, sharding_rules)
     static = dict(cfg=cfg, drafter=drafter, capacity=capacity)
     shapes = jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x)), args[:4])
     cache_key = (cfg, drafter, capacity, str(shapes))
+    if mesh is not None:
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, args)
+        cache_key += (mesh, str(shardings))
     compile_s = 0.0
     compiled = _COMPILED.get(cache_key)
     if compiled is None:
         t0 = time.perf_counter()
-        compiled = generate_jit.lower(*args, **static).compile()
+        if mesh is None:
+            compiled = generate_jit.lower(*args, **static).compile()
+        else:
+            with jax.set_mesh(mesh):
+                compiled = generate_jit.lower(*args, **static).compile()
         compile_s = time.perf_counter() - t0
         _COMPILED[cache_key] = compiled
     t0 = time.perf_counter()
     out = compiled(*args)
     jax.block_until_ready(out)
     generate_s = time.perf_counter() - t0
+    if mesh is not None:
+        from spec_jax.sharding.placement import gather_to_host
+
+        out = gather_to_host(out)
     generated, reasons, rows, total, steps = _unpack(out)
     return GenerationResult(
         generated_ids=generated,

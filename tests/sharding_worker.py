@@ -1,0 +1,201 @@
+"""Sharded generation checks on 8 fake CPU devices, run in a fresh process by test_sharding.py.
+
+JAX fixes its device count when the backend starts, and the pytest process has already started it
+with one CPU device, so these checks run here: XLA_FLAGS is set before jax is imported. Prints one
+JSON object (the last stdout line) that the test asserts on.
+
+usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@MESH
+  MODEL: divisible (8 heads, 4 KV heads) | nondivisible (9 heads, 3 KV heads, like SmolLM2)
+  DRAFTER: ar | ngram | draft_model | dflash;  MESH: DxM (data x model), e.g. 2x4
+"""
+
+from __future__ import annotations
+
+import os
+
+# Eight fake devices; cheap CPU codegen (these checks compare tokens, not speed) keeps each
+# compile of the loop a few seconds on a shared 2-core machine.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+    + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import importlib  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from spec_jax.decoding.generate import generate  # noqa: E402
+from spec_jax.decoding.loop import MAX_STOP_IDS, prefill  # noqa: E402
+from spec_jax.decoding.sampling import SamplingParams  # noqa: E402
+from spec_jax.drafters.base import Target  # noqa: E402
+from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from spec_jax.drafters.ngram import NGramDrafter  # noqa: E402
+from spec_jax.models.config import ModelConfig  # noqa: E402
+from spec_jax.models.decoder import init_params  # noqa: E402
+from spec_jax.models.weights import model_weight_specs  # noqa: E402
+from spec_jax.sharding import (  # noqa: E402
+    bytes_per_device,
+    kv_cache_shardings,
+    make_mesh,
+    place_generate_args,
+    shard_params,
+    state_shardings,
+)
+
+# `spec_jax.decoding.generate` the module (the package re-exports the function under that name).
+generate_module = importlib.import_module("spec_jax.decoding.generate")
+
+MODELS = {
+    "divisible": dict(num_heads=8, num_kv_heads=4, hidden_size=64),
+    "nondivisible": dict(num_heads=9, num_kv_heads=3, hidden_size=72),
+}
+CAPACITY = 64
+MAX_NEW = 12
+K = 3
+# Repetitive prompts so the n-gram drafter finds matches; 4 rows split over data=2 and data=4.
+PROMPTS = [
+    [1, 2, 3, 4, 5, 1, 2, 3],
+    [7, 8, 9, 7, 8, 9, 7],
+    [10, 20, 30, 40, 10, 20],
+    [5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 5],
+]
+# Host callbacks, infeed/outfeed and send/recv would each be a host round trip in the loop.
+HOST_OPS = re.compile(
+    r"\b(infeed|outfeed|send|recv|send-done|recv-done)\(|callback", re.IGNORECASE
+)
+
+
+def model_cfg(kind: str, layers: int = 2) -> ModelConfig:
+    m = MODELS[kind]
+    return ModelConfig(
+        vocab_size=128, intermediate_size=128, num_layers=layers, head_dim=8,
+        rope_theta=10000.0, **m,
+    )
+
+
+def make_drafter(name: str, cfg: ModelConfig):
+    """-> (drafter, drafter params)."""
+    if name == "ar":
+        return None, None
+    if name == "ngram":
+        return NGramDrafter(k=K), None
+    if name == "draft_model":
+        draft_cfg = cfg.replace(num_layers=1, layer_windows=())
+        return DraftModelDrafter(cfg=draft_cfg, k=K), init_params(draft_cfg, jax.random.key(7))
+    if name == "dflash":
+        from spec_jax.drafters import dflash  # only when the DFlash drafter exists
+
+        return dflash.tiny_test_drafter(cfg, k=K, key=jax.random.key(7))
+    raise ValueError(name)
+
+
+def loop_args(params, drafter_params) -> tuple:
+    """generate_loop's traced arguments, as `generate` builds them (prompt bucket 16)."""
+    tokens = np.zeros((len(PROMPTS), 16), np.int32)
+    for i, p in enumerate(PROMPTS):
+        tokens[i, : len(p)] = p
+    return (
+        params, drafter_params, tokens, np.array([len(p) for p in PROMPTS], np.int32),
+        jax.random.key(0), SamplingParams.create(0.0, 0, 1.0), np.int32(MAX_NEW),
+        np.full((MAX_STOP_IDS,), -1, np.int32),
+    )
+
+
+def shard_report(cfg: ModelConfig, params, mesh) -> dict:
+    sharded = shard_params(params, model_weight_specs(cfg), mesh)
+    per_device = bytes_per_device(sharded)
+    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    wq = sharded["layers"]["wq"]
+    state = jax.eval_shape(
+        lambda p, t, n, k, s, m, st: prefill(
+            Target(p, cfg), None, None, t, n, k, s, m, st, CAPACITY
+        ),
+        params, np.zeros((4, 16), np.int32), np.full((4,), 8, np.int32), jax.random.key(0),
+        SamplingParams.create(0.0, 0, 1.0), np.int32(MAX_NEW), np.full((8,), -1, np.int32),
+    )
+    cache_sh = state_shardings(state, mesh).cache
+    return {
+        "specs": {
+            name: str(sharded["layers"][name].sharding.spec) for name in ("wq", "wk", "wo", "w_up")
+        }
+        | {"embed": str(sharded["embed"].sharding.spec)},
+        "wq_shard_bytes": [s.data.nbytes for s in wq.addressable_shards],
+        "wq_bytes": int(wq.nbytes),
+        "param_bytes_total": int(total),
+        "param_bytes_per_device": sorted(set(per_device.values())),
+        "num_devices_holding": len(per_device),
+        "cache_spec": str(cache_sh.k.spec),
+        "cache_lengths_spec": str(cache_sh.lengths.spec),
+    }
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    kind, cases = sys.argv[1], [c.split("@") for c in sys.argv[2].split(",")]
+    cfg = model_cfg(kind)
+    params = init_params(cfg, jax.random.key(0))
+    target = (cfg, params)
+    out: dict = {"devices": jax.device_count(), "model": kind, "cases": {}, "shards": {}}
+    common = dict(max_new_tokens=MAX_NEW, capacity=CAPACITY, ignore_eos=True)
+    # The unsharded AR baseline every sharded run must match token for token (unsharded
+    # speculative == AR is the loop's own test, so this also means sharded == unsharded).
+    t0 = time.perf_counter()
+    baseline = generate(target, PROMPTS, **common).generated_ids
+    out["baseline_s"] = round(time.perf_counter() - t0, 2)
+    out["baseline"] = baseline
+    for drafter_name, mesh_name in cases:
+        drafter, drafter_params = make_drafter(drafter_name, cfg)
+        data, model = (int(x) for x in mesh_name.split("x"))
+        mesh = make_mesh(f"data={data},model={model}")
+        if mesh_name not in out["shards"]:
+            out["shards"][mesh_name] = shard_report(cfg, params, mesh)
+        t0 = time.perf_counter()
+        result = generate(target, PROMPTS, drafter, drafter_params, mesh=mesh, **common)
+        compiled = list(generate_module._COMPILED.values())[-1]
+        hlo = compiled.as_text()
+        expect_cache = kv_cache_shardings(
+            mesh, batch=len(PROMPTS), num_kv_heads=cfg.num_kv_heads,
+            num_layers=cfg.num_layers, capacity=CAPACITY, head_dim=cfg.head_dim,
+        ).k
+        per_device_cache = expect_cache.shard_shape(
+            (cfg.num_layers, len(PROMPTS), CAPACITY, cfg.num_kv_heads, cfg.head_dim)
+        )
+        cache_type = "f32[" + ",".join(map(str, per_device_cache)) + "]"
+        # The compiled loop again, on inputs committed to the mesh by explicit device_put:
+        # with transfers disallowed, any host round trip in the loop would raise.
+        args = place_generate_args(loop_args(params, drafter_params), cfg, drafter, mesh)
+        with jax.transfer_guard("disallow"):
+            again = compiled(*args)
+            jax.block_until_ready(again)
+        again_ids = [
+            [int(t) for t in row[len(p): len(p) + MAX_NEW]]
+            for row, p in zip(np.asarray(again.tokens), PROMPTS)
+        ]
+        out["cases"][f"{drafter_name}@{mesh_name}"] = {
+            "equal": result.generated_ids == baseline,
+            "guarded_equal": again_ids == baseline,
+            "compile_s": round(result.compile_s, 2),
+            "total_s": round(time.perf_counter() - t0, 2),
+            "host_ops": sorted(set(m.group(0) for m in HOST_OPS.finditer(hlo))),
+            "has_while": " while(" in hlo,
+            "cache_type": cache_type,
+            "cache_type_in_hlo": cache_type in hlo,
+            "accepted": result.stats.accepted,
+            "drafter_wq_spec": (
+                str(args[1]["layers"]["wq"].sharding.spec)
+                if isinstance(args[1], dict) and "layers" in args[1] else None
+            ),
+        }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
