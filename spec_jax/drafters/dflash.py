@@ -1,0 +1,490 @@
+"""DFlash: a block-diffusion drafter that proposes a whole block of tokens in one forward pass.
+
+A few Qwen3-style decoder layers (built from the pieces of `spec_jax.models.decoder`) read the
+target's own hidden states as context. Per step:
+
+  context  = hidden_norm(fc(concat of the target's hidden states after `target_layer_ids`))
+  block    = target_embed([last committed token, mask, ..., mask]) at positions start..start+b-1
+  out      = draft layers: queries from the block; keys/values = [context (cached), block]
+  drafts   = target_lm_head(norm(out))[:, 1:1+K]
+
+The drafter keeps a KV cache of context entries only, indexed by absolute position: slot p holds
+the k/v of the context feature of position p in every draft layer, so rejected tokens are rolled
+back by the per-row context length alone. Context features enter attention as keys/values without
+`input_layernorm` (only the block goes through it); `k_norm` and RoPE apply to both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.decoding.sampling import SamplingParams, sample, warp
+from spec_jax.drafters.base import Target
+from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling
+from spec_jax.models.decoder import (
+    KVCache,
+    attend,
+    embed,
+    lm_head,
+    mlp,
+    project_qkv,
+    rms_norm,
+    rope,
+    rope_inv_freq,
+)
+from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
+
+Params = Any
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Target layers to read when a config names none: the middle layer for a one-layer drafter,
+    else L ids spread evenly over 1 .. N-3."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(
+        int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """Static hyperparameters of a DFlash drafter (hashable; maps to and from z-lab config.json).
+
+    layer_types: per draft layer "full_attention" or "sliding_attention". A full layer attends
+    to all context and non-causally within the block; a sliding layer is causal and limited to
+    `sliding_window` tokens (no window when sliding_window is None). `is_causal`, when set,
+    overrides the causality of every layer.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+    max_position_embeddings: int = 40960
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"DFlash config has {len(self.layer_types)} layer_types for {self.num_layers} draft "
+                "layers; give one type per layer."
+            )
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"DFlash layer_types {unknown} are not supported; use '{FULL_ATTENTION}' or "
+                f"'{SLIDING_ATTENTION}'."
+            )
+        if self.block_size < 2:
+            raise ValueError(f"DFlash block_size must be >= 2 (one anchor + drafts), got {self.block_size}.")
+        if not self.target_layer_ids:
+            raise ValueError("DFlash target_layer_ids is empty; name at least one target layer.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}."
+            )
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per-layer attention window in tokens (GLOBAL_WINDOW = unlimited)."""
+        return tuple(
+            self.sliding_window if t == SLIDING_ATTENTION and self.sliding_window else GLOBAL_WINDOW
+            for t in self.layer_types
+        )
+
+    @property
+    def layer_causal(self) -> tuple[bool, ...]:
+        if self.is_causal is not None:
+            return (bool(self.is_causal),) * self.num_layers
+        return tuple(t == SLIDING_ATTENTION for t in self.layer_types)
+
+    # ---------------------------------------------------------------- HF mapping
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], dtype: str = "float32") -> "DFlashConfig":
+        """Parse a z-lab DFlash config.json (Qwen3 fields + block_size, num_target_layers,
+        dflash_config.{mask_token_id, target_layer_ids}); DFlash values are looked up in
+        `dflash_config` first, then at the top level, as the reference does."""
+        extra = hf.get("dflash_config") or {}
+
+        def draft_value(name: str, default: Any = None) -> Any:
+            value = extra.get(name, hf.get(name, default))
+            return default if value is None else value
+
+        num_layers = int(hf["num_hidden_layers"])
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        num_target_layers = hf.get("num_target_layers")
+        ids = draft_value("target_layer_ids")
+        if ids is None:
+            if num_target_layers is None:
+                raise ValueError(
+                    "DFlash config has neither dflash_config.target_layer_ids nor num_target_layers; "
+                    "add target_layer_ids (the target layers whose hidden states the drafter reads)."
+                )
+            ids = default_target_layer_ids(int(num_target_layers), num_layers)
+        mask_token_id = draft_value("mask_token_id")
+        if mask_token_id is None:
+            raise ValueError(
+                "DFlash config lacks dflash_config.mask_token_id (the token that fills the block); "
+                "add it to config.json."
+            )
+        # Rope parsing is the decoder's; layer types are parsed below with the reference's rules.
+        rope_only = {
+            **hf,
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": hf.get("vocab_size") or 1,
+            "layer_types": None,
+            "use_sliding_window": False,
+        }
+        rope_cfg = ModelConfig.from_hf_config(rope_only)
+        layer_types = hf.get("layer_types") or ()
+        # Qwen3Config keeps sliding_window only when use_sliding_window is set.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if not layer_types and window and hf.get("use_sliding_window"):
+            first_sliding = hf.get("max_window_layers", num_layers)
+            layer_types = [
+                SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)
+            ]
+        is_causal = draft_value("is_causal")
+
+        def optional_float(name: str) -> float | None:
+            value = draft_value(name)
+            return None if value is None else float(value)
+
+        return cls(
+            num_layers=num_layers,
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            intermediate_size=int(hf["intermediate_size"]),
+            block_size=int(draft_value("block_size", 16)),
+            target_layer_ids=tuple(int(i) for i in ids),
+            mask_token_id=int(mask_token_id),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_cfg.rope_theta,
+            rope_scaling=rope_cfg.rope_scaling,
+            layer_types=tuple(layer_types),
+            sliding_window=int(window) if window else None,
+            is_causal=None if is_causal is None else bool(is_causal),
+            input_embedding_scale=optional_float("input_embedding_scale"),
+            output_multiplier=optional_float("output_multiplier"),
+            final_logit_softcapping=optional_float("final_logit_softcapping"),
+            num_target_layers=None if num_target_layers is None else int(num_target_layers),
+            vocab_size=hf.get("vocab_size"),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            dtype=dtype,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """z-lab format config.json that the reference `dflash.DFlashDraftModel` loads."""
+        dflash_config: dict[str, Any] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            if getattr(self, name) is not None:
+                dflash_config[name] = getattr(self, name)
+        any_sliding = SLIDING_ATTENTION in self.layer_types
+        hf: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": any_sliding and self.sliding_window is not None,
+            "sliding_window": self.sliding_window,
+            "max_window_layers": self.num_layers,
+            "block_size": self.block_size,
+            "dflash_config": dflash_config,
+            "torch_dtype": self.dtype,
+        }
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.num_target_layers is not None:
+            hf["num_target_layers"] = self.num_target_layers
+        if self.vocab_size is not None:
+            hf["vocab_size"] = self.vocab_size
+        if self.is_causal is not None:
+            hf["is_causal"] = self.is_causal
+        return hf
+
+
+def dflash_weight_specs(cfg: DFlashConfig) -> dict[str, Any]:
+    """The drafter's weights; its layers are the decoder's stacked layer weights (qk_norm on)."""
+    H = cfg.hidden_size
+    n = len(cfg.target_layer_ids)
+    return {
+        "fc": WeightSpec((n * H, H), (None, "embed")),
+        "hidden_norm": WeightSpec((H,), (None,), "ones"),
+        "norm": WeightSpec((H,), (None,), "ones"),
+        "layers": layer_weight_specs(
+            cfg.num_layers,
+            H,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            qk_norm=True,
+        ),
+    }
+
+
+def init_dflash_params(cfg: DFlashConfig, key: jax.Array, scale: float = 1.0) -> Params:
+    return init_from_specs(dflash_weight_specs(cfg), key, jnp.dtype(cfg.dtype), scale)
+
+
+def check_compatible(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
+    """Raise a ValueError naming every way `cfg` cannot draft for `target_cfg`."""
+    problems = []
+    if cfg.hidden_size != target_cfg.hidden_size:
+        problems.append(
+            f"hidden size {cfg.hidden_size} differs from the target's {target_cfg.hidden_size} "
+            "(DFlash reuses the target's embedding and LM head)"
+        )
+    bad_ids = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_layers]
+    if bad_ids:
+        problems.append(
+            f"target_layer_ids {bad_ids} are outside the target's {target_cfg.num_layers} layers"
+        )
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target_cfg.num_layers:
+        problems.append(
+            f"it was trained for a {cfg.num_target_layers}-layer target, this target has "
+            f"{target_cfg.num_layers} layers"
+        )
+    if not 0 <= cfg.mask_token_id < target_cfg.vocab_size:
+        problems.append(
+            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
+            f"[0, {target_cfg.vocab_size})"
+        )
+    if cfg.vocab_size is not None and cfg.vocab_size != target_cfg.vocab_size:
+        problems.append(
+            f"its vocab size {cfg.vocab_size} differs from the target's {target_cfg.vocab_size}"
+        )
+    if problems:
+        raise ValueError(
+            "DFlash drafter does not fit this target: " + "; ".join(problems) + ". Use the DFlash "
+            "checkpoint trained for this target model."
+        )
+
+
+def _attention_mask(
+    q_pos: jax.Array, k_pos: jax.Array, window: jax.Array, causal: jax.Array
+) -> jax.Array:
+    """q_pos [B, T], k_pos [B, S] -> [B, T, S] bool: |q - k| < window, and k <= q when causal."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    in_window = (diff < window) & (-diff < window)
+    return in_window & ((diff >= 0) | ~causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDrafter:
+    """The DFlash drafter (see the module docstring). Hashable: a static argument of the loop.
+
+    k:            drafts per verify step, 1 .. block_size - 1 (default block_size - 1).
+    sample_drafts: at temperature > 0, sample drafts from the warped draft logits and return their
+                  probabilities (as the reference does); False keeps argmax drafts (one-hot q).
+                  Under greedy sampling both give argmax drafts.
+    State: a `KVCache` of context k/v [L, B, capacity, Kv, D] whose `lengths` [B] are the context
+    lengths (lengths - 1 of the loop: every committed token but the last).
+    """
+
+    cfg: DFlashConfig
+    k: int | None = None
+    sample_drafts: bool = True
+
+    def __post_init__(self):
+        if self.k is None:
+            object.__setattr__(self, "k", self.cfg.block_size - 1)
+        if not 1 <= self.k <= self.cfg.block_size - 1:
+            raise ValueError(
+                f"DFlash K must be in 1..block_size-1 = 1..{self.cfg.block_size - 1} (one block "
+                f"drafts block_size-1 tokens), got {self.k}."
+            )
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.cfg.target_layer_ids
+
+    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
+        check_compatible(self.cfg, target_cfg)
+
+    # ------------------------------------------------------------------ context cache
+    def _write_context(
+        self, params: Params, cache: KVCache, captured: jax.Array, positions: jax.Array
+    ) -> KVCache:
+        """Project captured target hidden states [B, T, n*H] and write their k/v at positions [B, T]."""
+        cfg = self.cfg
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        with jax.named_scope("dflash_context"):
+            ctx = jnp.einsum("btc,ch->bth", captured.astype(params["fc"].dtype), params["fc"])
+            ctx = rms_norm(ctx, params["hidden_norm"], cfg.rms_norm_eps)  # [B, T, H]
+
+            def layer_kv(lp):
+                # Context features skip input_layernorm; q is unused (dropped by XLA).
+                _, k, v = project_qkv(lp, ctx)  # [B, T, Kv, D]
+                k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
+                return k, v
+
+            k, v = jax.vmap(layer_kv)(params["layers"])  # [L, B, T, Kv, D]
+        rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+        return cache.replace(
+            k=cache.k.at[:, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[:, rows, positions].set(v.astype(cache.v.dtype), mode="drop"),
+        )
+
+    def init(
+        self,
+        params: Params,
+        target: Target,
+        prompt_tokens: jax.Array,
+        prompt_lengths: jax.Array,
+        prefill_captured: jax.Array,
+        capacity: int,
+    ) -> KVCache:
+        cfg = self.cfg
+        batch, prompt_len = prompt_tokens.shape
+        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        dtype = params["fc"].dtype
+        cache = KVCache(
+            k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
+        )
+        positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+        cache = self._write_context(params, cache, prefill_captured, positions)
+        # Context = the whole prompt; the first sampled token is the block's anchor.
+        return cache.with_lengths(prompt_lengths)
+
+    def commit(
+        self,
+        params: Params,
+        target: Target,
+        state: KVCache,
+        start: jax.Array,
+        num_accepted: jax.Array,
+        verify_captured: jax.Array,
+    ) -> KVCache:
+        # All K+1 verified inputs are written; those past the new context length are masked out.
+        offsets = jnp.arange(verify_captured.shape[1], dtype=jnp.int32)
+        positions = start[:, None] + offsets  # [B, K+1]
+        state = self._write_context(params, state, verify_captured, positions)
+        return state.with_lengths(start + num_accepted + 1)
+
+    # ------------------------------------------------------------------ drafting
+    def draft_logits(
+        self,
+        params: Params,
+        target: Target,
+        state: KVCache,
+        tokens: jax.Array,
+        lengths: jax.Array,
+    ) -> jax.Array:
+        """Float32 logits [B, K, V] of the K drafts following tokens[b, lengths[b] - 1]."""
+        cfg = self.cfg
+        b = cfg.block_size
+        batch = tokens.shape[0]
+        rows = jnp.arange(batch)
+        start = lengths - 1  # [B] position of the anchor (last committed token)
+        positions = start[:, None] + jnp.arange(b, dtype=jnp.int32)  # [B, b]
+        block = jnp.full((batch, b), cfg.mask_token_id, jnp.int32)
+        block = block.at[:, 0].set(tokens[rows, start])  # [B, b]: anchor, mask, ..., mask
+        x = embed(target.params, block).astype(params["fc"].dtype)  # [B, b, H]
+        if cfg.input_embedding_scale is not None:
+            x = x * cfg.input_embedding_scale
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        capacity = state.capacity
+        slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
+        ctx_valid = slots < state.lengths[:, None]  # [B, S]
+
+        def layer(x, xs):
+            lp, ctx_k, ctx_v, window, causal = xs  # ctx_k/v: [B, S, Kv, D]
+            with jax.named_scope("attention"):
+                h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+                q, k, v = project_qkv(lp, h)  # q [B, b, N, D]; k, v [B, b, Kv, D]
+                q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
+                k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
+                keys = jnp.concatenate([ctx_k, k], axis=1)  # [B, S+b, Kv, D]
+                values = jnp.concatenate([ctx_v, v], axis=1)
+                ctx_mask = ctx_valid[:, None, :] & _attention_mask(positions, slots, window, causal)
+                block_mask = _attention_mask(positions, positions, window, causal)  # [B, b, b]
+                mask = jnp.concatenate([ctx_mask, block_mask], axis=-1)  # [B, b, S+b]
+                attn = attend(q, keys, values, mask)  # [B, b, N, D]
+                x = x + jnp.einsum("btnd,ndh->bth", attn, lp["wo"])
+            with jax.named_scope("mlp"):
+                x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+            return x, None
+
+        xs = (
+            params["layers"],
+            state.k,
+            state.v,
+            jnp.asarray(cfg.layer_windows, jnp.int32),
+            jnp.asarray(cfg.layer_causal, bool),
+        )
+        with jax.named_scope("dflash_block"):
+            x, _ = jax.lax.scan(layer, x, xs)
+            x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        # Block position i + 1 predicts draft i; the anchor's own output is unused.
+        logits = lm_head(target.params, target.cfg, x[:, 1 : 1 + self.k])  # [B, K, V]
+        if cfg.output_multiplier is not None:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            cap = cfg.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
+
+    def propose(
+        self,
+        params: Params,
+        target: Target,
+        state: KVCache,
+        tokens: jax.Array,
+        lengths: jax.Array,
+        key: jax.Array,
+        sampling: SamplingParams,
+    ) -> tuple[jax.Array, jax.Array | None, KVCache]:
+        logits = self.draft_logits(params, target, state, tokens, lengths)  # [B, K, V]
+        if not self.sample_drafts:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, state
+        probs = warp(logits, sampling)  # one-hot argmax under greedy
+        return sample(key, probs), probs, state
