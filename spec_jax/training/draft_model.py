@@ -1,0 +1,58 @@
+"""Distilling a small draft LM into the target: cross-entropy on the target's own answers plus KL
+to the target's logits (recomputed from its stored final hidden states at sampled positions)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.decoder import forward, init_cache, lm_head
+from spec_jax.training.trainer import cross_entropy, kl_to_teacher, masked_mean
+
+
+def response_mask(tokens_shape, lengths, prompt_lengths) -> jax.Array:
+    """[B, T-1]: position t predicts token t+1, which is part of the target's answer."""
+    t = jnp.arange(tokens_shape[1] - 1)[None, :]
+    return (t + 1 < lengths[:, None]) & (t + 1 >= prompt_lengths[:, None])
+
+
+def sample_positions(key: jax.Array, valid: jax.Array, count: int) -> jax.Array:
+    """[B, count] positions drawn uniformly (with replacement) where `valid` [B, T] holds."""
+    logits = jnp.where(valid, 0.0, -jnp.inf)
+    return jax.random.categorical(key, logits[:, None, :], axis=-1, shape=(valid.shape[0], count))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelLoss:
+    """loss(params, target_params, batch, key); batch = dict(tokens, lengths, prompt_lengths,
+    final [B, T, H] target final-normed hidden states)."""
+
+    student_cfg: ModelConfig
+    target_cfg: ModelConfig
+    kl_weight: float = 1.0
+    kl_positions: int = 32
+
+    def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
+        tokens = batch["tokens"]
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        logits, _, _ = forward(params, self.student_cfg, tokens, positions, init_cache(self.student_cfg, b, t))
+        logits = logits[:, :-1, : self.target_cfg.vocab_size]  # [B, T-1, V]
+        labels = tokens[:, 1:]
+        valid = response_mask(tokens.shape, batch["lengths"], batch["prompt_lengths"])
+        ce = masked_mean(cross_entropy(logits, labels), valid)
+        accuracy = masked_mean(jnp.argmax(logits, -1) == labels, valid)
+        metrics = {"ce": ce, "accuracy": accuracy}
+        loss = ce
+        if self.kl_weight > 0:
+            idx = sample_positions(key, valid, self.kl_positions)  # [B, P]
+            rows = jnp.arange(b)[:, None]
+            teacher = lm_head(target_params, self.target_cfg, batch["final"][rows, idx])
+            kl = jnp.mean(kl_to_teacher(logits[rows, idx], teacher))
+            metrics["kl"] = kl
+            loss = loss + self.kl_weight * kl
+        return loss, metrics
