@@ -1,0 +1,78 @@
+"""Shared tiny models for the decoding tests (session-scoped: built once, shapes reused).
+
+Every test that calls `generate` with these models keeps prompts <= 16 tokens (prompt bucket 16)
+and the default capacity (256), so a batch size / drafter / K combination compiles the loop once
+per session. The batch sizes in use are 1, 3 and 8.
+
+`jax_numpy_rank_promotion="raise"` is NOT set here: the decoder itself relies on rank promotion
+(`rms_norm`: weight [H] * x [B, T, H]; `rope`: positions [B, T, 1] * inv_freq [D/2]), and the
+models are outside the decoding tests' remit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
+from spec_jax.drafters.ngram import NGramDrafter
+from spec_jax.models import ModelConfig, init_params
+
+VOCAB = 101
+EOS = 99  # appears mid-way in some greedy outputs of the target below, never in most
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    cfg: ModelConfig
+    params: object
+    draft_cfg: ModelConfig
+    draft_params: object  # a separate 1-layer random model: accepts almost nothing
+    near_params: object  # the target's weights plus noise: a draft model that accepts some
+
+    @property
+    def target(self):
+        return (self.cfg, self.params)
+
+
+@pytest.fixture(scope="session")
+def models() -> Models:
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        eos_token_ids=(EOS,),
+    )
+    params = init_params(cfg, jax.random.key(0), scale=3.0)
+    draft_cfg = cfg.replace(num_layers=1, layer_windows=())
+    draft_params = init_params(draft_cfg, jax.random.key(1), scale=3.0)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    near = [x + 0.3 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    near_params = jax.tree_util.tree_unflatten(treedef, near)
+    return Models(cfg, params, draft_cfg, draft_params, near_params)
+
+
+def make_prompts(lengths, seed=0, vocab=VOCAB):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, vocab, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def drafters(models):
+    """name -> (drafter factory k -> Drafter, drafter params). `self` and `near` share one static
+    drafter (the target's config), so they share compiled loops."""
+    return {
+        "ngram": (lambda k: NGramDrafter(k=k), None),
+        "self": (lambda k: self_drafter(models.cfg, k), models.params),
+        "near": (lambda k: self_drafter(models.cfg, k), models.near_params),
+        "draft": (lambda k: DraftModelDrafter(models.draft_cfg, k), models.draft_params),
+    }
