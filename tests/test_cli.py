@@ -167,3 +167,23 @@ def test_default_model_generate(capsys):
     assert 1 <= len(row["generated_ids"]) <= 8
     assert isinstance(row["text"], str)
     assert out["target"].startswith("default:")
+
+
+def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):
+    from spec_jax.checkpoints.dflash import save_dflash
+    from spec_jax.drafters.dflash import DFlashConfig, init_dflash_params
+
+    dcfg = DFlashConfig(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                        intermediate_size=64, block_size=4, target_layer_ids=(1,), mask_token_id=60,
+                        num_target_layers=2, vocab_size=VOCAB)
+    dflash_dir = str(save_dflash(tmp_path / "dflash", dcfg, init_dflash_params(dcfg, jax.random.key(1))))
+    ar = run_json(capsys, gen_args(tiny_dir, "--ignore-eos"))
+    ids = [r["generated_ids"] for r in ar["results"]]
+    spec = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--drafter", "dflash", dflash_dir))
+    assert spec["k"] == 3 and spec["stats"]["drafted"] > 0
+    assert [r["generated_ids"] for r in spec["results"]] == ids
+    sharded = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--mesh", "data=1,model=1"))
+    assert [r["generated_ids"] for r in sharded["results"]] == ids
+    info = run_json(capsys, ["info", "--target", tiny_dir, "--drafter", "dflash", dflash_dir, "--json"])
+    assert info["drafter"]["block_size"] == 4 and info["drafter"]["params"] > 0
+    assert "devices" in run_error(capsys, gen_args(tiny_dir, "--mesh", "data=3"))
