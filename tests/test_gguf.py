@@ -93,10 +93,11 @@ def test_logits_match_transformers(model, hf_gguf):
 def test_greedy_matches_transformers(model, hf_gguf):
     torch = pytest.importorskip("torch")
     hf_model, _ = hf_gguf
-    new_tokens, capacity = 16, 64
+    new_tokens, prompt_bucket, capacity = 16, 48, 64
     step = jax.jit(forward, static_argnums=1)
     for prompt in PROMPTS:
         ids = apply_chat_template(model.tokenizer, prompt)
+        assert len(ids) <= prompt_bucket
         with torch.no_grad():
             # An explicit mask: generate() would otherwise treat <|im_end|> (= pad id 2) in the
             # chat prompt as padding and mask it out.
@@ -108,15 +109,18 @@ def test_greedy_matches_transformers(model, hf_gguf):
                 do_sample=False,
                 eos_token_id=None,
             )[0, len(ids) :].tolist()
-        # One token per call (prompt included) and one cache size so every call has the same
-        # shapes: a single compile for all prompts.
+        # Same shapes for every prompt (two compiles in all): the prompt is padded to a bucket.
+        # Pad keys land at positions past the prompt, where each decode step overwrites its own
+        # slot before any query can see it.
+        padded = ids + [0] * (prompt_bucket - len(ids))
         cache = init_cache(model.cfg, 1, capacity)
-        out, token = [], None
-        for pos in range(len(ids) + new_tokens - 1):
-            token = ids[pos] if pos < len(ids) else out[-1]
-            logits, _, cache = step(model.params, model.cfg, jnp.asarray([[token]]), jnp.asarray([[pos]]), cache)
-            if pos >= len(ids) - 1:
-                out.append(int(jnp.argmax(logits[0, -1])))
+        logits, _, cache = step(
+            model.params, model.cfg, jnp.asarray([padded]), jnp.arange(prompt_bucket)[None], cache
+        )
+        out = [int(jnp.argmax(logits[0, len(ids) - 1]))]
+        for pos in range(len(ids), len(ids) + new_tokens - 1):
+            logits, _, cache = step(model.params, model.cfg, jnp.asarray([[out[-1]]]), jnp.asarray([[pos]]), cache)
+            out.append(int(jnp.argmax(logits[0, -1])))
         assert out == ref, prompt
 
 
