@@ -91,9 +91,16 @@ def make_drafter(name: str, cfg: ModelConfig):
         draft_cfg = cfg.replace(num_layers=1, layer_windows=())
         return DraftModelDrafter(cfg=draft_cfg, k=K), init_params(draft_cfg, jax.random.key(7))
     if name == "dflash":
-        from spec_jax.drafters import dflash  # only when the DFlash drafter exists
+        from spec_jax.drafters import dflash  # only asked for when the DFlash drafter exists
 
-        return dflash.tiny_test_drafter(cfg, k=K, key=jax.random.key(7))
+        dflash_cfg = dflash.DFlashConfig(
+            num_layers=1, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=128,
+            block_size=K + 1, target_layer_ids=(0, 1), mask_token_id=cfg.vocab_size - 1,
+            num_target_layers=cfg.num_layers, vocab_size=cfg.vocab_size,
+        )
+        params = dflash.init_dflash_params(dflash_cfg, jax.random.key(7))
+        return dflash.DFlashDrafter(cfg=dflash_cfg, k=K), params
     raise ValueError(name)
 
 
@@ -168,7 +175,15 @@ def main() -> None:
         per_device_cache = expect_cache.shard_shape(
             (cfg.num_layers, len(PROMPTS), CAPACITY, cfg.num_kv_heads, cfg.head_dim)
         )
-        cache_type = "f32[" + ",".join(map(str, per_device_cache)) + "]"
+        expected_elems = int(np.prod(per_device_cache))
+        # Per-device cache buffers [L, b, S, kv, D] in the partitioned HLO. XLA may split the
+        # cache further than the rule (e.g. 4 KV heads over model=8 as 4 parts x 2 replicas);
+        # it must never hold more than the rule's share.
+        pattern = rf"f32\[{cfg.num_layers},(\d+),{CAPACITY},(\d+),{cfg.head_dim}\]"
+        cache_types = sorted(set(re.findall(pattern, hlo)))
+        cache_elems = [
+            cfg.num_layers * int(b) * CAPACITY * int(kv) * cfg.head_dim for b, kv in cache_types
+        ]
         # The compiled loop again, on inputs committed to the mesh by explicit device_put:
         # with transfers disallowed, any host round trip in the loop would raise.
         args = place_generate_args(loop_args(params, drafter_params), cfg, drafter, mesh)
@@ -186,8 +201,9 @@ def main() -> None:
             "total_s": round(time.perf_counter() - t0, 2),
             "host_ops": sorted(set(m.group(0) for m in HOST_OPS.finditer(hlo))),
             "has_while": " while(" in hlo,
-            "cache_type": cache_type,
-            "cache_type_in_hlo": cache_type in hlo,
+            "cache_per_device": list(per_device_cache),
+            "cache_types_in_hlo": cache_types,
+            "cache_within_rule": bool(cache_elems) and max(cache_elems) <= expected_elems,
             "accepted": result.stats.accepted,
             "drafter_wq_spec": (
                 str(args[1]["layers"]["wq"].sharding.spec)

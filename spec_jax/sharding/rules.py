@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import KVCache
 from spec_jax.models.weights import WeightSpec, is_spec, model_weight_specs
 
@@ -228,17 +229,23 @@ def _find_batch(tree: Any) -> int | None:
 def drafter_weight_specs(drafter: Any) -> Any:
     """The WeightSpec tree of a drafter's params, or None when it has none we know of.
 
-    A drafter can describe its weights with a `weight_specs()` method (or `param_specs()`);
-    a drafter holding a ModelConfig as `cfg` (draft model, self drafter) uses the decoder's specs.
+    A drafter may describe its own weights with a `weight_specs()` method. Otherwise: the DFlash
+    drafter uses `dflash_weight_specs(drafter.cfg)`; a drafter holding a decoder `ModelConfig` as
+    `cfg` (draft model, self drafter) uses the decoder's `model_weight_specs`.
     """
     if drafter is None:
         return None
-    for name in ("weight_specs", "param_specs"):
-        fn = getattr(drafter, name, None)
-        if callable(fn):
-            return fn()
+    own = getattr(drafter, "weight_specs", None)
+    if callable(own):
+        return own()
+    try:
+        from spec_jax.drafters.dflash import DFlashDrafter, dflash_weight_specs
+    except ImportError:  # the DFlash drafter is optional for this module
+        DFlashDrafter = None
+    if DFlashDrafter is not None and isinstance(drafter, DFlashDrafter):
+        return dflash_weight_specs(drafter.cfg)
     cfg = getattr(drafter, "cfg", None)
-    if cfg is not None and hasattr(cfg, "num_kv_heads"):
+    if isinstance(cfg, ModelConfig):
         return model_weight_specs(cfg)
     return None
 

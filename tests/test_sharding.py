@@ -1,0 +1,267 @@
+"""Meshes, partition rules and sharded generation.
+
+Rule and mesh checks run here on abstract meshes (no devices needed). The sharded `generate`
+checks need 8 devices, which this pytest process cannot have (jax started with 1 CPU device), so
+`tests/sharding_worker.py` runs them in a fresh process with 8 fake CPU devices and prints JSON.
+
+By default every mesh (2x4, 4x2, 1x8), every drafter and both tiny models (heads that divide the
+model axis, and SmolLM2-like 9 / 3 heads that do not) are covered by a spread of cases, each one
+compile of the loop; SPEC_JAX_FULL_SHARDING=1 runs every drafter on every mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from spec_jax.drafters.draft_model import DraftModelDrafter
+from spec_jax.drafters.ngram import NGramDrafter
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.weights import model_weight_specs
+from spec_jax.sharding import (
+    ShardingRules,
+    default_mesh_shape,
+    drafter_weight_specs,
+    initialize_distributed,
+    is_main_process,
+    kv_cache_shardings,
+    make_mesh,
+    param_shardings,
+    parse_mesh_spec,
+)
+
+WORKER = Path(__file__).with_name("sharding_worker.py")
+HAS_DFLASH = importlib.util.find_spec("spec_jax.drafters.dflash") is not None
+
+# SmolLM2-135M's shapes (specs only: nothing is allocated).
+SMOLLM2 = ModelConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, tie_embeddings=True,
+)
+DIVISIBLE = SMOLLM2.replace(num_heads=8, num_kv_heads=4, head_dim=72)
+
+
+def abstract_mesh(data: int, model: int) -> AbstractMesh:
+    return AbstractMesh((data, model), ("data", "model"))
+
+
+# ----------------------------------------------------------------------------- meshes
+def test_parse_mesh_spec():
+    assert parse_mesh_spec("data=2,model=4") == {"data": 2, "model": 4}
+    assert parse_mesh_spec(" model = 8 ") == {"data": 1, "model": 8}
+    assert parse_mesh_spec({"data": 4}) == {"data": 4, "model": 1}
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("data=2,tensor=4", "Unknown mesh axis 'tensor'"),
+        ("data=2,data=4", "given twice"),
+        ("data=two", "not an integer"),
+        ("data=0,model=1", "positive integer"),
+        ("data2", "axis=size"),
+        ("", "Empty mesh spec"),
+    ],
+)
+def test_parse_mesh_spec_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_mesh_spec(spec)
+
+
+def test_make_mesh_checks_device_count():
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=f"needs {8 * n} devices but {n} are available"):
+        make_mesh(f"data=2,model={4 * n}")
+    mesh = make_mesh()
+    assert mesh.axis_names == ("data", "model") and mesh.size == n
+
+
+def test_default_mesh_shape():
+    assert default_mesh_shape(8) == {"data": 1, "model": 8}
+    assert default_mesh_shape(4, DIVISIBLE) == {"data": 1, "model": 4}
+    # 9 / 3 heads do not split over 4 devices: data parallel instead.
+    assert default_mesh_shape(4, SMOLLM2) == {"data": 4, "model": 1}
+    assert default_mesh_shape(3, SMOLLM2) == {"data": 1, "model": 3}
+
+
+# ----------------------------------------------------------------------------- rules
+def test_param_shardings_divisible():
+    shardings = param_shardings(model_weight_specs(DIVISIBLE), abstract_mesh(2, 4))
+    layers = shardings["layers"]
+    assert layers["wq"].spec == P(None, None, "model")
+    assert layers["wk"].spec == P(None, None, "model")
+    assert layers["wo"].spec == P(None, "model")
+    assert layers["w_gate"].spec == P(None, None, "model")
+    assert layers["w_down"].spec == P(None, "model")
+    assert layers["attn_norm"].spec == P()
+    assert shardings["embed"].spec == P("model")
+    assert shardings["final_norm"].spec == P()
+
+
+def test_param_shardings_replicate_non_dividing_heads_with_one_note(caplog):
+    mesh = abstract_mesh(2, 4)
+    with caplog.at_level(logging.INFO, logger="spec_jax.sharding"):
+        shardings = param_shardings(model_weight_specs(SMOLLM2), mesh)
+        param_shardings(model_weight_specs(SMOLLM2), mesh)  # same model and mesh: no new note
+    layers = shardings["layers"]
+    for name in ("wq", "wk", "wv", "wo"):
+        assert layers[name].spec == P(), name
+    assert layers["w_up"].spec == P(None, None, "model")  # 1536 MLP divides
+    assert shardings["embed"].spec == P("model")  # 49152 vocab divides
+    notes = [r for r in caplog.records if "do not divide" in r.getMessage()]
+    assert len(notes) == 1
+    message = notes[0].getMessage()
+    assert "['layers']['wq']" in message and "q_heads=9" in message and "kv_heads=3" in message
+    assert "w_up" not in message
+
+
+def test_rules_are_data():
+    rules = ShardingRules(mlp=None, vocab=None)
+    shardings = param_shardings(model_weight_specs(DIVISIBLE), abstract_mesh(1, 8), rules)
+    assert shardings["layers"]["w_up"].spec == P()
+    assert shardings["embed"].spec == P()
+    assert shardings["layers"]["wq"].spec == P(None, None, "model")
+    with pytest.raises(ValueError, match="Unknown logical axis 'heads'"):
+        ShardingRules().mesh_axis("heads")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rules.mlp = "model"  # type: ignore[misc]
+
+
+def test_kv_cache_shardings():
+    cache = kv_cache_shardings(abstract_mesh(2, 4), batch=4, num_kv_heads=4)
+    assert cache.k.spec == P(None, "data", None, "model")
+    assert cache.lengths.spec == P("data")
+    odd = kv_cache_shardings(abstract_mesh(2, 4), batch=3, num_kv_heads=3)
+    assert odd.k.spec == P() and odd.lengths.spec == P()
+
+
+def test_drafter_weight_specs():
+    assert drafter_weight_specs(None) is None
+    assert drafter_weight_specs(NGramDrafter(k=2)) is None
+    draft_cfg = DIVISIBLE.replace(num_layers=1, layer_windows=())
+    specs = drafter_weight_specs(DraftModelDrafter(cfg=draft_cfg, k=2))
+    assert specs == model_weight_specs(draft_cfg)
+
+
+def test_distributed_single_process(monkeypatch):
+    for var in ("SPEC_JAX_COORDINATOR", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    assert initialize_distributed() is False
+    assert is_main_process()
+    with pytest.raises(ValueError, match="needs num_processes and process_id"):
+        initialize_distributed(coordinator_address="10.0.0.1:1234")
+
+
+# ----------------------------------------------------------------------------- sharded generate
+DRAFTERS = ["ar", "ngram", "draft_model"] + (["dflash"] if HAS_DFLASH else [])
+MESHES = ["2x4", "4x2", "1x8"]
+
+
+# Default: each model meets every mesh and, between the two models, every drafter.
+DEFAULT_CASES = {
+    "divisible": ["ar@1x8", "ngram@4x2", ("dflash" if HAS_DFLASH else "draft_model") + "@2x4"],
+    "nondivisible": ["draft_model@2x4", "ngram@1x8", ("dflash" if HAS_DFLASH else "ar") + "@4x2"],
+}
+
+
+def worker_cases(model: str) -> list[str]:
+    if os.environ.get("SPEC_JAX_FULL_SHARDING"):
+        return [f"{d}@{m}" for d in DRAFTERS for m in MESHES]
+    return DEFAULT_CASES[model]
+
+
+@pytest.fixture(scope="module")
+def worker_results() -> dict:
+    """Run both models' workers at once (each is one process with 8 fake devices)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(WORKER.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    procs = {
+        model: subprocess.Popen(
+            [sys.executable, str(WORKER), model, ",".join(worker_cases(model))],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for model in ("divisible", "nondivisible")
+    }
+    results = {}
+    for model, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{model} worker failed:\n{stderr[-4000:]}"
+        results[model] = json.loads(stdout.strip().splitlines()[-1])
+        results[model]["stderr"] = stderr
+    return results
+
+
+@pytest.mark.parametrize("model", ["divisible", "nondivisible"])
+def test_sharded_generate_matches_unsharded(worker_results, model):
+    result = worker_results[model]
+    assert result["devices"] == 8
+    assert sorted(result["cases"]) == sorted(worker_cases(model))
+    for name, case in result["cases"].items():
+        # Token-identical to the unsharded greedy AR baseline.
+        assert case["equal"], name
+        assert case["guarded_equal"], name
+        # One compiled while loop, no host callbacks / infeed / outfeed / send / recv in it,
+        # and it ran with implicit transfers disallowed.
+        assert case["has_while"], name
+        assert case["host_ops"] == [], (name, case["host_ops"])
+        # The KV caches inside the compiled loop are no bigger per device than the rule says.
+        assert case["cache_within_rule"], (name, case["cache_per_device"], case["cache_types_in_hlo"])
+        # Drafter weights follow their own WeightSpec trees (same head counts as the target).
+        drafter_name, mesh_name = name.split("@")
+        if drafter_name in ("draft_model", "dflash"):
+            assert case["drafter_wq_spec"] == EXPECTED_SHARDS[(model, mesh_name)][0], name
+
+
+@pytest.mark.skipif(not HAS_DFLASH, reason="spec_jax.drafters.dflash not present yet")
+def test_sharded_dflash_is_covered(worker_results):
+    names = [n for r in worker_results.values() for n in r["cases"]]
+    assert any(n.startswith("dflash@") for n in names)
+
+
+# Expected (wq spec, cache spec) per model and mesh.
+EXPECTED_SHARDS = {
+    ("divisible", "2x4"): ("P(None, None, 'model')", "P(None, 'data', None, 'model')"),
+    ("divisible", "4x2"): ("P(None, None, 'model')", "P(None, 'data', None, 'model')"),
+    # 4 KV heads do not split 8 ways: the cache and wk/wv stay whole, wq (8 heads) splits.
+    ("divisible", "1x8"): ("P(None, None, 'model')", "P()"),
+    ("nondivisible", "2x4"): ("P()", "P(None, 'data')"),
+    ("nondivisible", "4x2"): ("P()", "P(None, 'data')"),
+    ("nondivisible", "1x8"): ("P()", "P()"),
+}
+
+
+@pytest.mark.parametrize("model", ["divisible", "nondivisible"])
+def test_params_and_caches_are_sharded(worker_results, model):
+    result = worker_results[model]
+    for mesh_name, shards in result["shards"].items():
+        data, parts = (int(x) for x in mesh_name.split("x"))
+        wq_spec, cache_spec = EXPECTED_SHARDS[(model, mesh_name)]
+        assert shards["specs"]["wq"] == wq_spec, mesh_name
+        assert shards["cache_spec"] == cache_spec, mesh_name
+        assert shards["specs"]["embed"] == "P('model',)"  # vocab 128 divides every model axis
+        assert shards["specs"]["w_up"] == "P(None, None, 'model')"
+        assert shards["num_devices_holding"] == 8
+        # Bytes per device: a sharded wq holds 1/model of the weight on each device.
+        wq_share = shards["wq_bytes"] // parts if wq_spec != "P()" else shards["wq_bytes"]
+        assert set(shards["wq_shard_bytes"]) == {wq_share}, mesh_name
+        (per_device,) = shards["param_bytes_per_device"]  # every device holds the same
+        assert per_device < shards["param_bytes_total"], mesh_name
+        if model == "divisible" and mesh_name != "1x8":
+            # Everything but the norms is split over `model`.
+            assert per_device < shards["param_bytes_total"] / parts * 1.1, mesh_name
+    if model == "nondivisible":
+        # The replication note is logged once per weight tree and mesh, not once per call.
+        note = "(2, 72, 9, 8): dim 2 (q_heads=9) over model="
+        lines = [line for line in result["stderr"].splitlines() if note in line]
+        meshes_with_model = {m for m in result["shards"] if not m.endswith("x1")}
+        assert len(lines) == len(meshes_with_model), lines
