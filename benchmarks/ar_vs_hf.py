@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     stop_ids = stop_ids_for(target, chatting=True)
     print(f"spec_jax target {target.source}; stop ids {stop_ids}", file=sys.stderr)
 
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     hf.eval()
 
     def run_hf(ids, max_new_tokens):
