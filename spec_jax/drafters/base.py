@@ -11,13 +11,15 @@ Positions: after a step, `lengths[b]` tokens of row b are committed and the last
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 from flax import struct
 
-from spec_jax.decoding.sampling import SamplingParams
 from spec_jax.models.config import ModelConfig
+
+if TYPE_CHECKING:  # decoding imports this module; avoid the cycle at run time
+    from spec_jax.decoding.sampling import SamplingParams
 
 Params = Any
 DrafterState = Any

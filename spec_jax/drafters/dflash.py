@@ -28,6 +28,7 @@ from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling
 from spec_jax.models.decoder import (
     KVCache,
     attend,
+    attention_output,
     embed,
     lm_head,
     mlp,
@@ -318,6 +319,88 @@ def _attention_mask(
     return in_window & ((diff >= 0) | ~causal)
 
 
+def context_kv(
+    cfg: DFlashConfig, params: Params, captured: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Captured target hidden states [B, T, n*H] -> context k, v [L, B, T, Kv, D] of every layer.
+
+    fc -> hidden_norm, then each layer's k/v projection; context features skip input_layernorm,
+    k_norm and RoPE (at `positions` [B, T]) apply as to the block's own keys.
+    """
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    with jax.named_scope("dflash_context"):
+        ctx = jnp.einsum("btc,ch->bth", captured.astype(params["fc"].dtype), params["fc"])
+        ctx = rms_norm(ctx, params["hidden_norm"], cfg.rms_norm_eps)  # [B, T, H]
+
+        def layer_kv(lp):
+            _, k, v = project_qkv(lp, ctx)  # [B, T, Kv, D]; q is unused (dropped by XLA)
+            k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
+            return k, v
+
+        return jax.vmap(layer_kv)(params["layers"])
+
+
+def dflash_hidden(
+    cfg: DFlashConfig,
+    params: Params,
+    x: jax.Array,
+    positions: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_positions: jax.Array,
+    ctx_visible: jax.Array,
+    block_visible: jax.Array,
+) -> jax.Array:
+    """The draft layers over block inputs; shared by drafting (one block) and training (many).
+
+    x [B, Tq, H] block embeddings at positions [B, Tq]; ctx_k/ctx_v [L, B, S, Kv, D] context at
+    ctx_positions [B, S]; ctx_visible [B, Tq, S] and block_visible [B, Tq, Tq] say which context
+    entries and block tokens each query may see, before each layer's window/causality rules.
+    Returns the final-normed hidden states [B, Tq, H].
+    """
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def layer(x, xs):
+        lp, layer_ctx_k, layer_ctx_v, window, causal = xs  # layer_ctx_k/v: [B, S, Kv, D]
+        with jax.named_scope("attention"):
+            h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = project_qkv(lp, h)  # q [B, Tq, N, D]; k, v [B, Tq, Kv, D]
+            q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
+            k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
+            keys = jnp.concatenate([layer_ctx_k, k], axis=1)  # [B, S+Tq, Kv, D]
+            values = jnp.concatenate([layer_ctx_v, v], axis=1)
+            ctx_mask = ctx_visible & _attention_mask(positions, ctx_positions, window, causal)
+            block_mask = block_visible & _attention_mask(positions, positions, window, causal)
+            mask = jnp.concatenate([ctx_mask, block_mask], axis=-1)  # [B, Tq, S+Tq]
+            x = x + attention_output(lp, attend(q, keys, values, mask))
+        with jax.named_scope("mlp"):
+            x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+        return x, None
+
+    xs = (
+        params["layers"],
+        ctx_k,
+        ctx_v,
+        jnp.asarray(cfg.layer_windows, jnp.int32),
+        jnp.asarray(cfg.layer_causal, bool),
+    )
+    with jax.named_scope("dflash_block"):
+        x, _ = jax.lax.scan(layer, x, xs)
+        return rms_norm(x, params["norm"], cfg.rms_norm_eps)
+
+
+def dflash_logits(cfg: DFlashConfig, target: Target, hidden: jax.Array) -> jax.Array:
+    """Draft logits [B, T, V] f32 through the target's own LM head (plus the optional
+    output_multiplier and final-logit softcap)."""
+    logits = lm_head(target.params, target.cfg, hidden)
+    if cfg.output_multiplier is not None:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping:
+        cap = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
 @dataclasses.dataclass(frozen=True)
 class DFlashDrafter:
     """The DFlash drafter (see the module docstring). Hashable: a static argument of the loop.
@@ -355,19 +438,7 @@ class DFlashDrafter:
         self, params: Params, cache: KVCache, captured: jax.Array, positions: jax.Array
     ) -> KVCache:
         """Project captured target hidden states [B, T, n*H] and write their k/v at positions [B, T]."""
-        cfg = self.cfg
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        with jax.named_scope("dflash_context"):
-            ctx = jnp.einsum("btc,ch->bth", captured.astype(params["fc"].dtype), params["fc"])
-            ctx = rms_norm(ctx, params["hidden_norm"], cfg.rms_norm_eps)  # [B, T, H]
-
-            def layer_kv(lp):
-                # Context features skip input_layernorm; q is unused (dropped by XLA).
-                _, k, v = project_qkv(lp, ctx)  # [B, T, Kv, D]
-                k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
-                return k, v
-
-            k, v = jax.vmap(layer_kv)(params["layers"])  # [L, B, T, Kv, D]
+        k, v = context_kv(self.cfg, params, captured, positions)  # [L, B, T, Kv, D]
         rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
         return cache.replace(
             k=cache.k.at[:, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
@@ -431,47 +502,15 @@ class DFlashDrafter:
         x = embed(target.params, block).astype(params["fc"].dtype)  # [B, b, H]
         if cfg.input_embedding_scale is not None:
             x = x * cfg.input_embedding_scale
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         capacity = state.capacity
         slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
-        ctx_valid = slots < state.lengths[:, None]  # [B, S]
-
-        def layer(x, xs):
-            lp, ctx_k, ctx_v, window, causal = xs  # ctx_k/v: [B, S, Kv, D]
-            with jax.named_scope("attention"):
-                h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-                q, k, v = project_qkv(lp, h)  # q [B, b, N, D]; k, v [B, b, Kv, D]
-                q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
-                k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
-                keys = jnp.concatenate([ctx_k, k], axis=1)  # [B, S+b, Kv, D]
-                values = jnp.concatenate([ctx_v, v], axis=1)
-                ctx_mask = ctx_valid[:, None, :] & _attention_mask(positions, slots, window, causal)
-                block_mask = _attention_mask(positions, positions, window, causal)  # [B, b, b]
-                mask = jnp.concatenate([ctx_mask, block_mask], axis=-1)  # [B, b, S+b]
-                attn = attend(q, keys, values, mask)  # [B, b, N, D]
-                x = x + jnp.einsum("btnd,ndh->bth", attn, lp["wo"])
-            with jax.named_scope("mlp"):
-                x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
-            return x, None
-
-        xs = (
-            params["layers"],
-            state.k,
-            state.v,
-            jnp.asarray(cfg.layer_windows, jnp.int32),
-            jnp.asarray(cfg.layer_causal, bool),
+        ctx_visible = (slots < state.lengths[:, None])[:, None, :]  # [B, 1, S]
+        block_visible = jnp.ones((batch, b, b), bool)
+        x = dflash_hidden(
+            cfg, params, x, positions, state.k, state.v, slots, ctx_visible, block_visible
         )
-        with jax.named_scope("dflash_block"):
-            x, _ = jax.lax.scan(layer, x, xs)
-            x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
         # Block position i + 1 predicts draft i; the anchor's own output is unused.
-        logits = lm_head(target.params, target.cfg, x[:, 1 : 1 + self.k])  # [B, K, V]
-        if cfg.output_multiplier is not None:
-            logits = logits * cfg.output_multiplier
-        if cfg.final_logit_softcapping:
-            cap = cfg.final_logit_softcapping
-            logits = jnp.tanh(logits / cap) * cap
-        return logits
+        return dflash_logits(cfg, target, x[:, 1 : 1 + self.k])  # [B, K, V]
 
     def propose(
         self,
