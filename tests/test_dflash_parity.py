@@ -1,0 +1,230 @@
+"""DFlash parity with the reference `dflash` package (PyTorch), and greedy DFlash == AR.
+
+Tiny random HF targets (Qwen3 and Llama) are saved and loaded with spec_jax's HF loader; random
+reference drafters are first fitted (a few hundred torch Adam steps on the target's own greedy
+continuations of the test prompts) so that acceptance lengths vary, then saved with
+`save_pretrained` and loaded with `load_dflash`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dflash_testlib import (
+    MASK_ID,
+    VOCAB,
+    context_features,
+    fit_drafter,
+    greedy_sequences,
+    make_reference_drafter,
+    make_target,
+)
+from spec_jax.checkpoints.dflash import load_dflash
+from spec_jax.decoding import loop
+from spec_jax.decoding.generate import default_capacity, generate, prompt_bucket
+from spec_jax.decoding.sampling import SamplingParams
+from spec_jax.drafters.base import Target
+from spec_jax.models.decoder import forward, init_cache
+
+PROMPT_LENGTHS = (5, 7, 10, 12, 9, 6, 11, 8)
+SEQ_LENGTH = 80  # prompt + greedy continuation used for fitting and checked generations
+MAX_NEW = 48
+FIT_STEPS = {4: 150, 8: 200, 16: 300}  # by block size: enough for varied acceptance
+
+# name -> (target kind, reference drafter kwargs)
+CASES = {
+    "qwen3-1layer-mha-b4": ("qwen3", dict(num_layers=1, block_size=4, num_key_value_heads=4)),
+    "qwen3-3layer-gqa-sliding-b16": (
+        "qwen3",
+        dict(
+            num_layers=3,
+            block_size=16,
+            num_key_value_heads=1,
+            target_layer_ids=[0, 2, 4],
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+            use_sliding_window=True,
+            sliding_window=6,
+        ),
+    ),
+    "llama-2layer-gqa-causal-extras-b8": (
+        "llama",
+        dict(
+            num_layers=2,
+            block_size=8,
+            num_key_value_heads=2,
+            is_causal=True,
+            input_embedding_scale=1.5,
+            output_multiplier=0.8,
+            final_logit_softcapping=20.0,
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """kind -> (torch model, spec_jax Target, prompts, fitting sequences)."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, MASK_ID, n).tolist() for n in PROMPT_LENGTHS]
+    out = {}
+    for kind in ("qwen3", "llama"):
+        model, cfg, params = make_target(kind, tmp_path_factory.mktemp(kind))
+        target = Target(jax.tree.map(jnp.asarray, params), cfg)
+        out[kind] = (model, target, prompts, greedy_sequences(model, prompts, SEQ_LENGTH))
+    return out
+
+
+_FITTED: dict[str, tuple] = {}
+
+
+def fitted_case(name, targets, tmp_path_factory):
+    """(name, torch target, Target, prompts, reference drafter, DFlashDrafter, params), fitted once
+    per test session and shared by every test of the case."""
+    if name not in _FITTED:
+        kind, kwargs = CASES[name]
+        model, target, prompts, seqs = targets[kind]
+        reference = make_reference_drafter(model, **dict(kwargs))
+        t0 = time.perf_counter()
+        loss = fit_drafter(reference, model, seqs, steps=FIT_STEPS[kwargs["block_size"]], lr=1e-2)
+        print(f"{name}: fitted in {time.perf_counter() - t0:.1f}s, loss {loss:.2f}")
+        path = tmp_path_factory.mktemp(name.replace("-", "_"))
+        reference.save_pretrained(path)
+        drafter, params = load_dflash(path)
+        params = jax.tree.map(jnp.asarray, params)
+        _FITTED[name] = (name, model, target, prompts, reference, drafter, params)
+    return _FITTED[name]
+
+
+@pytest.fixture(params=list(CASES))
+def case(request, targets, tmp_path_factory):
+    return fitted_case(request.param, targets, tmp_path_factory)
+
+
+def test_draft_logits_match_reference(case, targets):
+    name, model, target, prompts, reference, drafter, params = case
+    seqs = targets[CASES[name][0]][3]
+    b = drafter.cfg.block_size
+    scale = float(reference.config.dflash_config.get("input_embedding_scale", 1.0))
+
+    @jax.jit
+    def spec_jax_logits(tokens, anchor):
+        # Capture from spec_jax's own target forward, init the context, draft from the anchor.
+        capacity = tokens.shape[1]
+        positions = jnp.arange(capacity)[None]
+        _, captured, _ = forward(
+            target.params, target.cfg, tokens, positions, init_cache(target.cfg, 1, capacity),
+            drafter.capture_layers,
+        )
+        state = drafter.init(params, target, tokens, anchor[None], captured, capacity)
+        return drafter.draft_logits(params, target, state, tokens, anchor[None] + 1)
+
+    for row, anchor in ((0, 9), (1, 27), (5, 60)):
+        seq = seqs[row : row + 1]
+        # Reference: context = the target's hidden states before the anchor, in one forward.
+        feats = context_features(model, seq[:, :anchor], reference.target_layer_ids)
+        block = torch.full((1, b), MASK_ID)
+        block[0, 0] = seq[0, anchor]
+        with torch.no_grad():
+            hidden = reference(
+                target_hidden=feats,
+                noise_embedding=torch.nn.functional.embedding(block, model.get_input_embeddings().weight) * scale,
+                position_ids=torch.arange(anchor + b)[None],
+            )
+            expected = reference.compute_logits(hidden[:, 1:], model.lm_head).numpy()
+        logits = spec_jax_logits(jnp.asarray(seq.numpy(), jnp.int32), jnp.asarray(anchor))
+        err = float(np.max(np.abs(np.asarray(logits) - expected)))
+        print(f"{name}: anchor {anchor}: max |draft logit diff| = {err:.2e}")
+        assert err < 1e-4, f"{name}: draft logits differ from the reference by {err}"
+
+
+def _spec_jax_steps(target, drafter, params, prompt, max_new):
+    """Run the loop step by step (batch 1); -> (generated tokens, accepted+1 per step)."""
+    bucket = prompt_bucket(len(prompt))
+    capacity = default_capacity(bucket, max_new, drafter.k)
+    prompt_tokens = jnp.zeros((1, bucket), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))
+    sampling = SamplingParams.create(0.0)
+    stop_ids = jnp.full((loop.MAX_STOP_IDS,), -1, jnp.int32)
+    cap = jnp.asarray(max_new, jnp.int32)
+    prefill = jax.jit(loop.prefill, static_argnames=("drafter", "capacity"))
+    step = jax.jit(loop.speculative_step, static_argnames=("drafter",))
+    state = prefill(
+        target, drafter, params, prompt_tokens, jnp.array([len(prompt)]), jax.random.key(0),
+        sampling, cap, stop_ids, capacity=capacity,
+    )
+    per_step = []
+    while not bool(state.done[0]):
+        accepted_before = int(state.stats.accepted[0])
+        state = step(state, target, drafter, params, sampling, cap, stop_ids)
+        per_step.append(int(state.stats.accepted[0]) - accepted_before + 1)
+    generated = np.asarray(state.tokens[0, len(prompt) : int(state.lengths[0])]).tolist()
+    return generated, per_step
+
+
+def test_greedy_generation_matches_reference(case, monkeypatch):
+    import dflash.model as reference_module
+
+    # The reference times with torch.cuda.synchronize when asked for stats; this is a CPU run.
+    monkeypatch.setattr(reference_module, "_cuda_time", time.perf_counter)
+    name, model, target, prompts, reference, drafter, params = case
+    b = drafter.cfg.block_size
+    all_steps = []
+    for prompt in prompts[2:4]:
+        result = reference_module.dflash_generate(
+            reference, model, torch.tensor([prompt]), max_new_tokens=MAX_NEW, stop_token_ids=None,
+            return_stats=True,
+        )
+        expected_tokens = result.output_ids[0, len(prompt) :].tolist()
+        tokens, steps = _spec_jax_steps(target, drafter, params, prompt, MAX_NEW)
+        assert tokens == expected_tokens, f"{name}: generated tokens differ from the reference"
+        # Compare the steps where the reference verified a full block and nothing was cut by the
+        # length cap (its last blocks shrink to fit max_new_tokens).
+        max_length = len(prompt) + MAX_NEW
+        start, compared = len(prompt), 0
+        for i, produced in enumerate(result.acceptance_lengths):
+            if start + b + 1 > max_length:
+                break
+            assert steps[i] == produced, (
+                f"{name}: step {i} accepted {steps[i] - 1} drafts, the reference {produced - 1}; "
+                f"spec_jax {steps}, reference {result.acceptance_lengths}"
+            )
+            start += produced
+            compared += 1
+        assert compared >= 3
+        all_steps += steps[:compared]
+        print(f"{name}: acceptance lengths {steps[:compared]}")
+    assert len(set(all_steps)) > 1, f"{name}: acceptance never varies ({all_steps}); fit the drafter longer"
+    assert max(all_steps) > 1
+
+
+def test_greedy_dflash_equals_autoregressive(targets, tmp_path_factory):
+    name = "qwen3-3layer-gqa-sliding-b16"
+    _, _, target, prompts, _, drafter, params = fitted_case(name, targets, tmp_path_factory)
+    loaded = (target.cfg, target.params)
+    for batch_prompts in (prompts[3:4], prompts):  # batch 1, then batch 8 of mixed lengths
+        ar = generate(loaded, batch_prompts, None, max_new_tokens=40, ignore_eos=True)
+        spec = generate(loaded, batch_prompts, drafter, params, max_new_tokens=40, ignore_eos=True)
+        assert spec.generated_ids == ar.generated_ids
+        assert spec.stats.accepted > 0
+        assert spec.loop_steps < ar.loop_steps
+        print(
+            f"{name} batch {len(batch_prompts)}: tau {spec.stats.tau:.2f}, "
+            f"loop steps {spec.loop_steps} vs AR {ar.loop_steps}"
+        )
+
+
+def test_sampled_dflash_runs(targets, tmp_path_factory):
+    """Temperature > 0: sampled drafts with their warped probs go through the exact acceptance."""
+    _, _, target, prompts, _, drafter, params = fitted_case("qwen3-1layer-mha-b4", targets, tmp_path_factory)
+    out = generate(
+        (target.cfg, target.params), prompts[:2], drafter, params, max_new_tokens=24,
+        temperature=0.7, top_k=20, ignore_eos=True, seed=3,
+    )
+    assert [len(g) for g in out.generated_ids] == [24, 24]
+    assert all(0 <= t < VOCAB for g in out.generated_ids for t in g)
+    assert out.stats.steps > 0
