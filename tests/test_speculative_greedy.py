@@ -1,0 +1,106 @@
+"""Greedy speculative decoding is token-identical to the AR baseline, for every drafter kind.
+
+Drafter x K x batch is a Latin square (each drafter meets each K and each batch size once) so the
+suite compiles 9 speculative loops, not 27. `self` (the target drafting for itself: every draft
+accepted) and `near` (the target's weights plus noise: some accepted) share one static drafter and
+so one compile per (K, batch). `draft` is a separate random 1-layer model (almost nothing
+accepted). Rows mix prompt lengths; EOS (default stop id) ends some rows early.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_prompts
+from spec_jax.decoding import generate
+
+NEW = 40
+# Prompts with repetition (so the n-gram drafter finds matches) among random ones, lengths mixed.
+REPEAT = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+PROMPTS = {
+    1: make_prompts([3], seed=0),  # runs all 40 tokens without meeting EOS
+    3: make_prompts([3, 16, 1], seed=0)[:2] + [REPEAT],
+    8: make_prompts([3, 16, 1, 12, 5, 9, 2, 14], seed=0)[:6] + [REPEAT, [72, 72, 72]],
+}
+CASES = [  # (drafter, K, batch)
+    ("ngram", 1, 1), ("ngram", 4, 3), ("ngram", 8, 8),
+    ("self", 1, 3), ("self", 4, 8), ("self", 8, 1),
+    ("draft", 1, 8), ("draft", 4, 1), ("draft", 8, 3),
+]
+
+
+@pytest.fixture(scope="module")
+def ar(models):
+    return {b: generate(models.target, p, max_new_tokens=NEW) for b, p in PROMPTS.items()}
+
+
+def check_row_stats(result, k):
+    for row, (gen, s) in enumerate(zip(result.generated_ids, result.row_stats)):
+        hist = np.asarray(s.acceptance_histogram)
+        assert len(hist) == k + 1
+        assert s.drafted == k * s.steps, row
+        assert hist.sum() == s.steps, row
+        assert s.emitted == len(gen) - 1, row  # the first token comes from prefill
+        assert s.accepted == int((np.arange(k + 1) * hist).sum()), row
+        # Each step emits 1..K+1 tokens.
+        assert s.steps <= s.emitted <= (k + 1) * s.steps, row
+        # position i accepted => positions < i accepted: rates never increase along the block.
+        rates = np.asarray(s.position_acceptance)
+        assert np.all(np.diff(rates) <= 1e-9), row
+        # Rows that finished on the cap took no more steps than the loop did.
+        assert s.steps <= result.loop_steps
+    assert result.loop_steps == max(s.steps for s in result.row_stats)
+
+
+@pytest.mark.parametrize("name,k,batch", CASES, ids=[f"{n}-k{k}-b{b}" for n, k, b in CASES])
+def test_greedy_speculative_equals_ar(models, drafters, ar, name, k, batch):
+    make, params = drafters[name]
+    r = generate(models.target, PROMPTS[batch], make(k), params, max_new_tokens=NEW)
+    assert r.generated_ids == ar[batch].generated_ids
+    assert r.finish_reasons == ar[batch].finish_reasons
+    check_row_stats(r, k)
+    if name == "self":  # the target drafting for itself: every draft accepted
+        for s in r.row_stats:
+            assert s.accepted == s.drafted
+            assert s.acceptance_histogram[:k] == [0] * k
+            # K + 1 tokens per step; only the last block may be cut by the cap or a stop.
+            assert s.emitted >= (k + 1) * (s.steps - 1) + 1
+    if name == "draft":  # a random 101-token draft model: almost nothing accepted
+        assert r.stats.accepted <= 0.2 * r.stats.drafted
+
+
+def test_near_draft_model_accepts_some_and_equals_ar(models, drafters, ar):
+    """The target plus weight noise as draft model (same compile as `self`, K=4, batch 8)."""
+    make, params = drafters["near"]
+    r = generate(models.target, PROMPTS[8], make(4), params, max_new_tokens=NEW)
+    assert r.generated_ids == ar[8].generated_ids
+    check_row_stats(r, 4)
+    assert 0 < r.stats.accepted < r.stats.drafted
+
+
+def test_ngram_accepts_on_repetition(models, drafters, ar):
+    make, _ = drafters["ngram"]
+    r = generate(models.target, PROMPTS[8], make(8), None, max_new_tokens=NEW)
+    assert r.generated_ids == ar[8].generated_ids
+    # The [72, 72, 72] row's greedy output repeats 72: the n-gram drafter proposes it and wins.
+    assert r.row_stats[7].accepted > 0
+    assert r.stats.tau > 1.0
+
+
+@pytest.mark.parametrize("name", ["ngram", "self", "draft"])
+def test_greedy_with_stop_id_and_short_cap_equals_ar(models, drafters, ar, name):
+    """A stop id met inside an accepted block and a cap that ends mid-block (K=4, batch 8/3)."""
+    full = ar[8].generated_ids
+    stop = full[0][6]
+    batch, k = {"ngram": (3, 4), "self": (8, 4), "draft": (1, 4)}[name]
+    prompts = PROMPTS[batch]
+    make, params = drafters[name]
+    for kw in [dict(stop_ids=[stop]), dict(max_new_tokens=7, ignore_eos=True), dict(max_new_tokens=2)]:
+        kw = {"max_new_tokens": NEW, **kw}
+        want = generate(models.target, prompts, **kw)
+        got = generate(models.target, prompts, make(k), params, **kw)
+        assert got.generated_ids == want.generated_ids, kw
+        assert got.finish_reasons == want.finish_reasons, kw
+        assert got.compile_s == 0.0  # stop ids and caps are traced
+        check_row_stats(got, k)
