@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,11 +31,15 @@ from spec_jax.checkpoints.hf import (
 )
 from spec_jax.models.config import ModelConfig
 
+# Bump when the cached layout or the GGUF conversion changes, so old entries are not read.
+_CACHE_FORMAT = 1
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "LoadedModel",
     "apply_chat_template",
+    "default_cache_dir",
     "default_gguf_path",
     "load_gguf",
     "load_hf_dir",
@@ -62,17 +68,26 @@ class LoadedModel:
     source: str
 
 
-def load_target(spec: str | os.PathLike | None = None, dtype: str = "float32") -> LoadedModel:
-    """Load a target model from an HF dir, a hub id, a `.gguf` file, or None (the default model)."""
+def load_target(
+    spec: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    cache_dir: str | os.PathLike | None = None,
+) -> LoadedModel:
+    """Load a target model from an HF dir, a hub id, a `.gguf` file, or None (the default model).
+
+    A GGUF file is dequantized once and kept as an HF dir under `cache_dir` (default
+    `default_cache_dir()`; pass "" to disable), keyed by the file's path, size, mtime and `dtype`,
+    so later loads read plain safetensors instead of dequantizing again.
+    """
     if spec is None:
         path = default_gguf_path()
-        return _load_gguf_cached(str(path), os.path.getmtime(path), dtype, f"default:{path.name}")
+        return _load_gguf_cached(str(path), _file_key(path), dtype, _cache_root(cache_dir), f"default:{path.name}")
     text = os.fspath(spec)
     if text.endswith(".gguf"):
         path = Path(text).expanduser()
         if not path.is_file():
             raise CheckpointNotFoundError(f"GGUF file {text!r} does not exist; pass an existing .gguf file.")
-        return _load_gguf_cached(str(path.resolve()), os.path.getmtime(path), dtype, text)
+        return _load_gguf_cached(str(path.resolve()), _file_key(path), dtype, _cache_root(cache_dir), text)
     directory = resolve_hf_dir(text)
     cfg, params = load_hf_dir(directory, dtype)
     tokenizer = load_hf_tokenizer(directory)
@@ -80,11 +95,45 @@ def load_target(spec: str | os.PathLike | None = None, dtype: str = "float32") -
     return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, text)
 
 
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "spec_jax" / "gguf"
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> str:
+    if cache_dir is None:
+        return str(default_cache_dir())
+    return os.fspath(cache_dir)
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
 @functools.lru_cache(maxsize=2)
-def _load_gguf_cached(path: str, mtime: float, dtype: str, source: str) -> LoadedModel:
-    # Dequantizing costs seconds; a process that loads the same file twice (tests, a CLI that
-    # builds target and draft) gets the same immutable arrays back.
+def _load_gguf_cached(path: str, file_key: str, dtype: str, cache_root: str, source: str) -> LoadedModel:
+    # Dequantizing costs seconds: a process that loads the same file twice (tests, a CLI that
+    # builds target and draft) gets the same immutable arrays back, and other processes read the
+    # dequantized copy on disk.
+    entry = None
+    if cache_root:
+        digest = hashlib.sha256(f"{_CACHE_FORMAT}|{file_key}|{dtype}".encode()).hexdigest()[:24]
+        entry = Path(cache_root) / f"{Path(path).stem}-{digest}"
+        if (entry / "config.json").exists():
+            try:
+                cfg, params = load_hf_dir(entry, dtype)
+                tokenizer = load_hf_tokenizer(entry)
+                if tokenizer is not None:
+                    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, tokenizer.chat_template, source)
+            except CheckpointError as e:  # a damaged cache entry: rebuild it from the GGUF file
+                warnings.warn(f"spec_jax: ignoring damaged GGUF cache {entry} ({e}); rebuilding it.")
     cfg, params, tokenizer, template = load_gguf(path, dtype)
+    if entry is not None:
+        try:
+            save_hf_dir(entry, cfg, params, tokenizer=tokenizer, overwrite=True)
+        except Exception as e:  # read-only or full disk, or another process won the rename
+            warnings.warn(f"spec_jax: could not cache the dequantized GGUF at {entry} ({e}).")
     return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, source)
 
 

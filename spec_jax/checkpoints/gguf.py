@@ -163,7 +163,8 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]):
             "checkpoint's tokenizer.json."
         )
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
+    merges_field = reader.fields.get("tokenizer.ggml.merges")  # absent when a vocab has none
+    merges = [tuple(m.split(" ", 1)) for m in merges_field.contents()] if merges_field is not None else []
     types_field = reader.fields.get("tokenizer.ggml.token_type")
     token_types = types_field.contents() if types_field is not None else [1] * len(tokens)
     vocab = {tok: i for i, tok in enumerate(tokens)}

@@ -388,6 +388,7 @@ def save_hf_dir(
         os.chmod(tmp, 0o755)
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", 0o644)  # safetensors creates it owner-only
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         if path.exists():
