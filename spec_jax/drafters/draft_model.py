@@ -94,13 +94,21 @@ def self_drafter(target_cfg: ModelConfig, k: int = 4) -> DraftModelDrafter:
     return DraftModelDrafter(cfg=target_cfg, k=k)
 
 
+def _probe_ids(tokenizer: Any, text: str) -> list[int]:
+    encoded = tokenizer.encode(text, add_special_tokens=False)
+    # transformers tokenizers return a list; a raw `tokenizers.Tokenizer` an Encoding (no __eq__).
+    return list(getattr(encoded, "ids", encoded))
+
+
 def check_same_tokenizer(target_tokenizer: Any, draft_tokenizer: Any) -> None:
-    """Raise when drafter and target tokenize differently (ids would mean different text)."""
+    """Raise when drafter and target tokenize differently (ids would mean different text).
+
+    Accepts transformers tokenizers and raw `tokenizers.Tokenizer` objects."""
     if target_tokenizer is None or draft_tokenizer is None:
         return
     probe = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # é 中"
-    a = target_tokenizer.encode(probe, add_special_tokens=False)
-    b = draft_tokenizer.encode(probe, add_special_tokens=False)
+    a = _probe_ids(target_tokenizer, probe)
+    b = _probe_ids(draft_tokenizer, probe)
     if a != b or target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise ValueError(
             "The draft model's tokenizer differs from the target's, so its token ids mean "
