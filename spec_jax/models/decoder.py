@@ -193,13 +193,16 @@ def forward(
             q = rope(q, positions, inv_freq)
             k = rope(k, positions, inv_freq)
             # Write this pass's keys at their positions; positions past capacity are dropped.
-            k_cache = k_cache.at[layer_idx, rows, positions].set(k, mode="drop")
-            v_cache = v_cache.at[layer_idx, rows, positions].set(v, mode="drop")
+            k_cache = k_cache.at[layer_idx, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[layer_idx, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
             mask = causal_window_mask(positions, k_pos, window)
-            attn = attend(q, k_cache[layer_idx], v_cache[layer_idx], mask)
-            x = x + attention_output(lp, attn)
+            # The cache may be stored in another dtype than the params compute in.
+            attn = attend(
+                q, k_cache[layer_idx].astype(q.dtype), v_cache[layer_idx].astype(q.dtype), mask
+            )
+            x = x + attention_output(lp, attn).astype(x.dtype)
         with jax.named_scope("mlp"):
-            x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+            x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)).astype(x.dtype)
         if capture:
             idx = jnp.maximum(slot, 0)
             captured = captured.at[idx].set(jnp.where(slot >= 0, x, captured[idx]))

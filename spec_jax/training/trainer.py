@@ -79,7 +79,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, se
         )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return jax.jit(step, donate_argnums=(0,))
@@ -179,6 +179,7 @@ def train(
     from tqdm.auto import tqdm
 
     optimizer = make_optimizer(cfg)
+    init_params = jax.tree_util.tree_map(jnp.array, init_params)  # the step donates its state
     state = TrainState(
         step=jnp.zeros((), jnp.int32), params=init_params, opt_state=optimizer.init(init_params)
     )

@@ -1,0 +1,235 @@
+"""End-to-end drafter training for a target: features, the loop, held-out tau, export, report.
+
+Used by `spec-jax train dflash|draft-model`. Exports in the format `--drafter` loads: DFlash in the
+z-lab format (`spec_jax.checkpoints.dflash.save_dflash`), a draft model as an HF directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.decoder import init_params
+from spec_jax.training.data import TokenDataset, humaneval_prompts, iterate_batches
+from spec_jax.training.features import compute_features, gather_features
+from spec_jax.training.trainer import TrainConfig, TrainResult, train
+
+
+def smollm2_dflash_config(target_cfg: ModelConfig, block_size: int = 8, num_layers: int = 2):
+    """A DFlash drafter shaped for a target: the target's width and heads, Qwen3-style layers,
+    context from four target layers spread over its depth, an unused special token as mask."""
+    from spec_jax.drafters.dflash import DFlashConfig
+
+    n = target_cfg.num_layers
+    ids = tuple(sorted({int(round(1 + i * (n - 4) / 3)) for i in range(4)}))
+    return DFlashConfig(
+        num_layers=num_layers,
+        hidden_size=target_cfg.hidden_size,
+        num_heads=target_cfg.num_heads,
+        num_kv_heads=target_cfg.num_kv_heads,
+        head_dim=target_cfg.head_dim,
+        intermediate_size=target_cfg.intermediate_size,
+        block_size=block_size,
+        target_layer_ids=ids,
+        mask_token_id=7,  # SmolLM2 '<gh_stars>': never produced in chat; any fixed id works
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope_theta=target_cfg.rope_theta,
+        num_target_layers=n,
+        vocab_size=target_cfg.vocab_size,
+    )
+
+
+def small_draft_config(target_cfg: ModelConfig, hidden: int = 256, layers: int = 2) -> ModelConfig:
+    """A small Llama-style draft LM with the target's vocabulary."""
+    heads = max(hidden // 64, 1)
+    return ModelConfig(
+        vocab_size=target_cfg.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=max(heads // 2, 1),
+        head_dim=64,
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope_theta=target_cfg.rope_theta,
+        tie_embeddings=True,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        architecture="llama",
+        bos_token_id=target_cfg.bos_token_id,
+        eos_token_ids=target_cfg.eos_token_ids,
+    )
+
+
+def init_draft_from_target(student_cfg: ModelConfig, target_params: Any, key: jax.Array) -> Any:
+    """Random draft params whose embedding is the target's projected onto its top principal
+    directions: the student starts knowing which tokens are alike, which saves many steps."""
+    params = init_params(student_cfg, key)
+    emb = np.asarray(target_params["embed"], np.float32)
+    centered = emb - emb.mean(0)
+    _, _, vt = np.linalg.svd(centered[:: max(len(emb) // 8192, 1)], full_matrices=False)
+    proj = centered @ vt[: student_cfg.hidden_size].T
+    proj = proj / proj.std() * 0.02 * np.sqrt(student_cfg.hidden_size / 64)
+    params["embed"] = jnp.asarray(proj, params["embed"].dtype)
+    return params
+
+
+def held_out_tau(
+    target: Any, drafter: Any, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> dict[str, float]:
+    from spec_jax.decoding.generate import generate
+
+    result = generate(target, prompts, drafter, params, max_new_tokens=max_new_tokens, ignore_eos=True)
+    return {"tau": result.stats.tau, "accepted_per_step": result.stats.accepted / max(result.stats.steps, 1)}
+
+
+def encoded_eval_prompts(target: Any, count: int) -> list[list[int]]:
+    from spec_jax.checkpoints import apply_chat_template
+
+    return [
+        apply_chat_template(target.tokenizer, p.text, target.chat_template)
+        for p in humaneval_prompts(held_out=True)[:count]
+    ]
+
+
+def _batches(data: TokenDataset, features, cfg: TrainConfig, with_captured: bool):
+    def batches(start: int):
+        for b in iterate_batches(data, cfg.batch_size, cfg.seq_len, cfg.seed, start):
+            captured, final = gather_features(data, features, b.picks, cfg.seq_len)
+            batch = {
+                "tokens": b.tokens,
+                "lengths": b.lengths,
+                "prompt_lengths": b.prompt_lengths,
+                "final": final,
+            }
+            if with_captured:
+                batch["captured"] = captured
+            yield batch
+
+    return batches
+
+
+def write_report(out_dir: Path, name: str, result: TrainResult, meta: dict[str, Any]) -> None:
+    """training_log.json and a training-curve PNG (loss, accuracy, held-out tau)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = {**meta, "seconds": result.seconds, "history": result.history, "evals": result.evals}
+    (out_dir / "training_log.json").write_text(json.dumps(log, indent=1))
+    steps = [h["step"] for h in result.history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [h["loss"] for h in result.history])
+    axes[0].set(title=f"{name}: training loss", xlabel="step")
+    axes[1].plot(steps, [h.get("accuracy", np.nan) for h in result.history], label="token accuracy")
+    if any("accept_run" in h for h in result.history):
+        axes[1].plot(steps, [h.get("accept_run", np.nan) for h in result.history], label="leading run")
+    axes[1].set(title="training accuracy", xlabel="step")
+    axes[1].legend()
+    axes[2].plot([e["step"] for e in result.evals], [e["tau"] for e in result.evals], "o-")
+    axes[2].set(title="held-out tau (tokens / verify step)", xlabel="step")
+    fig.tight_layout()
+    fig.savefig(out_dir / "training_curve.png", dpi=110)
+    plt.close(fig)
+
+
+def train_dflash(
+    target: Any,
+    data: TokenDataset,
+    out_dir: str | Path,
+    cfg: TrainConfig,
+    dflash_cfg: Any = None,
+    num_anchors: int = 8,
+    kl_weight: float = 0.0,
+    eval_prompts: int = 4,
+    eval_tokens: int = 64,
+    progress: bool = True,
+) -> tuple[Any, Any, TrainResult]:
+    from spec_jax.checkpoints.dflash import save_dflash
+    from spec_jax.drafters.dflash import DFlashDrafter, check_compatible, init_dflash_params
+    from spec_jax.training.dflash import DFlashLoss
+
+    out_dir = Path(out_dir)
+    dflash_cfg = dflash_cfg or smollm2_dflash_config(target.cfg)
+    check_compatible(dflash_cfg, target.cfg)
+    t0 = time.perf_counter()
+    features = compute_features(
+        target.params, target.cfg, data, dflash_cfg.target_layer_ids, cfg.seq_len, progress=progress
+    )
+    feature_s = time.perf_counter() - t0
+    drafter = DFlashDrafter(dflash_cfg)
+    prompts = encoded_eval_prompts(target, eval_prompts)
+    loss = DFlashLoss(dflash_cfg, target.cfg, num_anchors=num_anchors, kl_weight=kl_weight)
+    result = train(
+        loss,
+        init_dflash_params(dflash_cfg, jax.random.key(cfg.seed)),
+        target.params,
+        _batches(data, features, cfg, with_captured=True),
+        cfg,
+        out_dir,
+        run_config={"kind": "dflash", "drafter": dataclasses.asdict(dflash_cfg), "anchors": num_anchors,
+                    "kl_weight": kl_weight, "data_tokens": data.num_tokens},
+        evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
+        progress=progress,
+    )
+    save_dflash(out_dir / "drafter", dflash_cfg, jax.device_get(result.state.params), overwrite=True)
+    write_report(out_dir, "DFlash", result, {
+        "kind": "dflash", "data_sequences": len(data), "data_tokens": data.num_tokens,
+        "feature_seconds": feature_s, "train": dataclasses.asdict(cfg),
+    })
+    return drafter, result.state.params, result
+
+
+def train_draft_model(
+    target: Any,
+    data: TokenDataset,
+    out_dir: str | Path,
+    cfg: TrainConfig,
+    student_cfg: ModelConfig | None = None,
+    kl_weight: float = 1.0,
+    eval_prompts: int = 4,
+    eval_tokens: int = 64,
+    k: int = 4,
+    progress: bool = True,
+) -> tuple[Any, Any, TrainResult]:
+    from spec_jax.checkpoints import save_hf_dir
+    from spec_jax.drafters.draft_model import DraftModelDrafter
+    from spec_jax.training.draft_model import DraftModelLoss
+
+    out_dir = Path(out_dir)
+    student_cfg = student_cfg or small_draft_config(target.cfg)
+    t0 = time.perf_counter()
+    features = compute_features(target.params, target.cfg, data, (), cfg.seq_len, progress=progress)
+    feature_s = time.perf_counter() - t0
+    drafter = DraftModelDrafter(student_cfg, k=k)
+    prompts = encoded_eval_prompts(target, eval_prompts)
+    result = train(
+        DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight),
+        init_draft_from_target(student_cfg, target.params, jax.random.key(cfg.seed)),
+        target.params,
+        _batches(data, features, cfg, with_captured=False),
+        cfg,
+        out_dir,
+        run_config={"kind": "draft-model", "student": dataclasses.asdict(student_cfg),
+                    "kl_weight": kl_weight, "data_tokens": data.num_tokens},
+        evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
+        progress=progress,
+    )
+    save_hf_dir(
+        out_dir / "drafter", student_cfg, jax.device_get(result.state.params),
+        tokenizer=target.tokenizer, overwrite=True,
+    )
+    write_report(out_dir, "draft model", result, {
+        "kind": "draft-model", "data_sequences": len(data), "data_tokens": data.num_tokens,
+        "feature_seconds": feature_s, "train": dataclasses.asdict(cfg),
+    })
+    return drafter, result.state.params, result

@@ -1,0 +1,170 @@
+"""Drafter training: loss goes down, checkpoints restore exactly, resume == uninterrupted,
+bad checkpoints fail clearly, and exported drafters load and stay exact."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax.checkpoints import load_target
+from spec_jax.checkpoints.dflash import load_dflash
+from spec_jax.decoding import generate
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
+from spec_jax.drafters.draft_model import DraftModelDrafter
+from spec_jax.models import ModelConfig, init_params
+from spec_jax.training.data import TokenDataset, iterate_batches
+from spec_jax.training.dflash import DFlashLoss
+from spec_jax.training.draft_model import DraftModelLoss
+from spec_jax.training.features import compute_features, gather_features
+from spec_jax.training.trainer import Checkpointer, TrainConfig, TrainState, make_optimizer, train
+
+SEQ_LEN = 40
+TARGET = ModelConfig(
+    vocab_size=101, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+    num_kv_heads=2, head_dim=16, architecture="qwen3", qk_norm=True, eos_token_ids=(),
+)
+DFLASH = DFlashConfig(
+    num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+    block_size=4, target_layer_ids=(1, 2), mask_token_id=100, num_target_layers=4, vocab_size=101,
+)
+STUDENT = ModelConfig(
+    vocab_size=101, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+    num_kv_heads=1, head_dim=16, tie_embeddings=True,
+)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target_params = init_params(TARGET, jax.random.key(0), scale=3.0)
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(0, 100, rng.randint(3, 9))) for _ in range(32)]
+    out = generate((TARGET, target_params), prompts, max_new_tokens=24)
+    data = TokenDataset.from_sequences(
+        [p + g for p, g in zip(prompts, out.generated_ids)], [len(p) for p in prompts], ["test"] * 32
+    )
+    features = compute_features(target_params, TARGET, data, DFLASH.target_layer_ids, SEQ_LEN, progress=False)
+    return target_params, data, features, prompts
+
+
+def _batches(data, features, cfg):
+    def batches(start):
+        for b in iterate_batches(data, cfg.batch_size, cfg.seq_len, cfg.seed, start):
+            captured, final = gather_features(data, features, b.picks, cfg.seq_len)
+            yield dict(tokens=b.tokens, lengths=b.lengths, prompt_lengths=b.prompt_lengths,
+                       captured=captured, final=final)
+    return batches
+
+
+CFG = TrainConfig(steps=40, batch_size=8, seq_len=SEQ_LEN, learning_rate=3e-3, warmup_steps=5,
+                  save_every=10, log_every=10)
+
+
+def _tree_equal(a, b) -> bool:
+    return all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "draft_model"])
+def test_a_few_steps_reduce_the_loss(setup, kind):
+    target_params, data, features, _ = setup
+    if kind == "dflash":
+        loss, params = DFlashLoss(DFLASH, TARGET, num_anchors=4, kl_weight=0.5), init_dflash_params(DFLASH, jax.random.key(1))
+    else:
+        loss, params = DraftModelLoss(STUDENT, TARGET), init_params(STUDENT, jax.random.key(1))
+    result = train(loss, params, target_params, _batches(data, features, CFG), CFG, None, progress=False)
+    first, last = result.history[0]["loss"], result.history[-1]["loss"]
+    assert last < 0.9 * first, (first, last)
+    assert result.history[-1]["accuracy"] > result.history[0]["accuracy"]
+
+
+def test_save_restore_is_exact(tmp_path, setup):
+    params = init_dflash_params(DFLASH, jax.random.key(3))
+    opt = make_optimizer(CFG)
+    opt_state = opt.init(params)
+    # Take one update so the optimizer state is not all zeros.
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    state = TrainState(step=jnp.asarray(7, jnp.int32), params=params, opt_state=opt_state)
+    ckpt = Checkpointer(tmp_path, {"run": "a"})
+    ckpt.save(state)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), state)
+    restored = ckpt.restore(abstract)
+    ckpt.close()
+    assert int(restored.step) == 7
+    assert _tree_equal(restored.params, state.params)
+    assert _tree_equal(restored.opt_state, state.opt_state)
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, setup):
+    target_params, data, features, _ = setup
+    loss = DFlashLoss(DFLASH, TARGET, num_anchors=4)
+    p0 = init_dflash_params(DFLASH, jax.random.key(1))
+    batches = _batches(data, features, CFG)
+    full = train(loss, p0, target_params, batches, CFG, None, progress=False)
+    partial = train(loss, p0, target_params, batches, CFG, tmp_path, {"r": 1}, stop_after=20, progress=False)
+    assert int(partial.state.step) == 20
+    resumed = train(loss, p0, target_params, batches, CFG, tmp_path, {"r": 1}, progress=False)
+    assert int(resumed.state.step) == CFG.steps
+    assert _tree_equal(full.state.params, resumed.state.params)
+    assert _tree_equal(full.state.opt_state, resumed.state.opt_state)
+
+
+def test_corrupt_or_mismatched_checkpoint_is_a_clear_error(tmp_path, setup):
+    target_params, data, features, _ = setup
+    loss = DFlashLoss(DFLASH, TARGET, num_anchors=4)
+    p0 = init_dflash_params(DFLASH, jax.random.key(1))
+    batches = _batches(data, features, CFG)
+    train(loss, p0, target_params, batches, CFG, tmp_path / "run", {"r": 1}, stop_after=10, progress=False)
+    # Same directory, other settings: refuses to mix runs.
+    with pytest.raises(ValueError, match="different run"):
+        train(loss, p0, target_params, batches, CFG, tmp_path / "run", {"r": 2}, progress=False)
+    # Same settings, but a drafter of another shape.
+    wide = dataclasses.replace(DFLASH, intermediate_size=96)
+    with pytest.raises(ValueError, match="does not match"):
+        train(DFlashLoss(wide, TARGET, num_anchors=4), init_dflash_params(wide, jax.random.key(1)),
+              target_params, batches, CFG, tmp_path / "run", {"r": 1}, progress=False)
+    # Corrupt: the saved files are clobbered.
+    step_dir = next(p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    for f in step_dir.rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="corrupt|does not match|different run"):
+        train(loss, p0, target_params, batches, CFG, tmp_path / "run", {"r": 1}, progress=False)
+
+
+def test_dataset_roundtrip_and_missing_file(tmp_path, setup):
+    _, data, _, _ = setup
+    data.save(tmp_path / "d.npz")
+    back = TokenDataset.load(tmp_path / "d.npz")
+    assert np.array_equal(back.tokens, data.tokens) and np.array_equal(back.offsets, data.offsets)
+    train_part, held = data.split(0.25)
+    assert len(train_part) + len(held) == len(data)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TokenDataset.load(tmp_path / "missing.npz")
+    (tmp_path / "bad.npz").write_bytes(b"nope")
+    with pytest.raises(ValueError, match="not a spec_jax token dataset"):
+        TokenDataset.load(tmp_path / "bad.npz")
+
+
+def test_trained_dflash_exports_loads_and_stays_exact(tmp_path, setup):
+    from spec_jax.checkpoints.dflash import save_dflash
+
+    target_params, data, features, prompts = setup
+    loss = DFlashLoss(DFLASH, TARGET, num_anchors=4)
+    result = train(loss, init_dflash_params(DFLASH, jax.random.key(1)), target_params,
+                   _batches(data, features, CFG), CFG, None, progress=False)
+    save_dflash(tmp_path / "drafter", DFLASH, jax.device_get(result.state.params))
+    drafter, params = load_dflash(tmp_path / "drafter")
+    assert drafter.cfg == DFLASH
+    ar = generate((TARGET, target_params), prompts[:8], max_new_tokens=24)
+    before = generate((TARGET, target_params), prompts[:8], DFlashDrafter(DFLASH),
+                      init_dflash_params(DFLASH, jax.random.key(1)), max_new_tokens=24)
+    spec = generate((TARGET, target_params), prompts[:8], drafter, params, max_new_tokens=24)
+    assert spec.generated_ids == ar.generated_ids
+    # Training on the target's own continuations makes its drafts accepted more often.
+    assert spec.stats.tau > before.stats.tau
