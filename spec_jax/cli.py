@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spec-jax", description="Speculative decoding for JAX/Flax language models."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,info,train}")
 
     gen = sub.add_parser("generate", help="generate completions (all prompts as one batch)")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (a user message)")
@@ -108,6 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--drafter", nargs="+", default=["none"], metavar="KIND [PATH]")
     info.add_argument("--k", type=int, default=None)
     info.add_argument("--json", action="store_true")
+
+    train = sub.add_parser("train", help="build self-distillation data; train DFlash or a draft model")
+    train.add_argument("kind", choices=["data", "dflash", "draft-model"])
+    _add_target(train)
+    train.add_argument("--data", required=True, metavar="NPZ",
+                       help="token dataset: written by `train data`, read by the others")
+    train.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
+    train.add_argument("--num-prompts", type=int, default=384, help="data: prompts to answer")
+    train.add_argument("--answer-tokens", type=int, default=192, help="data: max tokens per answer")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--seq-len", type=int, default=320)
+    train.add_argument("--learning-rate", type=float, default=6e-4)
+    train.add_argument("--warmup-steps", type=int, default=50)
+    train.add_argument("--block-size", type=int, default=8, help="dflash: block size (K = block - 1)")
+    train.add_argument("--layers", type=int, default=2, help="drafter layers")
+    train.add_argument("--hidden", type=int, default=256, help="draft-model: width")
+    train.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
+    train.add_argument("--kl-weight", type=float, default=None,
+                       help="weight of KL to the target's logits (default: dflash 0, draft-model 1)")
+    train.add_argument("--eval-every", type=int, default=250, help="held-out tau every N steps")
+    train.add_argument("--save-every", type=int, default=200)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -349,7 +373,49 @@ def _drafter_info(spec: Any, drafter: Any, target: Any) -> dict[str, Any]:
     return out
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "info": cmd_info}
+def cmd_train(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`spec-jax train data|dflash|draft-model`: resumable; re-run the same command to continue."""
+    from spec_jax.checkpoints import load_target
+    from spec_jax.training import data as data_lib
+    from spec_jax.training import run
+    from spec_jax.training.trainer import TrainConfig
+
+    target = load_target(args.target)
+    progress = not args.no_progress
+    if args.kind == "data":
+        prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
+        dataset = data_lib.build_dataset(
+            target, prompts, max_new_tokens=args.answer_tokens, seed=args.seed, progress=progress
+        )
+        dataset.save(args.data)
+        log(f"wrote {args.data}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
+        return None
+    if not args.out:
+        raise ValueError("train dflash|draft-model needs --out DIR (checkpoints and the exported drafter).")
+    dataset = data_lib.TokenDataset.load(args.data)
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
+        save_every=args.save_every, eval_every=args.eval_every,
+    )
+    if args.kind == "dflash":
+        dflash_cfg = run.smollm2_dflash_config(target.cfg, args.block_size, args.layers)
+        _, _, result = run.train_dflash(
+            target, dataset, args.out, cfg, dflash_cfg, num_anchors=args.anchors,
+            kl_weight=args.kl_weight or 0.0, progress=progress,
+        )
+    else:
+        student = run.small_draft_config(target.cfg, args.hidden, args.layers)
+        _, _, result = run.train_draft_model(
+            target, dataset, args.out, cfg, student,
+            kl_weight=1.0 if args.kl_weight is None else args.kl_weight, progress=progress,
+        )
+    log(f"trained {result.state.step} steps in {result.seconds:.0f}s; held-out {result.evals[-1:]}; "
+        f"drafter in {args.out}/drafter")
+    return None
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "info": cmd_info, "train": cmd_train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

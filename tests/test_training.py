@@ -168,3 +168,31 @@ def test_trained_dflash_exports_loads_and_stays_exact(tmp_path, setup):
     assert spec.generated_ids == ar.generated_ids
     # Training on the target's own continuations makes its drafts accepted more often.
     assert spec.stats.tau > before.stats.tau
+
+
+@pytest.mark.parametrize("kind", ["dflash", "draft-model"])
+def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kind):
+    from spec_jax.checkpoints import save_hf_dir
+    from spec_jax.cli import main
+
+    target_params, data, _, prompts = setup
+    save_hf_dir(tmp_path / "target", TARGET, jax.device_get(target_params))
+    data.save(tmp_path / "data.npz")
+    out = tmp_path / "run"
+    args = ["train", kind, "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
+            "--out", str(out), "--steps", "6", "--batch-size", "4", "--seq-len", str(SEQ_LEN),
+            "--block-size", "4", "--layers", "1", "--hidden", "64", "--eval-every", "0", "--no-progress"]
+    assert main(args) == 0
+    assert (out / "training_curve.png").stat().st_size > 0
+    assert (out / "training_log.json").is_file()
+    ids = ",".join(map(str, prompts[0]))
+    common = ["generate", "--target", str(tmp_path / "target"), "--prompt-ids", ids,
+              "--max-new-tokens", "12", "--json"]
+    capsys.readouterr()
+    assert main(common) == 0
+    ar = capsys.readouterr().out
+    assert main(common + ["--drafter", kind, str(out / "drafter")]) == 0
+    spec = capsys.readouterr().out
+    import json
+
+    assert json.loads(spec)["results"][0]["generated_ids"] == json.loads(ar)["results"][0]["generated_ids"]

@@ -18,7 +18,7 @@ import numpy as np
 
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import init_params
-from spec_jax.training.data import TokenDataset, humaneval_prompts, iterate_batches
+from spec_jax.training.data import TokenDataset, iterate_batches
 from spec_jax.training.features import compute_features, gather_features
 from spec_jax.training.trainer import TrainConfig, TrainResult, train
 
@@ -90,13 +90,15 @@ def held_out_tau(
     return {"tau": result.stats.tau, "accepted_per_step": result.stats.accepted / max(result.stats.steps, 1)}
 
 
-def encoded_eval_prompts(target: Any, count: int) -> list[list[int]]:
-    from spec_jax.checkpoints import apply_chat_template
-
-    return [
-        apply_chat_template(target.tokenizer, p.text, target.chat_template)
-        for p in humaneval_prompts(held_out=True)[:count]
+def split_for_eval(data: TokenDataset, eval_prompts: int, seed: int) -> tuple[TokenDataset, list[list[int]]]:
+    """Hold out `eval_prompts` sequences: train on the rest, measure tau on their prompts."""
+    fraction = min(eval_prompts / max(len(data), 1), 0.5)
+    train_part, held_out = data.split(fraction, seed)
+    prompts = [
+        [int(t) for t in held_out.sequence(i)[: held_out.prompt_lengths[i]]]
+        for i in range(len(held_out))
     ]
+    return train_part, prompts[:eval_prompts]
 
 
 def _batches(data: TokenDataset, features, cfg: TrainConfig, with_captured: bool):
@@ -161,13 +163,13 @@ def train_dflash(
     out_dir = Path(out_dir)
     dflash_cfg = dflash_cfg or smollm2_dflash_config(target.cfg)
     check_compatible(dflash_cfg, target.cfg)
+    data, prompts = split_for_eval(data, eval_prompts, cfg.seed)
     t0 = time.perf_counter()
     features = compute_features(
         target.params, target.cfg, data, dflash_cfg.target_layer_ids, cfg.seq_len, progress=progress
     )
     feature_s = time.perf_counter() - t0
     drafter = DFlashDrafter(dflash_cfg)
-    prompts = encoded_eval_prompts(target, eval_prompts)
     loss = DFlashLoss(dflash_cfg, target.cfg, num_anchors=num_anchors, kl_weight=kl_weight)
     result = train(
         loss,
@@ -207,11 +209,11 @@ def train_draft_model(
 
     out_dir = Path(out_dir)
     student_cfg = student_cfg or small_draft_config(target.cfg)
+    data, prompts = split_for_eval(data, eval_prompts, cfg.seed)
     t0 = time.perf_counter()
     features = compute_features(target.params, target.cfg, data, (), cfg.seq_len, progress=progress)
     feature_s = time.perf_counter() - t0
     drafter = DraftModelDrafter(student_cfg, k=k)
-    prompts = encoded_eval_prompts(target, eval_prompts)
     result = train(
         DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight),
         init_draft_from_target(student_cfg, target.params, jax.random.key(cfg.seed)),
