@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -427,7 +428,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from spec_jax.checkpoints import CheckpointError
 
     wants_json = getattr(args, "json", False)
+    from spec_jax.sharding.distributed import initialize_distributed, is_main_process
+
     try:
+        # Multi-host (TPU pod slice, or SPEC_JAX_COORDINATOR for GPU hosts): every process runs
+        # the same program over the global mesh; only process 0 prints.
+        if initialize_distributed() and not is_main_process():
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of this process
         # Library code that prints must not corrupt the one JSON object on stdout.
         with contextlib.redirect_stdout(sys.stderr) if wants_json else contextlib.nullcontext():
             payload = COMMANDS[args.command](args)
