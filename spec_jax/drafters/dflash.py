@@ -367,12 +367,10 @@ def dflash_hidden(
             q, k, v = project_qkv(lp, h)  # q [B, Tq, N, D]; k, v [B, Tq, Kv, D]
             q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
             k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
-            keys = jnp.concatenate([layer_ctx_k, k], axis=1)  # [B, S+Tq, Kv, D]
-            values = jnp.concatenate([layer_ctx_v, v], axis=1)
             ctx_mask = ctx_visible & _attention_mask(positions, ctx_positions, window, causal)
             block_mask = block_visible & _attention_mask(positions, positions, window, causal)
-            mask = jnp.concatenate([ctx_mask, block_mask], axis=-1)  # [B, Tq, S+Tq]
-            x = x + attention_output(lp, attend(q, keys, values, mask))
+            attn = attend(q, [(layer_ctx_k, layer_ctx_v, ctx_mask), (k, v, block_mask)])
+            x = x + attention_output(lp, attn)
         with jax.named_scope("mlp"):
             x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
         return x, None

@@ -29,9 +29,9 @@ class KVCache:
     k, v:     [L, B, S, Kv, D]  S = capacity
     lengths:  [B] int32         committed tokens per row
 
-    Slot j holds the key/value of position j. A forward pass writes its tokens at their positions;
-    a query at position p only sees slots <= p, all of which are committed or were written by the
-    same pass, so rejected drafts are rolled back by setting `lengths` alone, never by clearing.
+    Slot j holds the key/value of position j. A forward pass over consecutive positions
+    p0..p0+T-1 reads only slots < p0 (committed) plus its own new keys, then writes those at their
+    positions; so rejected drafts are rolled back by setting `lengths` alone, never by clearing.
     """
 
     k: jax.Array
@@ -101,19 +101,27 @@ def project_qkv(lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arr
     return q, k, v
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention.
+def attend(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+    """Grouped-query attention over one or more key/value parts with one joint softmax.
 
-    q: [B, T, N, D]; k, v: [B, S, Kv, D]; mask: [B, T, S] bool (True = visible) -> [B, T, N, D].
+    q: [B, T, N, D]; each part (k, v, mask): k, v [B, S_i, Kv, D], mask [B, T, S_i] bool
+    (True = visible) -> [B, T, N, D]. Parts let a pass attend to a cache and to its own new keys
+    without concatenating (copying) the cache.
     """
     b, t, n, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = parts[0][0].shape[2]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, d)  # [B, T, Kv, G, D]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    scores = []
+    for k, _, mask in parts:
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores.append(jnp.where(mask[:, None, None, :, :], s / math.sqrt(d), NEG_INF))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, Kv, G, T, sum S_i]
+    out = 0.0
+    start = 0
+    for k, v, _ in parts:
+        p = probs[..., start : start + k.shape[1]].astype(q.dtype)
+        out = out + jnp.einsum("bkgts,bskd->btkgd", p, v.astype(q.dtype))
+        start += k.shape[1]
     return out.reshape(b, t, n, d)
 
 
@@ -180,10 +188,13 @@ def forward(
     capture_slot = jnp.asarray(capture_slot, jnp.int32)
     x = embed(params, tokens)
     captured0 = jnp.zeros((max(len(capture), 1), b, t, cfg.hidden_size), x.dtype)
+    # Cached slots this pass may read: those before its first position (later ones are stale
+    # drafts or about to be overwritten). Positions within a row are consecutive.
+    before_pass = k_pos[:, None, :] < positions[:, :1, None]  # [B, 1, S]
 
     def layer(carry, xs):
-        x, k_cache, v_cache, captured = carry
-        lp, layer_idx, window, slot = xs
+        x, captured = carry
+        lp, k_cached, v_cached, window, slot = xs  # k/v_cached: [B, S, Kv, D], read only
         with jax.named_scope("attention"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
             q, k, v = project_qkv(lp, h)
@@ -192,26 +203,23 @@ def forward(
                 k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
             q = rope(q, positions, inv_freq)
             k = rope(k, positions, inv_freq)
-            # Write this pass's keys at their positions; positions past capacity are dropped.
-            k_cache = k_cache.at[layer_idx, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[layer_idx, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-            mask = causal_window_mask(positions, k_pos, window)
-            # The cache may be stored in another dtype than the params compute in.
-            attn = attend(
-                q, k_cache[layer_idx].astype(q.dtype), v_cache[layer_idx].astype(q.dtype), mask
-            )
+            cached_mask = before_pass & causal_window_mask(positions, k_pos, window)
+            new_mask = causal_window_mask(positions, positions, window)
+            attn = attend(q, [(k_cached, v_cached, cached_mask), (k, v, new_mask)])
             x = x + attention_output(lp, attn).astype(x.dtype)
         with jax.named_scope("mlp"):
             x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)).astype(x.dtype)
         if capture:
             idx = jnp.maximum(slot, 0)
             captured = captured.at[idx].set(jnp.where(slot >= 0, x, captured[idx]))
-        return (x, k_cache, v_cache, captured), None
+        return (x, captured), (k, v)
 
-    xs = (params["layers"], jnp.arange(cfg.num_layers), windows, capture_slot)
-    (x, k_cache, v_cache, captured), _ = jax.lax.scan(
-        layer, (x, cache.k, cache.v, captured0), xs
-    )
+    xs = (params["layers"], cache.k, cache.v, windows, capture_slot)
+    (x, captured), (new_k, new_v) = jax.lax.scan(layer, (x, captured0), xs)
+    # One scatter per pass writes every layer's new keys/values at their positions (in place);
+    # positions past capacity are dropped.
+    k_cache = cache.k.at[:, rows, positions].set(new_k.astype(cache.k.dtype), mode="drop")
+    v_cache = cache.v.at[:, rows, positions].set(new_v.astype(cache.v.dtype), mode="drop")
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = lm_head(params, cfg, x)
     new_cache = KVCache(k=k_cache, v=v_cache, lengths=positions[:, -1] + 1)
