@@ -170,6 +170,20 @@ def forward(
     (HF `hidden_states[id + 1]`), concatenated as [B, T, len(capture) * H], or None; and the cache
     with this pass's keys/values written and `lengths` = last position + 1.
     """
+    hidden, captured, cache = forward_hidden(params, cfg, tokens, positions, cache, capture)
+    return lm_head(params, cfg, hidden), captured, cache
+
+
+def forward_hidden(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    capture: Sequence[int] = (),
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """`forward` without the LM head: final-normed hidden states [B, T, H] (for losses that need
+    logits at a few positions only)."""
     capture = tuple(capture)
     for layer_id in capture:
         if not 0 <= layer_id < cfg.num_layers:
@@ -221,10 +235,9 @@ def forward(
     k_cache = cache.k.at[:, rows, positions].set(new_k.astype(cache.k.dtype), mode="drop")
     v_cache = cache.v.at[:, rows, positions].set(new_v.astype(cache.v.dtype), mode="drop")
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = lm_head(params, cfg, x)
     new_cache = KVCache(k=k_cache, v=v_cache, lengths=positions[:, -1] + 1)
     if not capture:
-        return logits, None, new_cache
+        return x, None, new_cache
     # [n, B, T, H] -> [B, T, n * H], layer order as requested.
     captured = jnp.moveaxis(captured, 0, 2).reshape(b, t, len(capture) * cfg.hidden_size)
-    return logits, captured, new_cache
+    return x, captured, new_cache

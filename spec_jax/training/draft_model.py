@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.decoder import forward, init_cache, lm_head
+from spec_jax.models.decoder import forward_hidden, init_cache, lm_head
 from spec_jax.training.trainer import cross_entropy, kl_to_teacher, masked_mean
 
 
@@ -29,30 +29,35 @@ def sample_positions(key: jax.Array, valid: jax.Array, count: int) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class DraftModelLoss:
     """loss(params, target_params, batch, key); batch = dict(tokens, lengths, prompt_lengths,
-    final [B, T, H] target final-normed hidden states)."""
+    final [B, T, H] target final-normed hidden states). Losses at `positions` answer positions
+    per sequence, drawn anew each step."""
 
     student_cfg: ModelConfig
     target_cfg: ModelConfig
     kl_weight: float = 1.0
-    kl_positions: int = 32
+    positions: int = 64  # answer positions per sequence that get the LM-head losses
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         tokens = batch["tokens"]
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        logits, _, _ = forward(params, self.student_cfg, tokens, positions, init_cache(self.student_cfg, b, t))
-        logits = logits[:, :-1, : self.target_cfg.vocab_size]  # [B, T-1, V]
-        labels = tokens[:, 1:]
+        cache = init_cache(self.student_cfg, b, t)
+        hidden, _, _ = forward_hidden(params, self.student_cfg, tokens, positions, cache)
+        # The LM heads (student and teacher) dominate the cost: apply them at sampled answer
+        # positions only. Position i predicts token i + 1.
         valid = response_mask(tokens.shape, batch["lengths"], batch["prompt_lengths"])
-        ce = masked_mean(cross_entropy(logits, labels), valid)
-        accuracy = masked_mean(jnp.argmax(logits, -1) == labels, valid)
+        idx = sample_positions(key, valid, self.positions)  # [B, P]
+        rows = jnp.arange(b)[:, None]
+        logits = lm_head(params, self.student_cfg, hidden[rows, idx])[..., : self.target_cfg.vocab_size]
+        labels = tokens[rows, idx + 1]
+        picked_valid = valid[rows, idx]
+        ce = masked_mean(cross_entropy(logits, labels), picked_valid)
+        accuracy = masked_mean(jnp.argmax(logits, -1) == labels, picked_valid)
         metrics = {"ce": ce, "accuracy": accuracy}
         loss = ce
         if self.kl_weight > 0:
-            idx = sample_positions(key, valid, self.kl_positions)  # [B, P]
-            rows = jnp.arange(b)[:, None]
             teacher = lm_head(target_params, self.target_cfg, batch["final"][rows, idx])
-            kl = jnp.mean(kl_to_teacher(logits[rows, idx], teacher))
+            kl = masked_mean(kl_to_teacher(logits, teacher), picked_valid)
             metrics["kl"] = kl
             loss = loss + self.kl_weight * kl
         return loss, metrics

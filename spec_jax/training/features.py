@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.decoder import forward, init_cache, rms_norm
+from spec_jax.models.decoder import forward_hidden, init_cache
 from spec_jax.training.data import TokenDataset
 
 
@@ -39,16 +39,16 @@ def compute_features(
 ) -> TargetFeatures:
     from tqdm.auto import tqdm
 
-    capture = tuple(capture_layers) + (cfg.num_layers - 1,)
+    capture = tuple(capture_layers)
 
     @jax.jit
     def run(params, tokens):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        _, captured, _ = forward(params, cfg, tokens, positions, init_cache(cfg, b, t), capture)
-        h = cfg.hidden_size
-        final = rms_norm(captured[..., -h:], params["final_norm"], cfg.rms_norm_eps)
-        return captured[..., :-h], final
+        final, captured, _ = forward_hidden(params, cfg, tokens, positions, init_cache(cfg, b, t), capture)
+        if captured is None:
+            captured = jnp.zeros((b, t, 0), final.dtype)
+        return captured, final
 
     n_cap = len(capture_layers) * cfg.hidden_size
     captured = np.zeros((data.num_tokens, n_cap), np.float32)
