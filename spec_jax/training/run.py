@@ -90,8 +90,21 @@ def held_out_tau(
     return {"tau": result.stats.tau, "accepted_per_step": result.stats.accepted / max(result.stats.steps, 1)}
 
 
-def split_for_eval(data: TokenDataset, eval_prompts: int, seed: int) -> tuple[TokenDataset, list[list[int]]]:
-    """Hold out `eval_prompts` sequences: train on the rest, measure tau on their prompts."""
+def split_for_eval(
+    data: TokenDataset, eval_prompts: int, seed: int, seq_len: int
+) -> tuple[TokenDataset, list[list[int]]]:
+    """Drop sequences with fewer than 2 answer tokens inside seq_len (nothing to learn), then hold
+    out `eval_prompts` sequences: train on the rest, measure tau on their prompts."""
+    usable = [
+        i for i in range(len(data))
+        if min(len(data.sequence(i)), seq_len) - int(data.prompt_lengths[i]) >= 2
+    ]
+    if len(usable) < 2:
+        raise ValueError(
+            f"Only {len(usable)} sequences have an answer within seq_len={seq_len}; raise --seq-len "
+            "or build more data."
+        )
+    data = data.subset(usable)
     fraction = min(eval_prompts / max(len(data), 1), 0.5)
     train_part, held_out = data.split(fraction, seed)
     prompts = [
@@ -163,7 +176,7 @@ def train_dflash(
     out_dir = Path(out_dir)
     dflash_cfg = dflash_cfg or smollm2_dflash_config(target.cfg)
     check_compatible(dflash_cfg, target.cfg)
-    data, prompts = split_for_eval(data, eval_prompts, cfg.seed)
+    data, prompts = split_for_eval(data, eval_prompts, cfg.seed, cfg.seq_len)
     t0 = time.perf_counter()
     features = compute_features(
         target.params, target.cfg, data, dflash_cfg.target_layer_ids, cfg.seq_len, progress=progress
@@ -209,7 +222,7 @@ def train_draft_model(
 
     out_dir = Path(out_dir)
     student_cfg = student_cfg or small_draft_config(target.cfg)
-    data, prompts = split_for_eval(data, eval_prompts, cfg.seed)
+    data, prompts = split_for_eval(data, eval_prompts, cfg.seed, cfg.seq_len)
     t0 = time.perf_counter()
     features = compute_features(target.params, target.cfg, data, (), cfg.seq_len, progress=progress)
     feature_s = time.perf_counter() - t0
