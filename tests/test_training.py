@@ -4,19 +4,15 @@ bad checkpoints fail clearly, and exported drafters load and stay exact."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_jax.checkpoints import load_target
 from spec_jax.checkpoints.dflash import load_dflash
 from spec_jax.decoding import generate
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
-from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.models import ModelConfig, init_params
 from spec_jax.training.data import TokenDataset, iterate_batches
 from spec_jax.training.dflash import DFlashLoss

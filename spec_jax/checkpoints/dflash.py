@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,10 +26,12 @@ from spec_jax.checkpoints.hf import (
     expected_hf_layer_shapes,
     from_hf,
     hf_shape,
+    refuse_to_clobber,
     resolve_hf_dir,
     stack_layers_from_hf,
     to_hf,
     unstack_layers_to_hf,
+    write_checkpoint_dir,
 )
 from spec_jax.drafters.dflash import (
     DFlashConfig,
@@ -152,27 +152,7 @@ def save_dflash(
     Written to a temporary sibling dir and renamed into place, so `path` never holds half a
     checkpoint; an existing non-empty `path` is replaced only with overwrite=True.
     """
-    from safetensors.numpy import save_file
-
     path = Path(path).expanduser().absolute()
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
-        raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or a new path.")
+    refuse_to_clobber(path, overwrite)
     tensors = dflash_params_to_hf(cfg, params)  # checks params against cfg before writing
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        os.chmod(tmp, 0o755)
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.rmdir(old)
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return write_checkpoint_dir(path, cfg.to_hf_config(), tensors)

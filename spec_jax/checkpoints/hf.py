@@ -376,17 +376,29 @@ def save_hf_dir(
     Written to a temporary sibling dir and renamed into place, so `path` never holds half a
     checkpoint. An existing non-empty `path` is replaced only with overwrite=True.
     """
-    from safetensors.numpy import save_file
-
     path = Path(path).expanduser().absolute()
+    refuse_to_clobber(path, overwrite)
+    tensors = params_to_hf(cfg, params)  # checks params against cfg before writing anything
+    return write_checkpoint_dir(path, cfg.to_hf_config(), tensors, tokenizer)
+
+
+def refuse_to_clobber(path: Path, overwrite: bool) -> None:
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
         raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or a new path.")
-    tensors = params_to_hf(cfg, params)  # checks params against cfg before writing anything
+
+
+def write_checkpoint_dir(
+    path: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], tokenizer: Any = None
+) -> Path:
+    """Atomically (re)place `path` with config.json + model.safetensors (+ tokenizer files):
+    everything is written to a temporary sibling dir that is renamed into place when complete."""
+    from safetensors.numpy import save_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         os.chmod(tmp, 0o755)
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", 0o644)  # safetensors creates it owner-only
         if tokenizer is not None:
