@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from scipy import stats as scipy_stats
 
 from spec_jax.decoding import generate
@@ -150,6 +152,11 @@ E2E_CFG = ModelConfig(
     num_kv_heads=1, head_dim=16,
 )
 E2E_DRAFT_CFG = E2E_CFG.replace(num_layers=1, layer_windows=())
+E2E_DFLASH_CFG = DFlashConfig(
+    num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+    block_size=K_E2E + 1, target_layer_ids=(0, 1), mask_token_id=7, num_target_layers=2,
+    vocab_size=V_E2E,
+)
 PROMPT = [1, 2, 3]
 
 
@@ -179,13 +186,16 @@ def exact_joint(logits, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING[:3])
-@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "dflash"])
 def test_generate_reproduces_target_joint_distribution(e2e, drafter_kind, temperature, top_k, top_p):
     """The first 3 generated tokens (prefill token + one or two verify steps with K = 2), over
     5 seeds x 2048 identical rows, against the exact warped joint from full forward passes."""
     params, draft_params, logits = e2e
     if drafter_kind == "ngram":
         drafter, dparams = NGramDrafter(k=K_E2E, max_ngram=2), None
+    elif drafter_kind == "dflash":  # sampled block drafts with their full distributions
+        drafter = DFlashDrafter(E2E_DFLASH_CFG)
+        dparams = init_dflash_params(E2E_DFLASH_CFG, jax.random.key(12), scale=1.5)
     else:
         drafter, dparams = DraftModelDrafter(E2E_DRAFT_CFG, K_E2E), draft_params
     counts = np.zeros((V_E2E,) * HORIZON)
