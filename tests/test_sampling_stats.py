@@ -15,12 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from scipy import stats as scipy_stats
 
 from spec_jax.decoding import generate
 from spec_jax.decoding.sampling import SamplingParams, accept, sample, warp
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import ModelConfig, forward, init_cache, init_params
