@@ -4,12 +4,12 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from spec_jax.checkpoints import apply_chat_template, default_gguf_path, load_target
+from spec_jax.decoding import generate
 from spec_jax.checkpoints.gguf import permute_rotary_rows, unpermute_rotary_rows
 from spec_jax.models import forward, init_cache
 
@@ -91,13 +91,12 @@ def test_logits_match_transformers(model, hf_gguf):
 
 
 def test_greedy_matches_transformers(model, hf_gguf):
+    """spec_jax's jitted AR loop and transformers' greedy `generate`, same GGUF: 3 prompts x 64."""
     torch = pytest.importorskip("torch")
     hf_model, _ = hf_gguf
-    new_tokens, prompt_bucket, capacity = 16, 48, 64
-    step = jax.jit(forward, static_argnums=1)
+    new_tokens = 64
     for prompt in PROMPTS:
         ids = apply_chat_template(model.tokenizer, prompt)
-        assert len(ids) <= prompt_bucket
         with torch.no_grad():
             # An explicit mask: generate() would otherwise treat <|im_end|> (= pad id 2) in the
             # chat prompt as padding and mask it out.
@@ -107,21 +106,11 @@ def test_greedy_matches_transformers(model, hf_gguf):
                 attention_mask=torch.ones_like(prompt_ids),
                 max_new_tokens=new_tokens,
                 do_sample=False,
-                eos_token_id=None,
+                eos_token_id=None,  # like ignore_eos: run the full 64 tokens
             )[0, len(ids) :].tolist()
-        # Same shapes for every prompt (two compiles in all): the prompt is padded to a bucket.
-        # Pad keys land at positions past the prompt, where each decode step overwrites its own
-        # slot before any query can see it.
-        padded = ids + [0] * (prompt_bucket - len(ids))
-        cache = init_cache(model.cfg, 1, capacity)
-        logits, _, cache = step(
-            model.params, model.cfg, jnp.asarray([padded]), jnp.arange(prompt_bucket)[None], cache
-        )
-        out = [int(jnp.argmax(logits[0, len(ids) - 1]))]
-        for pos in range(len(ids), len(ids) + new_tokens - 1):
-            logits, _, cache = step(model.params, model.cfg, jnp.asarray([[out[-1]]]), jnp.asarray([[pos]]), cache)
-            out.append(int(jnp.argmax(logits[0, -1])))
-        assert out == ref, prompt
+        assert len(ref) == new_tokens
+        out = generate(model, [ids], max_new_tokens=new_tokens, ignore_eos=True, capacity=256)
+        assert out.generated_ids[0] == ref, prompt
 
 
 def test_rotary_permutation_roundtrip():
