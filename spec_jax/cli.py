@@ -81,9 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--drafter",
         nargs="+",
-        default=["none"],
+        default=None,
         metavar="KIND [PATH]",
-        help="none | ngram | self | draft-model PATH | dflash PATH (default none)",
+        help="none | ngram | self | draft-model [PATH] | dflash [PATH]. Default: the shipped DFlash "
+        "drafter for the default model, none for other targets. Without PATH, draft-model and "
+        "dflash use the drafters shipped for the default model.",
     )
     gen.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -136,13 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _split_drafter_arg(values: Sequence[str], k: int | None):
+def _names_checkpoint(word: str) -> bool:
+    from spec_jax.checkpoints.hf import looks_like_hub_id
+
+    return os.path.exists(word) or looks_like_hub_id(word) or (os.sep in word and " " not in word)
+
+
+def _split_drafter_arg(values: Sequence[str] | None, k: int | None, target_arg: str | None = None):
     """`--drafter KIND [PATH]` takes one or two words; words past what KIND needs are prompts
     (argparse hands `--drafter ngram "some prompt"` all to --drafter)."""
-    from spec_jax.launch import DRAFTER_KINDS_WITH_PATH, make_drafter_spec
+    from spec_jax.launch import DRAFTER_KINDS_WITH_PATH, default_drafter_spec, make_drafter_spec
+
+    if values is None:
+        return default_drafter_spec(target_arg, k), []
 
     kind, rest = values[0], list(values[1:])
-    path = rest.pop(0) if kind in DRAFTER_KINDS_WITH_PATH and rest else None
+    # The word after draft-model/dflash is its checkpoint when it names one (an existing path or
+    # a hub id); otherwise it is a prompt and the shipped drafter is meant.
+    takes_path = kind in DRAFTER_KINDS_WITH_PATH and rest and _names_checkpoint(rest[0])
+    path = rest.pop(0) if takes_path else None
     return make_drafter_spec(kind, path, k), rest
 
 
@@ -176,7 +190,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any] | None:
     from spec_jax import launch
     from spec_jax.decoding.generate import generate
 
-    spec, extra_prompts = _split_drafter_arg(args.drafter, args.k)
+    spec, extra_prompts = _split_drafter_arg(args.drafter, args.k, args.target)
     prompts = _collect_prompts(args, list(args.prompts) + extra_prompts)
     if not prompts:
         raise launch.UsageError("no prompt given: pass PROMPT text, --prompt-file or --prompt-ids.")

@@ -183,8 +183,6 @@ def parse_drafter_spec(text: str, k: int | None = None) -> DrafterSpec:
 def make_drafter_spec(kind: str, path: str | None, k: int | None) -> DrafterSpec:
     if kind not in DRAFTER_KINDS:
         raise UsageError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}.")
-    if kind in DRAFTER_KINDS_WITH_PATH and not path:
-        raise UsageError(f"drafter {kind!r} needs a checkpoint: --drafter {kind} PATH.")
     if kind not in DRAFTER_KINDS_WITH_PATH and path:
         raise UsageError(f"drafter {kind!r} takes no checkpoint path (got {path!r}).")
     if k is not None and k < 1:
@@ -205,6 +203,8 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
         from spec_jax.drafters.draft_model import self_drafter
 
         return self_drafter(target.cfg, **({} if k is None else {"k": k})), target.params
+    if spec.kind in DRAFTER_KINDS_WITH_PATH and spec.path is None:
+        spec = dataclasses.replace(spec, path=str(shipped_drafter_path(spec.kind, target)))
     if spec.kind == "draft-model":
         from spec_jax.drafters.draft_model import DraftModelDrafter, check_same_tokenizer
 
@@ -224,6 +224,36 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
         drafter.validate(target.cfg, 0)
         return drafter, jax.tree.map(jnp.asarray, params)
     raise UsageError(f"unknown drafter {spec.kind!r}.")
+
+
+# Drafters trained by spec_jax for the embedded default model, shipped inside the package
+# (how they were made: spec_jax/assets/README.md).
+SHIPPED_DRAFTERS = {"dflash": "smollm2_dflash", "draft-model": "smollm2_draft_model"}
+
+
+def is_default_target(target: LoadedModel) -> bool:
+    return target.source.startswith("default:")
+
+
+def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
+    """The shipped `kind` drafter of the default model; a clear error for any other target."""
+    path = Path(__file__).parent / "assets" / SHIPPED_DRAFTERS[kind]
+    if not is_default_target(target):
+        raise UsageError(
+            f"drafter {kind!r} needs a checkpoint for this target: --drafter {kind} PATH "
+            "(spec_jax ships one only for the default model)."
+        )
+    if not (path / "config.json").is_file():
+        raise UsageError(f"the shipped {kind} drafter is missing from this install ({path}).")
+    return path
+
+
+def default_drafter_spec(target_arg: str | None, k: int | None) -> DrafterSpec:
+    """`generate` without --drafter: the shipped DFlash drafter for the default model, else AR."""
+    shipped = Path(__file__).parent / "assets" / SHIPPED_DRAFTERS["dflash"] / "config.json"
+    if target_arg is None and shipped.is_file():
+        return DrafterSpec("dflash", None, k)
+    return DrafterSpec("none", None, k)
 
 
 def drafter_k(drafter: Any) -> int:
