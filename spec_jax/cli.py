@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--layers", type=int, default=2, help="drafter layers")
     train.add_argument("--hidden", type=int, default=256, help="draft-model: width")
     train.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
+    train.add_argument("--answer-positions", type=int, default=64,
+                       help="draft-model: answer positions per sequence that get the losses")
     train.add_argument("--kl-weight", type=float, default=None,
                        help="weight of KL to the target's logits (default: dflash 0, draft-model 1)")
     train.add_argument("--eval-every", type=int, default=250, help="held-out tau every N steps")
@@ -423,7 +425,8 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any] | None:
         student = run.small_draft_config(target.cfg, args.hidden, args.layers)
         _, _, result = run.train_draft_model(
             target, dataset, args.out, cfg, student,
-            kl_weight=1.0 if args.kl_weight is None else args.kl_weight, progress=progress,
+            kl_weight=1.0 if args.kl_weight is None else args.kl_weight,
+            positions=args.answer_positions, progress=progress,
         )
     log(f"trained {result.state.step} steps in {result.seconds:.0f}s; held-out {result.evals[-1:]}; "
         f"drafter in {args.out}/drafter")

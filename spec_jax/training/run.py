@@ -19,7 +19,7 @@ import numpy as np
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import init_params
 from spec_jax.training.data import TokenDataset, iterate_batches
-from spec_jax.training.features import compute_features, gather_features
+from spec_jax.training.features import TargetFeatures, compute_features, gather_features
 from spec_jax.training.trainer import TrainConfig, TrainResult, train
 
 
@@ -214,6 +214,7 @@ def train_draft_model(
     eval_prompts: int = 4,
     eval_tokens: int = 64,
     k: int = 4,
+    positions: int = 64,
     progress: bool = True,
 ) -> tuple[Any, Any, TrainResult]:
     from spec_jax.checkpoints import save_hf_dir
@@ -224,18 +225,22 @@ def train_draft_model(
     student_cfg = student_cfg or small_draft_config(target.cfg)
     data, prompts = split_for_eval(data, eval_prompts, cfg.seed, cfg.seq_len)
     t0 = time.perf_counter()
-    features = compute_features(target.params, target.cfg, data, (), cfg.seq_len, progress=progress)
+    if kl_weight > 0:  # the teacher's final hidden states, for its logits
+        features = compute_features(target.params, target.cfg, data, (), cfg.seq_len, progress=progress)
+    else:  # cross-entropy on the target's own answers needs no target pass
+        empty = np.zeros((data.num_tokens, 0), np.float32)
+        features = TargetFeatures((), empty, empty)
     feature_s = time.perf_counter() - t0
     drafter = DraftModelDrafter(student_cfg, k=k)
     result = train(
-        DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight),
+        DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight, positions=positions),
         init_draft_from_target(student_cfg, target.params, jax.random.key(cfg.seed)),
         target.params,
         _batches(data, features, cfg, with_captured=False),
         cfg,
         out_dir,
         run_config={"kind": "draft-model", "student": dataclasses.asdict(student_cfg),
-                    "kl_weight": kl_weight, "data_tokens": data.num_tokens},
+                    "kl_weight": kl_weight, "positions": positions, "data_tokens": data.num_tokens},
         evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
         progress=progress,
     )
