@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
     train.add_argument("--num-prompts", type=int, default=384, help="data: prompts to answer")
     train.add_argument("--answer-tokens", type=int, default=192, help="data: max tokens per answer")
+    train.add_argument("--generate-batch", type=int, default=32, help="data: prompts answered per batch")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--seq-len", type=int, default=320)
@@ -402,7 +403,8 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.kind == "data":
         prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
         dataset = data_lib.build_dataset(
-            target, prompts, max_new_tokens=args.answer_tokens, seed=args.seed, progress=progress
+            target, prompts, max_new_tokens=args.answer_tokens, batch_size=args.generate_batch,
+            seed=args.seed, progress=progress,
         )
         dataset.save(args.data)
         log(f"wrote {args.data}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
