@@ -6,6 +6,7 @@ JSON object (the last stdout line) that the test asserts on.
 
 usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@MESH
   MODEL: divisible (8 heads, 4 KV heads) | nondivisible (9 heads, 3 KV heads, like SmolLM2)
+         | default (the real SmolLM2-135M-Instruct)
   DRAFTER: ar | ngram | draft_model | dflash;  MESH: DxM (data x model), e.g. 2x4
 """
 
@@ -147,8 +148,14 @@ def shard_report(cfg: ModelConfig, params, mesh) -> dict:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     kind, cases = sys.argv[1], [c.split("@") for c in sys.argv[2].split(",")]
-    cfg = model_cfg(kind)
-    params = init_params(cfg, jax.random.key(0))
+    if kind == "default":  # the real SmolLM2-135M (9 heads, 3 KV heads; vocab 49152 splits)
+        from spec_jax.checkpoints import load_target
+
+        loaded = load_target(None)
+        cfg, params = loaded.cfg, loaded.params
+    else:
+        cfg = model_cfg(kind)
+        params = init_params(cfg, jax.random.key(0))
     target = (cfg, params)
     out: dict = {"devices": jax.device_count(), "model": kind, "cases": {}, "shards": {}}
     common = dict(max_new_tokens=MAX_NEW, capacity=CAPACITY, ignore_eos=True)
