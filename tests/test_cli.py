@@ -160,13 +160,18 @@ def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
     assert info["drafter"]["params"] == info["target"]["params"]
 
 
-def test_default_model_generate(capsys):
-    out = run_json(capsys, ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8",
-                            "--json", "--drafter", "ngram"])
+def test_default_model_uses_the_shipped_dflash_drafter_and_matches_ar(capsys):
+    """No --target, no --drafter: the shipped DFlash drafter, with the AR baseline's output."""
+    args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json"]
+    out = run_json(capsys, args)
     row = out["results"][0]
     assert 1 <= len(row["generated_ids"]) <= 8
     assert isinstance(row["text"], str)
     assert out["target"].startswith("default:")
+    assert out["drafter"].startswith("dflash") and out["k"] == 7
+    ar = run_json(capsys, args + ["--drafter", "none"])
+    assert ar["drafter"] == "none"
+    assert ar["results"][0]["generated_ids"] == row["generated_ids"]
 
 
 def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):
