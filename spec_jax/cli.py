@@ -31,7 +31,14 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
         default=None,
-        help="HF checkpoint dir, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        help="HF checkpoint dir, hub id, .gguf file or random:PRESET (random weights, e.g. "
+        "random:llama-3.2-1b; for speed measurements). Default: the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weights and caches; auto = float32 on CPU, bfloat16 on GPU/TPU",
     )
 
 
@@ -105,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     bench.add_argument("--out", default=None, metavar="DIR", help="write results.json and bench.png here")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--roofline",
+        action="store_true",
+        help="instead of prompts: copy bandwidth, AR step vs the bandwidth floor, and the cost of "
+        "verifying 1..64 tokens in one pass (uses --target, --dtype, --batch-size, --out)",
+    )
+    bench.add_argument("--context", type=int, default=256, help="roofline: tokens already in the cache")
+    bench.add_argument(
+        "--verify-tokens", default="1,2,4,8,16,32,64", help="roofline: comma list of tokens per verify pass"
+    )
 
     info = sub.add_parser("info", help="parameter counts and KV-cache bytes per token")
     _add_target(info)
@@ -200,7 +217,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any] | None:
     sampling = _sampling_kwargs(args)
 
     t0 = time.perf_counter()
-    target = launch.load_target_or_fail(args.target)
+    target = launch.load_target_or_fail(args.target, args.dtype)
     log(f"loaded {target.source} in {time.perf_counter() - t0:.1f}s")
     prompt_ids = launch.encode_prompts(target, prompts, args.chat)
     drafter, drafter_params = launch.build_drafter(spec, target)
@@ -277,6 +294,8 @@ def _parse_ks(text: str | None) -> list[int | None]:
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any] | None:
     from spec_jax import bench, launch
 
+    if args.roofline:
+        return _roofline(args)
     sampling = _sampling_kwargs(args)
     ks = _parse_ks(args.k)
     kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
@@ -292,7 +311,7 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any] | None:
         prompts = bench.humaneval_prompts(args.num_prompts)
         prompt_set = f"HumanEval[:{args.num_prompts}]"
 
-    target = launch.load_target_or_fail(args.target)
+    target = launch.load_target_or_fail(args.target, args.dtype)
     log(f"loaded {target.source}")
     prompt_ids = launch.encode_prompts(target, prompts, args.chat)
     stop_ids = launch.stop_ids_for(target, launch.uses_chat(prompts, args.chat), args.ignore_eos)
@@ -318,6 +337,38 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any] | None:
     return None
 
 
+def _roofline(args: argparse.Namespace) -> dict[str, Any] | None:
+    from spec_jax import launch, roofline
+
+    try:
+        verify_tokens = [int(x) for x in args.verify_tokens.split(",") if x.strip()]
+    except ValueError:
+        raise launch.UsageError(f"--verify-tokens {args.verify_tokens!r} is not a comma list of integers.") from None
+    if not verify_tokens or min(verify_tokens) < 1:
+        raise launch.UsageError(f"--verify-tokens values must be >= 1, got {args.verify_tokens!r}.")
+    if args.batch_size < 1 or args.context < 1:
+        raise launch.UsageError("--batch-size and --context must be >= 1.")
+    if args.mesh:
+        raise launch.UsageError("--roofline measures one device; drop --mesh.")
+    target = launch.load_target_or_fail(args.target, args.dtype)
+    log(f"loaded {target.source} ({target.cfg.dtype})")
+    report = roofline.run_roofline(
+        target,
+        batch=args.batch_size,
+        context=args.context,
+        verify_tokens=verify_tokens,
+        new_tokens=max(2, min(args.max_new_tokens, 64)),
+        progress=not args.no_progress,
+    )
+    if args.out:
+        paths = roofline.write_roofline(report, args.out)
+        log("wrote " + ", ".join(str(p) for p in paths))
+    if args.json:
+        return report
+    roofline.print_roofline(report)
+    return None
+
+
 # --------------------------------------------------------------------------- info
 def cmd_info(args: argparse.Namespace) -> dict[str, Any] | None:
     from spec_jax import launch
@@ -326,7 +377,7 @@ def cmd_info(args: argparse.Namespace) -> dict[str, Any] | None:
     spec, extra = _split_drafter_arg(args.drafter, args.k)
     if extra:
         raise launch.UsageError(f"unexpected arguments {extra!r} after --drafter.")
-    target = launch.load_target_or_fail(args.target)
+    target = launch.load_target_or_fail(args.target, args.dtype)
     cfg = target.cfg
     itemsize = _itemsize(cfg.dtype)
     info: dict[str, Any] = {
@@ -393,12 +444,19 @@ def _drafter_info(spec: Any, drafter: Any, target: Any) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace) -> dict[str, Any] | None:
     """`spec-jax train data|dflash|draft-model`: resumable; re-run the same command to continue."""
-    from spec_jax.checkpoints import load_target
+    from spec_jax import launch
     from spec_jax.training import data as data_lib
     from spec_jax.training import run
     from spec_jax.training.trainer import TrainConfig
 
-    target = load_target(args.target)
+    if args.kind != "data" and args.dtype == "bfloat16":
+        raise launch.UsageError(
+            "train dflash|draft-model keeps the frozen target in float32 (its features feed the loss); "
+            "drop --dtype bfloat16 (it applies to `train data` only)."
+        )
+    # auto: generating the data in bfloat16 on GPU/TPU is fine; training features stay float32.
+    dtype = launch.resolve_dtype(args.dtype) if args.kind == "data" else "float32"
+    target = launch.load_target_or_fail(args.target, dtype)
     progress = not args.no_progress
     if args.kind == "data":
         prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)

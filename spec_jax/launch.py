@@ -7,7 +7,6 @@ get wrong raises `UsageError` (a ValueError) with a one-line message naming the 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 from pathlib import Path
@@ -208,19 +207,17 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
     if spec.kind == "draft-model":
         from spec_jax.drafters.draft_model import DraftModelDrafter, check_same_tokenizer
 
-        draft = load_target(spec.path)
+        draft = load_target(spec.path, dtype=target.cfg.dtype)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
         drafter = DraftModelDrafter(draft.cfg) if k is None else DraftModelDrafter(draft.cfg, k=k)
         return drafter, draft.params
     if spec.kind == "dflash":
-        try:
-            from spec_jax.checkpoints.dflash import load_dflash
-        except ImportError as e:  # the DFlash drafter is not part of this build
-            raise UsageError(f"the DFlash drafter is not available in this build ({e}).") from None
         import jax
         import jax.numpy as jnp
 
-        drafter, params = load_dflash(spec.path, k=k)
+        from spec_jax.checkpoints.dflash import load_dflash
+
+        drafter, params = load_dflash(spec.path, dtype=target.cfg.dtype, k=k)
         drafter.validate(target.cfg, 0)
         return drafter, jax.tree.map(jnp.asarray, params)
     raise UsageError(f"unknown drafter {spec.kind!r}.")
@@ -265,16 +262,23 @@ def mesh_kwargs(mesh_spec: str | None, target: LoadedModel) -> dict[str, Any]:
     """{"mesh": Mesh} for `generate` when a mesh was asked for, else {}."""
     if not mesh_spec:
         return {}
-    from spec_jax.decoding.generate import generate
     from spec_jax.sharding.mesh import make_mesh
 
-    if "mesh" not in inspect.signature(generate).parameters:
-        raise UsageError("--mesh needs sharded generation (generate(mesh=...)), which this build lacks.")
     return {"mesh": make_mesh(mesh_spec, cfg=target.cfg)}
 
 
-def load_target_or_fail(spec: str | None) -> LoadedModel:
-    """`load_target`, with a missing local path reported as a usage error."""
+def resolve_dtype(dtype: str | None) -> str:
+    """"auto" (or None) -> float32 on CPU, where bfloat16 matmuls are several times slower, and
+    bfloat16 on GPU/TPU."""
+    if dtype in (None, "auto"):
+        import jax
+
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return dtype
+
+
+def load_target_or_fail(spec: str | None, dtype: str | None = "auto") -> LoadedModel:
+    """`load_target` in `dtype` ("auto": see `resolve_dtype`)."""
     if spec is not None and not spec.strip():
-        raise UsageError("--target is empty; pass an HF dir, a hub id or a .gguf file.")
-    return load_target(spec)
+        raise UsageError("--target is empty; pass an HF dir, a hub id, a .gguf file or random:PRESET.")
+    return load_target(spec, dtype=resolve_dtype(dtype))

@@ -82,10 +82,15 @@ def test_gpu_host_dry_run():
     assert "spec-jax generate --mesh data=1,model=4" in text
     assert "spec-jax bench --mesh data=1,model=4" in text
     assert "+ scp -r me@gpu:spec_jax_results/. ./gpu_results/me@gpu/" in text
+    # The issue-5 GPU measurement: a random 1B-class Llama in bfloat16 against the HBM floor.
+    assert "spec-jax bench --roofline --target random:llama-3.2-1b --dtype bfloat16" in text
     local = run_script("gpu_host.sh", "--dry-run", "--results", "r").stdout
     assert "[cuda]" in local
     assert "spec-jax generate --mesh data=1,model=8 --max-new-tokens 128 --json" in local
     assert local.splitlines()[2].endswith(" > r/generate.json")
+    assert local.splitlines()[-1].endswith(" > r/roofline.txt")
+    skipped = run_script("gpu_host.sh", "--dry-run", "--roofline", "none").stdout
+    assert "--roofline" not in skipped
 
 
 def test_dry_run_runs_nothing(tmp_path):

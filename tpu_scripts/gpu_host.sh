@@ -12,7 +12,9 @@ usage() {
 Usage: $(basename "$0") [--host USER@HOST] [options]
 
 Copy this checkout to a GPU host over ssh, pip-install it with the cuda extra, run
-spec-jax generate and spec-jax bench --mesh ..., and scp the results back. Without --host
+spec-jax generate and spec-jax bench --mesh ..., then spec-jax bench --roofline on one GPU
+(a random-weight preset in bfloat16: AR step vs the HBM floor, verify cost for 1..64
+tokens; see benchmarks/RESULTS.md), and scp the results back. Without --host
 everything runs on this machine. One process drives all GPUs of a host; for several hosts
 run this once per host with SPEC_JAX_COORDINATOR, SPEC_JAX_NUM_PROCESSES and
 SPEC_JAX_PROCESS_ID set (see docs/sharding.md).
@@ -24,6 +26,8 @@ Options:
   --max-new-tokens N     new tokens per prompt (default: 128)
   --drafters LIST        spec-jax bench --drafters (default: ngram)
   --num-prompts N        spec-jax bench --num-prompts (default: 10)
+  --roofline PRESET      preset measured by bench --roofline (default: llama-3.2-1b;
+                         none to skip)
   --source DIR           spec_jax checkout to install (default: the repository holding this script)
   --results DIR          local directory for the results (default: ./gpu_results/HOST)
   --skip-install         do not copy and install, only run
@@ -38,6 +42,7 @@ PROMPT="Write a Python function that checks whether a number is prime."
 MAX_NEW_TOKENS=128
 DRAFTERS="ngram"
 NUM_PROMPTS=10
+ROOFLINE="llama-3.2-1b"
 SOURCE_DIR="$(cd "${SCRIPT_DIR}/.." && pwd)"
 RESULTS=""
 SKIP_INSTALL=0
@@ -52,6 +57,7 @@ while [[ $# -gt 0 ]]; do
     --max-new-tokens) need_value "$1" "${2:-}"; MAX_NEW_TOKENS="$2"; shift 2 ;;
     --drafters) need_value "$1" "${2:-}"; DRAFTERS="$2"; shift 2 ;;
     --num-prompts) need_value "$1" "${2:-}"; NUM_PROMPTS="$2"; shift 2 ;;
+    --roofline) need_value "$1" "${2:-}"; ROOFLINE="$2"; shift 2 ;;
     --source) need_value "$1" "${2:-}"; SOURCE_DIR="$2"; shift 2 ;;
     --results) need_value "$1" "${2:-}"; RESULTS="$2"; shift 2 ;;
     --skip-install) SKIP_INSTALL=1; shift ;;
@@ -70,6 +76,10 @@ job+=" > ~/${REMOTE_RESULTS}/generate.json"
 job+=" && spec-jax bench --mesh $(quote "${MESH}") --drafters $(quote "${DRAFTERS}")"
 job+=" --num-prompts $(quote "${NUM_PROMPTS}") --max-new-tokens $(quote "${MAX_NEW_TOKENS}")"
 job+=" --no-progress --out ~/${REMOTE_RESULTS}"
+if [[ "${ROOFLINE}" != "none" ]]; then
+  job+=" && spec-jax bench --roofline --target $(quote "random:${ROOFLINE}") --dtype bfloat16"
+  job+=" --no-progress --out ~/${REMOTE_RESULTS}/roofline > ~/${REMOTE_RESULTS}/roofline.txt"
+fi
 
 if [[ -z "${HOST}" ]]; then
   if [[ "${SKIP_INSTALL}" == "0" ]]; then
@@ -80,6 +90,10 @@ if [[ -z "${HOST}" ]]; then
     spec-jax generate --mesh "${MESH}" --max-new-tokens "${MAX_NEW_TOKENS}" --json "${PROMPT}"
   run spec-jax bench --mesh "${MESH}" --drafters "${DRAFTERS}" --num-prompts "${NUM_PROMPTS}" \
     --max-new-tokens "${MAX_NEW_TOKENS}" --no-progress --out "${RESULTS}"
+  if [[ "${ROOFLINE}" != "none" ]]; then
+    run_to "${RESULTS}/roofline.txt" spec-jax bench --roofline --target "random:${ROOFLINE}" \
+      --dtype bfloat16 --no-progress --out "${RESULTS}/roofline"
+  fi
   exit 0
 fi
 

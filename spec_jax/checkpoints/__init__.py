@@ -4,6 +4,7 @@
     model = load_target("path/to/hf_dir")      # config.json + *.safetensors
     model = load_target("org/name")            # hub id, via huggingface_hub.snapshot_download
     model = load_target("model.Q8_0.gguf")     # GGUF, dequantized to `dtype`
+    model = load_target("random:llama-3.2-1b") # a preset's shapes with random weights (benchmarks)
 
 Every name, shape and config problem raises `CheckpointError` before anything is compiled.
 """
@@ -44,6 +45,7 @@ __all__ = [
     "load_gguf",
     "load_hf_dir",
     "load_target",
+    "random_target",
     "save_hf_dir",
     "stack_layers_from_hf",
     "unstack_layers_to_hf",
@@ -75,6 +77,9 @@ def load_target(
 ) -> LoadedModel:
     """Load a target model from an HF dir, a hub id, a `.gguf` file, or None (the default model).
 
+    "random:<preset>" builds a random-weight model with the shapes of a preset in
+    `spec_jax.models.presets` (no tokenizer): for speed measurements at real sizes.
+
     A GGUF file is dequantized once and kept as an HF dir under `cache_dir` (default
     `default_cache_dir()`; pass "" to disable), keyed by the file's path, size, mtime and `dtype`,
     so later loads read plain safetensors instead of dequantizing again.
@@ -83,6 +88,8 @@ def load_target(
         path = default_gguf_path()
         return _load_gguf_cached(str(path), _file_key(path), dtype, _cache_root(cache_dir), f"default:{path.name}")
     text = os.fspath(spec)
+    if text.startswith(RANDOM_PREFIX):
+        return random_target(text[len(RANDOM_PREFIX):], dtype)
     if text.endswith(".gguf"):
         path = Path(text).expanduser()
         if not path.is_file():
@@ -93,6 +100,25 @@ def load_target(
     tokenizer = load_hf_tokenizer(directory)
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, text)
+
+
+RANDOM_PREFIX = "random:"
+
+
+def random_target(preset: str, dtype: str = "float32", seed: int = 0) -> LoadedModel:
+    """A model with the shapes of `preset` and random weights, initialised on the device."""
+    import jax
+
+    from spec_jax.models.decoder import init_params
+    from spec_jax.models.presets import preset_config
+
+    try:
+        cfg = preset_config(preset, dtype)
+    except ValueError as e:
+        raise CheckpointError(f"{e} Pass --target random:<preset>.") from None
+    # Small weights keep activations finite in bfloat16 through many random layers.
+    params = jax.jit(functools.partial(init_params, cfg, scale=0.5))(jax.random.key(seed))
+    return LoadedModel(cfg, params, None, None, RANDOM_PREFIX + preset)
 
 
 def default_cache_dir() -> Path:

@@ -1,0 +1,104 @@
+"""Architecture presets, random-weight targets and `spec-jax bench --roofline` (on a tiny preset)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from spec_jax import roofline
+from spec_jax.checkpoints import CheckpointError, load_target
+from spec_jax.cli import main
+from spec_jax.models.presets import PRESETS, preset_config
+from spec_jax.models.weights import count_params, model_weight_specs
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        # The parameter counts the model cards publish: the presets have the real shapes.
+        ("smollm2-135m", 134_515_008),
+        ("llama-3.2-1b", 1_235_814_400),
+        ("llama-3.1-8b", 8_030_261_248),
+        ("qwen3-8b", 8_190_735_360),
+    ],
+)
+def test_preset_parameter_counts(name, params):
+    assert count_params(model_weight_specs(PRESETS[name])) == params
+
+
+def test_smollm2_preset_matches_the_default_model():
+    real = load_target(None).cfg
+    preset = preset_config("smollm2-135m", real.dtype)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "rope_theta", "tie_embeddings", "qk_norm", "rms_norm_eps"):
+        assert getattr(preset, field) == getattr(real, field), field
+
+
+def test_random_target_shapes_and_dtype():
+    target = load_target("random:tiny", dtype="bfloat16")
+    assert target.cfg == preset_config("tiny", "bfloat16")
+    assert target.tokenizer is None and target.source == "random:tiny"
+    leaves = jax.tree.leaves(target.params)
+    assert all(x.dtype == jnp.bfloat16 for x in leaves)
+    assert sum(x.size for x in leaves) == count_params(model_weight_specs(target.cfg))
+    assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in leaves)
+
+
+def test_unknown_preset_names_the_known_ones():
+    with pytest.raises(CheckpointError, match="llama-3.2-1b"):
+        load_target("random:llama-9000")
+
+
+def test_roofline_report_is_consistent(tmp_path):
+    target = load_target("random:tiny")
+    report = roofline.run_roofline(
+        target, batch=2, context=20, verify_tokens=[4, 2], new_tokens=4, repeats=2,
+        copy_bytes=8 << 20, progress=False,
+    )
+    weight_bytes = 4 * count_params(model_weight_specs(target.cfg))
+    assert report["weight_bytes"] == weight_bytes
+    assert report["copy"]["buffer_bytes"] == 8 << 20
+    bandwidth = report["copy"]["bytes_per_s"]
+    assert bandwidth > 0
+    assert report["floor_ms"] == pytest.approx(1e3 * weight_bytes / bandwidth)
+    assert report["floor_with_cache_ms"] > report["floor_ms"]
+    # T = 1 is always measured: it is the unit of the relative costs.
+    assert [r["tokens"] for r in report["verify"]] == [1, 2, 4]
+    first = report["verify"][0]
+    assert first["relative"] == 1.0 and first["ms"] == report["forward_1_token_ms"]
+    for row in report["verify"]:
+        assert row["ms"] > 0
+        assert row["ms_per_token"] == pytest.approx(row["ms"] / row["tokens"])
+        assert row["relative"] == pytest.approx(row["ms"] / first["ms"])
+    assert report["ar_loop_step_ms"] > 0
+    assert report["ar_step_over_floor"] == pytest.approx(report["ar_loop_step_ms"] / report["floor_ms"])
+    paths = roofline.write_roofline(report, tmp_path)
+    assert json.loads(paths[0].read_text())["verify"] == report["verify"]
+    assert paths[1].stat().st_size > 10_000  # a real PNG
+
+
+def test_cli_roofline_json(capsys):
+    code = main(["bench", "--roofline", "--target", "random:tiny", "--context", "16",
+                 "--verify-tokens", "1,3", "--max-new-tokens", "3", "--no-progress", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["kind"] == "roofline" and report["dtype"] == "float32"  # auto = float32 on CPU
+    assert [r["tokens"] for r in report["verify"]] == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--verify-tokens", "1,x"], "--verify-tokens"),
+        (["--verify-tokens", "0,4"], ">= 1"),
+        (["--mesh", "data=1,model=1"], "one device"),
+        (["--target", "random:nope"], "Unknown model preset"),
+    ],
+)
+def test_cli_roofline_usage_errors(capsys, argv, message):
+    code = main(["bench", "--roofline", "--target", "random:tiny", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert message in err and "Traceback" not in err
