@@ -180,13 +180,13 @@ def main() -> None:
             num_layers=cfg.num_layers, capacity=CAPACITY, head_dim=cfg.head_dim,
         ).k
         per_device_cache = expect_cache.shard_shape(
-            (cfg.num_layers, len(PROMPTS), CAPACITY, cfg.num_kv_heads, cfg.head_dim)
+            (cfg.num_layers, len(PROMPTS), cfg.num_kv_heads, CAPACITY, cfg.head_dim)
         )
         expected_elems = int(np.prod(per_device_cache))
-        # Per-device cache buffers [L, b, S, kv, D] in the partitioned HLO. XLA may split the
+        # Per-device cache buffers [L, b, kv, S, D] in the partitioned HLO. XLA may split the
         # cache further than the rule (e.g. 4 KV heads over model=8 as 4 parts x 2 replicas);
         # it must never hold more than the rule's share.
-        pattern = rf"f32\[{cfg.num_layers},(\d+),{CAPACITY},(\d+),{cfg.head_dim}\]"
+        pattern = rf"f32\[{cfg.num_layers},(\d+),(\d+),{CAPACITY},{cfg.head_dim}\]"
         cache_types = sorted(set(re.findall(pattern, hlo)))
         cache_elems = [
             cfg.num_layers * int(b) * CAPACITY * int(kv) * cfg.head_dim for b, kv in cache_types

@@ -12,7 +12,6 @@ compile of the loop; SPEC_JAX_FULL_SHARDING=1 runs every drafter on every mesh.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -41,7 +40,6 @@ from spec_jax.sharding import (
 )
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
-HAS_DFLASH = importlib.util.find_spec("spec_jax.drafters.dflash") is not None
 
 # SmolLM2-135M's shapes (specs only: nothing is allocated).
 SMOLLM2 = ModelConfig(
@@ -139,7 +137,7 @@ def test_rules_are_data():
 
 def test_kv_cache_shardings():
     cache = kv_cache_shardings(abstract_mesh(2, 4), batch=4, num_kv_heads=4)
-    assert cache.k.spec == P(None, "data", None, "model")
+    assert cache.k.spec == P(None, "data", "model")
     assert cache.lengths.spec == P("data")
     odd = kv_cache_shardings(abstract_mesh(2, 4), batch=3, num_kv_heads=3)
     assert odd.k.spec == P() and odd.lengths.spec == P()
@@ -163,14 +161,14 @@ def test_distributed_single_process(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- sharded generate
-DRAFTERS = ["ar", "ngram", "draft_model"] + (["dflash"] if HAS_DFLASH else [])
+DRAFTERS = ["ar", "ngram", "draft_model", "dflash"]
 MESHES = ["2x4", "4x2", "1x8"]
 
 
 # Default: each model meets every mesh and, between the two models, every drafter.
 DEFAULT_CASES = {
-    "divisible": ["ar@1x8", "ngram@4x2", ("dflash" if HAS_DFLASH else "draft_model") + "@2x4"],
-    "nondivisible": ["draft_model@2x4", "ngram@1x8", ("dflash" if HAS_DFLASH else "ar") + "@4x2"],
+    "divisible": ["ar@1x8", "ngram@4x2", "dflash@2x4"],
+    "nondivisible": ["draft_model@2x4", "ngram@1x8", "dflash@4x2"],
 }
 
 
@@ -222,7 +220,6 @@ def test_sharded_generate_matches_unsharded(worker_results, model):
             assert case["drafter_wq_spec"] == EXPECTED_SHARDS[(model, mesh_name)][0], name
 
 
-@pytest.mark.skipif(not HAS_DFLASH, reason="spec_jax.drafters.dflash not present yet")
 def test_sharded_dflash_is_covered(worker_results):
     names = [n for r in worker_results.values() for n in r["cases"]]
     assert any(n.startswith("dflash@") for n in names)
@@ -230,8 +227,8 @@ def test_sharded_dflash_is_covered(worker_results):
 
 # Expected (wq spec, cache spec) per model and mesh.
 EXPECTED_SHARDS = {
-    ("divisible", "2x4"): ("P(None, None, 'model')", "P(None, 'data', None, 'model')"),
-    ("divisible", "4x2"): ("P(None, None, 'model')", "P(None, 'data', None, 'model')"),
+    ("divisible", "2x4"): ("P(None, None, 'model')", "P(None, 'data', 'model')"),
+    ("divisible", "4x2"): ("P(None, None, 'model')", "P(None, 'data', 'model')"),
     # 4 KV heads do not split 8 ways: the cache and wk/wv stay whole, wq (8 heads) splits.
     ("divisible", "1x8"): ("P(None, None, 'model')", "P()"),
     ("nondivisible", "2x4"): ("P()", "P(None, 'data')"),

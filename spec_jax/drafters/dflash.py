@@ -30,12 +30,14 @@ from spec_jax.models.decoder import (
     attend,
     attention_output,
     embed,
+    heads_major,
     lm_head,
     mlp,
     project_qkv,
     rms_norm,
     rope,
     rope_inv_freq,
+    write_kv,
 )
 from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
 
@@ -322,7 +324,7 @@ def _attention_mask(
 def context_kv(
     cfg: DFlashConfig, params: Params, captured: jax.Array, positions: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Captured target hidden states [B, T, n*H] -> context k, v [L, B, T, Kv, D] of every layer.
+    """Captured target hidden states [B, T, n*H] -> context k, v [L, B, Kv, T, D] of every layer.
 
     fc -> hidden_norm, then each layer's k/v projection; context features skip input_layernorm,
     k_norm and RoPE (at `positions` [B, T]) apply as to the block's own keys.
@@ -335,7 +337,7 @@ def context_kv(
         def layer_kv(lp):
             _, k, v = project_qkv(lp, ctx)  # [B, T, Kv, D]; q is unused (dropped by XLA)
             k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
-            return k, v
+            return heads_major(k), heads_major(v)  # the cache layout [B, Kv, T, D]
 
         return jax.vmap(layer_kv)(params["layers"])
 
@@ -353,7 +355,7 @@ def dflash_hidden(
 ) -> jax.Array:
     """The draft layers over block inputs; shared by drafting (one block) and training (many).
 
-    x [B, Tq, H] block embeddings at positions [B, Tq]; ctx_k/ctx_v [L, B, S, Kv, D] context at
+    x [B, Tq, H] block embeddings at positions [B, Tq]; ctx_k/ctx_v [L, B, Kv, S, D] context at
     ctx_positions [B, S]; ctx_visible [B, Tq, S] and block_visible [B, Tq, Tq] say which context
     entries and block tokens each query may see, before each layer's window/causality rules.
     Returns the final-normed hidden states [B, Tq, H].
@@ -361,12 +363,13 @@ def dflash_hidden(
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def layer(x, xs):
-        lp, layer_ctx_k, layer_ctx_v, window, causal = xs  # layer_ctx_k/v: [B, S, Kv, D]
+        lp, layer_ctx_k, layer_ctx_v, window, causal = xs  # layer_ctx_k/v: [B, Kv, S, D]
         with jax.named_scope("attention"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
             q, k, v = project_qkv(lp, h)  # q [B, Tq, N, D]; k, v [B, Tq, Kv, D]
             q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
-            k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
+            k = heads_major(rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq))
+            v = heads_major(v)
             ctx_mask = ctx_visible & _attention_mask(positions, ctx_positions, window, causal)
             block_mask = block_visible & _attention_mask(positions, positions, window, causal)
             attn = attend(q, [(layer_ctx_k, layer_ctx_v, ctx_mask), (k, v, block_mask)])
@@ -407,7 +410,7 @@ class DFlashDrafter:
     sample_drafts: at temperature > 0, sample drafts from the warped draft logits and return their
                   probabilities (as the reference does); False keeps argmax drafts (one-hot q).
                   Under greedy sampling both give argmax drafts.
-    State: a `KVCache` of context k/v [L, B, capacity, Kv, D] whose `lengths` [B] are the context
+    State: a `KVCache` of context k/v [L, B, Kv, capacity, D] whose `lengths` [B] are the context
     lengths (lengths - 1 of the loop: every committed token but the last).
     """
 
@@ -436,12 +439,8 @@ class DFlashDrafter:
         self, params: Params, cache: KVCache, captured: jax.Array, positions: jax.Array
     ) -> KVCache:
         """Project captured target hidden states [B, T, n*H] and write their k/v at positions [B, T]."""
-        k, v = context_kv(self.cfg, params, captured, positions)  # [L, B, T, Kv, D]
-        rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
-        return cache.replace(
-            k=cache.k.at[:, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[:, rows, positions].set(v.astype(cache.v.dtype), mode="drop"),
-        )
+        k, v = context_kv(self.cfg, params, captured, positions)  # [L, B, Kv, T, D]
+        return cache.replace(k=write_kv(cache.k, k, positions), v=write_kv(cache.v, v, positions))
 
     def init(
         self,
@@ -454,7 +453,7 @@ class DFlashDrafter:
     ) -> KVCache:
         cfg = self.cfg
         batch, prompt_len = prompt_tokens.shape
-        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         dtype = params["fc"].dtype
         cache = KVCache(
             k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)

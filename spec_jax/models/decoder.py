@@ -26,7 +26,9 @@ NEG_INF = -1e30  # finite so fully-masked rows (padding) stay NaN-free
 class KVCache:
     """Fixed-capacity KV cache, indexed by absolute position.
 
-    k, v:     [L, B, S, Kv, D]  S = capacity
+    k, v:     [L, B, Kv, S, D]  S = capacity; heads before positions ("heads-major"), so attention
+                                contracts each head's [S, D] block in place, with no per-layer
+                                transpose (a copy of the whole cache every step)
     lengths:  [B] int32         committed tokens per row
 
     Slot j holds the key/value of position j. A forward pass over consecutive positions
@@ -40,7 +42,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=lengths.astype(jnp.int32))
@@ -48,7 +50,7 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
     dtype = dtype or cfg.dtype
-    shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
     )
@@ -101,27 +103,41 @@ def project_qkv(lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arr
     return q, k, v
 
 
+def heads_major(x: jax.Array) -> jax.Array:
+    """Keys/values [..., B, T, Kv, D] -> the cache layout [..., B, Kv, T, D]."""
+    return jnp.swapaxes(x, -3, -2)
+
+
+def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Write new [L, B, Kv, T, D] into cache [L, B, Kv, S, D] at positions [B, T] (one scatter;
+    positions past the capacity are dropped)."""
+    rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+    # Indexing dims 1 and 3 (split by a slice) puts the indexed [B, T] first: [B, T, L, Kv, D].
+    updates = jnp.transpose(new, (1, 3, 0, 2, 4)).astype(cache.dtype)
+    return cache.at[:, rows, :, positions].set(updates, mode="drop")
+
+
 def attend(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
     """Grouped-query attention over one or more key/value parts with one joint softmax.
 
-    q: [B, T, N, D]; each part (k, v, mask): k, v [B, S_i, Kv, D], mask [B, T, S_i] bool
-    (True = visible) -> [B, T, N, D]. Parts let a pass attend to a cache and to its own new keys
-    without concatenating (copying) the cache.
+    q: [B, T, N, D]; each part (k, v, mask): k, v [B, Kv, S_i, D] (heads-major, as cached), mask
+    [B, T, S_i] bool (True = visible) -> [B, T, N, D]. Parts let a pass attend to a cache and to
+    its own new keys without concatenating (copying) the cache.
     """
     b, t, n, d = q.shape
-    kv_heads = parts[0][0].shape[2]
+    kv_heads = parts[0][0].shape[1]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, d)  # [B, T, Kv, G, D]
     scores = []
     for k, _, mask in parts:
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores.append(jnp.where(mask[:, None, None, :, :], s / math.sqrt(d), NEG_INF))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, Kv, G, T, sum S_i]
     out = 0.0
     start = 0
     for k, v, _ in parts:
-        p = probs[..., start : start + k.shape[1]].astype(q.dtype)
-        out = out + jnp.einsum("bkgts,bskd->btkgd", p, v.astype(q.dtype))
-        start += k.shape[1]
+        p = probs[..., start : start + k.shape[2]].astype(q.dtype)
+        out = out + jnp.einsum("bkgts,bksd->btkgd", p, v.astype(q.dtype))
+        start += k.shape[2]
     return out.reshape(b, t, n, d)
 
 
@@ -193,7 +209,6 @@ def forward_hidden(
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     slots = jnp.arange(cache.capacity, dtype=jnp.int32)
     k_pos = jnp.broadcast_to(slots, (b, cache.capacity))
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     windows = jnp.asarray(cfg.layer_windows, jnp.int32)
     # capture_slot[layer] = index in the capture buffer, or -1.
     capture_slot = [-1] * cfg.num_layers
@@ -208,7 +223,7 @@ def forward_hidden(
 
     def layer(carry, xs):
         x, captured = carry
-        lp, k_cached, v_cached, window, slot = xs  # k/v_cached: [B, S, Kv, D], read only
+        lp, k_cached, v_cached, window, slot = xs  # k/v_cached: [B, Kv, S, D], read only
         with jax.named_scope("attention"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
             q, k, v = project_qkv(lp, h)
@@ -216,7 +231,7 @@ def forward_hidden(
                 q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
                 k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
             q = rope(q, positions, inv_freq)
-            k = rope(k, positions, inv_freq)
+            k, v = heads_major(rope(k, positions, inv_freq)), heads_major(v)  # [B, Kv, T, D]
             cached_mask = before_pass & causal_window_mask(positions, k_pos, window)
             new_mask = causal_window_mask(positions, positions, window)
             attn = attend(q, [(k_cached, v_cached, cached_mask), (k, v, new_mask)])
@@ -232,8 +247,8 @@ def forward_hidden(
     (x, captured), (new_k, new_v) = jax.lax.scan(layer, (x, captured0), xs)
     # One scatter per pass writes every layer's new keys/values at their positions (in place);
     # positions past capacity are dropped.
-    k_cache = cache.k.at[:, rows, positions].set(new_k.astype(cache.k.dtype), mode="drop")
-    v_cache = cache.v.at[:, rows, positions].set(new_v.astype(cache.v.dtype), mode="drop")
+    k_cache = write_kv(cache.k, new_k, positions)
+    v_cache = write_kv(cache.v, new_v, positions)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     new_cache = KVCache(k=k_cache, v=v_cache, lengths=positions[:, -1] + 1)
     if not capture:

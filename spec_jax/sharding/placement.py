@@ -4,7 +4,7 @@
 follow their WeightSpec trees, prompts and prompt lengths are split over `data`, the rest
 (PRNG key, sampling values, caps, stop ids) is replicated. With every argument committed to the
 mesh, XLA propagates those shardings through prefill and the while loop: the KV caches come out
-[L, B/data, S, Kv/model, D] per device without any constraint inside the loop.
+[L, B/data, Kv/model, S, D] per device without any constraint inside the loop.
 """
 
 from __future__ import annotations

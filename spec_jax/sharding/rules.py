@@ -25,8 +25,8 @@ from spec_jax.models.weights import WeightSpec, is_spec, model_weight_specs
 
 logger = logging.getLogger(__name__)
 
-# Logical axes of the KV cache k/v [L, B, S, Kv, D] and of its lengths [B].
-KV_CACHE_AXES = ("layers", "batch", "sequence", "kv_heads", "head_dim")
+# Logical axes of the KV cache k/v [L, B, Kv, S, D] and of its lengths [B].
+KV_CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", "head_dim")  # the KVCache layout
 KV_LENGTHS_AXES = ("batch",)
 
 
@@ -181,9 +181,9 @@ def kv_cache_shardings(
     capacity: int = 1,
     head_dim: int = 1,
 ) -> KVCache:
-    """KVCache of NamedShardings: k/v [L, B, S, Kv, D] batch over data, KV heads over model
+    """KVCache of NamedShardings: k/v [L, B, Kv, S, D] batch over data, KV heads over model
     (each only when it divides), lengths [B] batch over data."""
-    kv_shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+    kv_shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
     kv = NamedSharding(mesh, logical_to_partition_spec(kv_shape, KV_CACHE_AXES, mesh, rules))
     lengths = NamedSharding(
         mesh, logical_to_partition_spec((batch,), KV_LENGTHS_AXES, mesh, rules)
@@ -202,7 +202,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: ShardingRules = DEFA
 
     def one(x: Any) -> Any:
         if isinstance(x, KVCache):
-            layers, b, capacity, kv_heads, head_dim = x.k.shape
+            layers, b, kv_heads, capacity, head_dim = x.k.shape
             return kv_cache_shardings(
                 mesh, rules, batch=b, num_kv_heads=kv_heads, num_layers=layers,
                 capacity=capacity, head_dim=head_dim,
