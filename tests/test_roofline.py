@@ -102,3 +102,25 @@ def test_cli_roofline_usage_errors(capsys, argv, message):
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert message in err and "Traceback" not in err
+
+
+def test_shipped_drafters_load_in_the_target_dtype():
+    import dataclasses
+
+    from spec_jax.launch import DrafterSpec, build_drafter
+
+    real = load_target(None)
+    target = dataclasses.replace(real, cfg=real.cfg.replace(dtype="bfloat16"))
+    for kind in ("dflash", "draft-model"):
+        _, params = build_drafter(DrafterSpec(kind), target)
+        assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}, kind
+
+
+def test_bfloat16_generate_runs_every_drafter_kind(capsys):
+    for drafter in ("none", "ngram", "self"):
+        code = main(["generate", "--target", "random:tiny", "--dtype", "bfloat16", "--drafter", drafter,
+                     "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-new-tokens", "12", "--ignore-eos", "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        (row,) = json.loads(out)["results"]
+        assert len(row["generated_ids"]) == 12 and all(0 <= t < 512 for t in row["generated_ids"])
