@@ -278,18 +278,31 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------- bench
-def _parse_ks(text: str | None) -> list[int | None]:
+def _parse_positive_ints(text: str, flag: str, example: str) -> list[int]:
+    """ "2,4,8" -> [2, 4, 8]; anything else is a usage error naming `flag`."""
     from spec_jax.launch import UsageError
 
-    if text is None:
-        return [None]
     try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UsageError(f"--k {text!r} is not a comma list of integers, e.g. 2,4,8.") from None
-    if not ks or any(k < 1 for k in ks):
-        raise UsageError(f"--k values must be integers >= 1, got {text!r}.")
-    return ks
+        raise UsageError(f"{flag} {text!r} is not a comma list of integers, e.g. {example}.") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} values must be integers >= 1, got {text!r}.")
+    return values
+
+
+def _parse_ks(text: str | None) -> list[int | None]:
+    return [None] if text is None else list(_parse_positive_ints(text, "--k", "2,4,8"))
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], write: Any, show: Any) -> dict[str, Any] | None:
+    """--out DIR: write the report's files; --json: return it for printing; else print a table."""
+    if args.out:
+        log("wrote " + ", ".join(str(p) for p in write(report, args.out)))
+    if args.json:
+        return report
+    show(report)
+    return None
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -329,24 +342,13 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any] | None:
         prompt_set=prompt_set,
         **sampling,
     )
-    if args.out:
-        paths = bench.write_outputs(report, args.out)
-        log("wrote " + ", ".join(str(p) for p in paths))
-    if args.json:
-        return report
-    bench.print_table(report)
-    return None
+    return _emit(args, report, bench.write_outputs, bench.print_table)
 
 
 def _roofline(args: argparse.Namespace) -> dict[str, Any] | None:
     from spec_jax import launch, roofline
 
-    try:
-        verify_tokens = [int(x) for x in args.verify_tokens.split(",") if x.strip()]
-    except ValueError:
-        raise launch.UsageError(f"--verify-tokens {args.verify_tokens!r} is not a comma list of integers.") from None
-    if not verify_tokens or min(verify_tokens) < 1:
-        raise launch.UsageError(f"--verify-tokens values must be >= 1, got {args.verify_tokens!r}.")
+    verify_tokens = _parse_positive_ints(args.verify_tokens, "--verify-tokens", "1,4,16")
     if args.batch_size < 1 or args.context < 1:
         raise launch.UsageError("--batch-size and --context must be >= 1.")
     if args.mesh:
@@ -361,13 +363,7 @@ def _roofline(args: argparse.Namespace) -> dict[str, Any] | None:
         new_tokens=max(2, args.max_new_tokens),
         progress=not args.no_progress,
     )
-    if args.out:
-        paths = roofline.write_roofline(report, args.out)
-        log("wrote " + ", ".join(str(p) for p in paths))
-    if args.json:
-        return report
-    roofline.print_roofline(report)
-    return None
+    return _emit(args, report, roofline.write_roofline, roofline.print_roofline)
 
 
 # --------------------------------------------------------------------------- info

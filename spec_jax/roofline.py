@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.decoding.generate import default_capacity, generate
 from spec_jax.models.decoder import KVCache, forward, init_cache
 
 DEFAULT_VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -115,8 +116,6 @@ def ar_loop_step(
     target: Any, *, batch: int, context: int, capacity: int, new_tokens: int, repeats: int
 ) -> dict[str, float]:
     """Per-step seconds of the real decoding loop with no drafter (prefill excluded by difference)."""
-    from spec_jax.decoding.generate import generate
-
     rng = np.random.default_rng(1)
     prompts = rng.integers(0, target.cfg.vocab_size, (batch, context)).tolist()
 
@@ -128,10 +127,6 @@ def ar_loop_step(
     # Prefill + 1 step vs prefill + new_tokens steps: the difference is new_tokens - 1 loop steps.
     short, long = run(1), run(new_tokens)
     return {"step_s": (long - short) / (new_tokens - 1), "prefill_s": short, "new_tokens": new_tokens}
-
-
-def _capacity(context: int, extra: int) -> int:
-    return -(-(context + extra + 1) // 256) * 256
 
 
 def run_roofline(
@@ -155,7 +150,8 @@ def run_roofline(
     verify_tokens = sorted(set(int(t) for t in verify_tokens) | {1})
     repeats = repeats or (5 if _on_cpu() else 20)
     cfg = target.cfg
-    capacity = _capacity(context, max(max(verify_tokens), new_tokens))
+    # The loop's own rounding: context + the longest pass (+ 1), up to a multiple of 256.
+    capacity = default_capacity(context, max(max(verify_tokens), new_tokens), 0)
     if capacity > cfg.max_position_embeddings:
         raise ValueError(
             f"context {context} + {max(verify_tokens)} tokens exceeds the model's "
