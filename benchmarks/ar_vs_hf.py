@@ -56,15 +56,15 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from spec_jax.bench import humaneval_prompts
+    from spec_jax.app.bench import humaneval_prompts
     from spec_jax.checkpoints import default_gguf_path, load_target
     from spec_jax.decoding.generate import generate
-    from spec_jax.launch import encode_prompts, stop_ids_for
+    from spec_jax.app.inputs import encode_prompts
 
     gguf = default_gguf_path()
     target = load_target(None)
     prompts = encode_prompts(target, humaneval_prompts(args.num_prompts), chat=True)
-    stop_ids = stop_ids_for(target, chatting=True)
+    stop_ids = list(target.stop_ids)
     print(f"spec_jax target {target.source}; stop ids {stop_ids}", file=sys.stderr)
 
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -27,7 +27,7 @@ def main() -> None:
     from spec_jax.checkpoints.dflash import load_dflash, save_dflash
     from spec_jax.checkpoints.hf import load_hf_dir
     from spec_jax.decoding import generate
-    from spec_jax.launch import build_drafter, DrafterSpec, SHIPPED_DRAFTERS
+    from spec_jax.app.inputs import build_drafter, DrafterSpec, SHIPPED_DRAFTERS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dflash", type=Path)

@@ -7,7 +7,7 @@ JSON object (the last stdout line) that the test asserts on.
 usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@MESH
   MODEL: divisible (8 heads, 4 KV heads) | nondivisible (9 heads, 3 KV heads, like SmolLM2)
          | default (the real SmolLM2-135M-Instruct)
-  DRAFTER: ar | ngram | draft_model | dflash;  MESH: DxM (data x model), e.g. 2x4
+  DRAFTER: ar | ngram | draft_model | dflash | table (a test-only drafter);  MESH: DxM (data x model), e.g. 2x4
 """
 
 from __future__ import annotations
@@ -34,19 +34,20 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from spec_jax.decoding.generate import generate  # noqa: E402
-from spec_jax.decoding.loop import MAX_STOP_IDS, prefill  # noqa: E402
-from spec_jax.decoding.sampling import SamplingParams  # noqa: E402
+from spec_jax.decoding.loop import MAX_STOP_IDS, LoopInputs, prefill  # noqa: E402
+from spec_jax.sampling import SamplingParams# noqa: E402
 from spec_jax.drafters.base import Target  # noqa: E402
 from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from spec_jax.drafters.ngram import NGramDrafter  # noqa: E402
 from spec_jax.models.config import ModelConfig  # noqa: E402
 from spec_jax.models.decoder import init_params  # noqa: E402
 from spec_jax.models.weights import model_weight_specs  # noqa: E402
+from table_drafter import TableDrafter, table_params  # noqa: E402  (tests/ is sys.path[0])
 from spec_jax.sharding import (  # noqa: E402
     bytes_per_device,
     kv_cache_shardings,
     make_mesh,
-    place_generate_args,
+    place_generate_inputs,
     shard_params,
     state_shardings,
 )
@@ -82,12 +83,15 @@ def model_cfg(kind: str, layers: int = 2) -> ModelConfig:
     )
 
 
-def make_drafter(name: str, cfg: ModelConfig):
+def make_drafter(name: str, cfg: ModelConfig, baseline=None):
     """-> (drafter, drafter params)."""
     if name == "ar":
         return None, None
     if name == "ngram":
         return NGramDrafter(k=K), None
+    if name == "table":
+        sequences = [p + b for p, b in zip(PROMPTS, baseline)]
+        return TableDrafter(vocab=cfg.vocab_size, k=K), table_params(cfg.vocab_size, sequences)
     if name == "draft_model":
         draft_cfg = cfg.replace(num_layers=1, layer_windows=())
         return DraftModelDrafter(cfg=draft_cfg, k=K), init_params(draft_cfg, jax.random.key(7))
@@ -105,15 +109,16 @@ def make_drafter(name: str, cfg: ModelConfig):
     raise ValueError(name)
 
 
-def loop_args(params, drafter_params) -> tuple:
-    """generate_loop's traced arguments, as `generate` builds them (prompt bucket 16)."""
+def loop_inputs(params, drafter_params) -> LoopInputs:
+    """generate_loop's traced inputs, as `generate` builds them (prompt bucket 16)."""
     tokens = np.zeros((len(PROMPTS), 16), np.int32)
     for i, p in enumerate(PROMPTS):
         tokens[i, : len(p)] = p
-    return (
-        params, drafter_params, tokens, np.array([len(p) for p in PROMPTS], np.int32),
-        jax.random.key(0), SamplingParams.create(0.0, 0, 1.0), np.int32(MAX_NEW),
-        np.full((MAX_STOP_IDS,), -1, np.int32),
+    return LoopInputs(
+        target_params=params, drafter_params=drafter_params, prompt_tokens=tokens,
+        prompt_lengths=np.array([len(p) for p in PROMPTS], np.int32), key=jax.random.key(0),
+        sampling=SamplingParams.create(0.0, 0, 1.0), max_new_tokens=np.int32(MAX_NEW),
+        stop_ids=np.full((MAX_STOP_IDS,), -1, np.int32),
     )
 
 
@@ -121,7 +126,7 @@ def shard_report(cfg: ModelConfig, params, mesh) -> dict:
     sharded = shard_params(params, model_weight_specs(cfg), mesh)
     per_device = bytes_per_device(sharded)
     total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-    wq = sharded["layers"]["wq"]
+    wq = sharded["layers"][0]["wq"]
     state = jax.eval_shape(
         lambda p, t, n, k, s, m, st: prefill(
             Target(p, cfg), None, None, t, n, k, s, m, st, CAPACITY
@@ -132,7 +137,7 @@ def shard_report(cfg: ModelConfig, params, mesh) -> dict:
     cache_sh = state_shardings(state, mesh).cache
     return {
         "specs": {
-            name: str(sharded["layers"][name].sharding.spec) for name in ("wq", "wk", "wo", "w_up")
+            name: str(sharded["layers"][0][name].sharding.spec) for name in ("wq", "wk", "wo", "w_up")
         }
         | {"embed": str(sharded["embed"].sharding.spec)},
         "wq_shard_bytes": [s.data.nbytes for s in wq.addressable_shards],
@@ -140,7 +145,7 @@ def shard_report(cfg: ModelConfig, params, mesh) -> dict:
         "param_bytes_total": int(total),
         "param_bytes_per_device": sorted(set(per_device.values())),
         "num_devices_holding": len(per_device),
-        "cache_spec": str(cache_sh.k.spec),
+        "cache_spec": str(cache_sh.k[0].spec),
         "cache_lengths_spec": str(cache_sh.lengths.spec),
     }
 
@@ -166,7 +171,7 @@ def main() -> None:
     out["baseline_s"] = round(time.perf_counter() - t0, 2)
     out["baseline"] = baseline
     for drafter_name, mesh_name in cases:
-        drafter, drafter_params = make_drafter(drafter_name, cfg)
+        drafter, drafter_params = make_drafter(drafter_name, cfg, baseline)
         data, model = (int(x) for x in mesh_name.split("x"))
         mesh = make_mesh(f"data={data},model={model}")
         if mesh_name not in out["shards"]:
@@ -178,24 +183,22 @@ def main() -> None:
         expect_cache = kv_cache_shardings(
             mesh, batch=len(PROMPTS), num_kv_heads=cfg.num_kv_heads,
             num_layers=cfg.num_layers, capacity=CAPACITY, head_dim=cfg.head_dim,
-        ).k
+        ).k[0]
         per_device_cache = expect_cache.shard_shape(
-            (cfg.num_layers, len(PROMPTS), cfg.num_kv_heads, CAPACITY, cfg.head_dim)
+            (len(PROMPTS), cfg.num_kv_heads, CAPACITY, cfg.head_dim)
         )
         expected_elems = int(np.prod(per_device_cache))
-        # Per-device cache buffers [L, b, kv, S, D] in the partitioned HLO. XLA may split the
-        # cache further than the rule (e.g. 4 KV heads over model=8 as 4 parts x 2 replicas);
-        # it must never hold more than the rule's share.
-        pattern = rf"f32\[{cfg.num_layers},(\d+),(\d+),{CAPACITY},{cfg.head_dim}\]"
+        # Per-device buffers of one layer's cache [b, kv, S, D] in the partitioned HLO. XLA may
+        # split the cache further than the rule (e.g. 4 KV heads over model=8 as 4 parts x 2
+        # replicas); it must never hold more than the rule's share.
+        pattern = rf"f32\[(\d+),(\d+),{CAPACITY},{cfg.head_dim}\]"
         cache_types = sorted(set(re.findall(pattern, hlo)))
-        cache_elems = [
-            cfg.num_layers * int(b) * CAPACITY * int(kv) * cfg.head_dim for b, kv in cache_types
-        ]
+        cache_elems = [int(b) * CAPACITY * int(kv) * cfg.head_dim for b, kv in cache_types]
         # The compiled loop again, on inputs committed to the mesh by explicit device_put:
         # with transfers disallowed, any host round trip in the loop would raise.
-        args = place_generate_args(loop_args(params, drafter_params), cfg, drafter, mesh)
+        inputs = place_generate_inputs(loop_inputs(params, drafter_params), cfg, drafter, mesh)
         with jax.transfer_guard("disallow"):
-            again = compiled(*args)
+            again = compiled(inputs)
             jax.block_until_ready(again)
         again_ids = [
             [int(t) for t in row[len(p): len(p) + MAX_NEW]]
@@ -212,9 +215,18 @@ def main() -> None:
             "cache_types_in_hlo": cache_types,
             "cache_within_rule": bool(cache_elems) and max(cache_elems) <= expected_elems,
             "accepted": result.stats.accepted,
+            "drafter_table_spec": (
+                str(inputs.drafter_params["table"].sharding.spec)
+                if isinstance(drafter, TableDrafter) else None
+            ),
+            "drafter_table_shard_rows": (
+                inputs.drafter_params["table"].addressable_shards[0].data.shape[0]
+                if isinstance(drafter, TableDrafter) else None
+            ),
             "drafter_wq_spec": (
-                str(args[1]["layers"]["wq"].sharding.spec)
-                if isinstance(args[1], dict) and "layers" in args[1] else None
+                str(inputs.drafter_params["layers"][0]["wq"].sharding.spec)
+                if isinstance(inputs.drafter_params, dict) and "layers" in inputs.drafter_params
+                else None
             ),
         }
     print(json.dumps(out))

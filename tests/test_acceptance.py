@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from spec_jax.decoding.loop import FINISH_NAMES, MAX_STOP_IDS, prefill, speculative_step
-from spec_jax.decoding.sampling import SamplingParams, accept
+from spec_jax.sampling import SamplingParams
+from spec_jax.decoding.acceptance import accept
 from spec_jax.drafters.base import Target
 from spec_jax.models import ModelConfig, init_params
 
@@ -31,9 +32,10 @@ CFG = ModelConfig(
 
 def bigram_params():
     params = init_params(CFG, jax.random.key(0))
-    layers = dict(params["layers"])
-    layers["wo"] = jnp.zeros_like(layers["wo"])
-    layers["w_down"] = jnp.zeros_like(layers["w_down"])
+    layers = [
+        {**lp, "wo": jnp.zeros_like(lp["wo"]), "w_down": jnp.zeros_like(lp["w_down"])}
+        for lp in params["layers"]
+    ]
     return {
         **params,
         "layers": layers,

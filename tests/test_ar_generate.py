@@ -187,7 +187,7 @@ def test_max_new_tokens_counts_tokens(models, ar3, max_new):
 
 def test_eos_default_and_ignore_eos(models):
     """The config's EOS stops by default; ignore_eos=True runs to the cap through it."""
-    prompts = make_prompts([3, 16, 1], seed=0)  # rows 1, 2 meet EOS at 16 and 10
+    prompts = make_prompts([3, 16, 1], seed=0)  # rows 1, 2 meet EOS at 12 and 21
     free = generate(models.target, prompts, max_new_tokens=NEW, ignore_eos=True)
     assert any(EOS in g[:-1] for g in free.generated_ids), "fixture: EOS should occur mid-output"
     dflt = generate(models.target, prompts, max_new_tokens=NEW)

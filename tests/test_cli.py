@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from spec_jax.checkpoints import save_hf_dir
-from spec_jax.cli import main
+from spec_jax.app.main import main
 from spec_jax.models import init_params
 from spec_jax.models.config import ModelConfig
 
@@ -15,6 +15,7 @@ VOCAB = 61
 # Repetitive prompts so the n-gram drafter finds matches.
 PROMPT_A = "5,6,7,8,9,5,6,7,8,9,5,6,7"
 PROMPT_B = "11,12,13,11,12,13,11"
+TINY_EOS = 14  # greedy: prompt A meets it at new token 18 (of 24), prompt B never
 RESULT_KEYS = {"generated_ids", "text", "finish_reason", "stats"}
 STATS_KEYS = {"steps", "drafted", "accepted", "tau", "acceptance_histogram"}
 
@@ -32,7 +33,7 @@ def tiny_dir(tmp_path_factory):
         tie_embeddings=True,
         max_position_embeddings=256,
         bos_token_id=1,
-        eos_token_ids=(2,),
+        eos_token_ids=(TINY_EOS,),
     )
     params = init_params(cfg, jax.random.key(0), scale=4.0)
     return str(save_hf_dir(tmp_path_factory.mktemp("tiny") / "model", cfg, params))
@@ -56,8 +57,10 @@ def run_error(capsys, argv):
 
 
 def gen_args(tiny_dir, *extra):
+    # float32 on every backend (--dtype auto is bfloat16 on GPU/TPU): the tests compare greedy
+    # outputs token for token.
     return ["generate", "--target", tiny_dir, "--prompt-ids", PROMPT_A, "--prompt-ids", PROMPT_B,
-            "--max-new-tokens", "12", "--json", *extra]
+            "--max-new-tokens", "12", "--json", "--dtype", "float32", *extra]
 
 
 def test_generate_json_and_drafters_match_ar(tiny_dir, capsys):
@@ -86,9 +89,9 @@ def test_generate_stops_at_eos_unless_ignored(tiny_dir, capsys):
     assert any(r["finish_reason"] == "stop" for r in stopped["results"])
     for a, b in zip(free["results"], stopped["results"]):
         ids = a["generated_ids"]
-        cut = ids[: ids.index(2) + 1] if 2 in ids else ids
+        cut = ids[: ids.index(TINY_EOS) + 1] if TINY_EOS in ids else ids
         assert b["generated_ids"] == cut
-        assert b["finish_reason"] == ("stop" if 2 in ids else "length")
+        assert b["finish_reason"] == ("stop" if TINY_EOS in ids else "length")
 
 
 @pytest.mark.parametrize(
@@ -96,7 +99,7 @@ def test_generate_stops_at_eos_unless_ignored(tiny_dir, capsys):
     [
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
-        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--prompt-ids", ""], "empty"),
         (["--prompt-ids", "1,x"], "token ids"),
         (["--prompt-ids", "1000"], "vocabulary"),
@@ -154,15 +157,18 @@ def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
                  "--max-new-tokens", "4", "--ignore-eos", "--no-progress"])
     out, _ = capsys.readouterr()
     assert code == 0 and "speedup" in out and "ngram" in out
-    info = run_json(capsys, ["info", "--target", tiny_dir, "--drafter", "self", "--json"])
+    info = run_json(
+        capsys, ["info", "--target", tiny_dir, "--drafter", "self", "--json", "--dtype", "float32"]
+    )
     assert info["target"]["params"] == VOCAB * 32 + 2 * (4 * 32 * 8 * 2 + 2 * 2 * 8 * 32 + 3 * 32 * 64 + 2 * 32) + 32
-    assert info["target"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+    assert info["target"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # float32: 4 bytes
     assert info["drafter"]["params"] == info["target"]["params"]
 
 
-def test_default_model_uses_the_shipped_dflash_drafter_and_matches_ar(capsys):
+def test_default_model_uses_the_shipped_dflash_drafter_and_matches_ar(capsys, default_model_installed):
     """No --target, no --drafter: the shipped DFlash drafter, with the AR baseline's output."""
-    args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json"]
+    args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json",
+            "--dtype", "float32"]
     out = run_json(capsys, args)
     row = out["results"][0]
     assert 1 <= len(row["generated_ids"]) <= 8
@@ -184,11 +190,16 @@ def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):
     dflash_dir = str(save_dflash(tmp_path / "dflash", dcfg, init_dflash_params(dcfg, jax.random.key(1))))
     ar = run_json(capsys, gen_args(tiny_dir, "--ignore-eos"))
     ids = [r["generated_ids"] for r in ar["results"]]
-    spec = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--drafter", "dflash", dflash_dir))
+    spec = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--drafter", f"dflash={dflash_dir}"))
     assert spec["k"] == 3 and spec["stats"]["drafted"] > 0
     assert [r["generated_ids"] for r in spec["results"]] == ids
     sharded = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--mesh", "data=1,model=1"))
     assert [r["generated_ids"] for r in sharded["results"]] == ids
-    info = run_json(capsys, ["info", "--target", tiny_dir, "--drafter", "dflash", dflash_dir, "--json"])
-    assert info["drafter"]["block_size"] == 4 and info["drafter"]["params"] > 0
+    info = run_json(capsys, ["info", "--target", tiny_dir, "--drafter", f"dflash={dflash_dir}", "--json"])
+    # The old two-word form is refused with the fix, not read as a prompt.
+    assert f"--drafter dflash={dflash_dir}" in run_error(
+        capsys, gen_args(tiny_dir, "--drafter", "dflash", dflash_dir)
+    )
+    assert info["drafter"]["kind"] == "DFlashDrafter" and info["drafter"]["k"] == 3
+    assert info["drafter"]["capture_layers"] == [1] and info["drafter"]["params"] > 0
     assert "devices" in run_error(capsys, gen_args(tiny_dir, "--mesh", "data=3"))

@@ -28,7 +28,7 @@ from dflash_testlib import (
 from spec_jax.checkpoints.dflash import load_dflash
 from spec_jax.decoding import loop
 from spec_jax.decoding.generate import default_capacity, generate, prompt_bucket
-from spec_jax.decoding.sampling import SamplingParams
+from spec_jax.sampling import SamplingParams
 from spec_jax.drafters.base import Target
 from spec_jax.models.decoder import forward, init_cache
 

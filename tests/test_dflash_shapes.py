@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from spec_jax.decoding.loop import MAX_STOP_IDS, generate_loop
-from spec_jax.decoding.sampling import SamplingParams
+from spec_jax.decoding.loop import abstract_inputs, generate_loop
+from spec_jax.sampling import SamplingParams
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, check_compatible, dflash_weight_specs
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.weights import abstract_from_specs, count_params, model_weight_specs
+from spec_jax.models.weights import count_params
 
 # Qwen/Qwen3-8B config.json values.
 QWEN3_8B = ModelConfig(
@@ -36,16 +35,12 @@ def test_qwen3_8b_dflash_generate_loop_eval_shape():
     assert specs["fc"].shape == (5 * 4096, 4096)
     assert 1.0e9 < count_params(specs) < 1.2e9  # ~1.05B drafter params
     batch, prompt_len, capacity = 4, 512, 1024
+    inputs = abstract_inputs(
+        QWEN3_8B, specs, batch=batch, prompt_len=prompt_len,
+        sampling=SamplingParams.create(0.6, 20, 0.95),
+    )
     out = jax.eval_shape(
-        functools.partial(generate_loop, cfg=QWEN3_8B, drafter=drafter, capacity=capacity),
-        abstract_from_specs(model_weight_specs(QWEN3_8B), jnp.float32),
-        abstract_from_specs(specs, jnp.float32),
-        jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-        jax.random.key(0),
-        SamplingParams.create(0.6, 20, 0.95),
-        jax.ShapeDtypeStruct((), jnp.int32),
-        jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32),
+        functools.partial(generate_loop, cfg=QWEN3_8B, drafter=drafter, capacity=capacity), inputs
     )
     assert out.tokens.shape == (batch, capacity)
     assert out.stats.histogram.shape == (batch, 16)

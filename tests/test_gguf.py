@@ -31,12 +31,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(default_model_installed):
     return load_target(None)
 
 
 @pytest.fixture(scope="module")
-def hf_gguf():
+def hf_gguf(default_model_installed):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     path = default_gguf_path()
@@ -54,7 +54,8 @@ def test_default_model_config(model):
     assert cfg.tie_embeddings and "lm_head" not in model.params
     assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
-    assert model.params["layers"]["wq"].shape == (30, 576, 9, 64)
+    assert len(model.params["layers"]) == 30
+    assert model.params["layers"][0]["wq"].shape == (576, 9, 64)
     assert model.params["embed"].dtype == jnp.float32
     assert load_target(None) is model  # dequantized once per process
 
@@ -123,7 +124,7 @@ def test_rotary_permutation_roundtrip():
     np.testing.assert_array_equal(unpermute_rotary_rows(stored, 6), w)
 
 
-def test_runtime_path_does_not_import_torch():
+def test_runtime_path_does_not_import_torch(default_model_installed):
     code = textwrap.dedent(
         """
         import sys

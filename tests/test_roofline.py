@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from spec_jax import roofline
+from spec_jax.app import roofline
 from spec_jax.checkpoints import CheckpointError, load_target
-from spec_jax.cli import main
+from spec_jax.app.main import main
 from spec_jax.models.presets import PRESETS, preset_config
 from spec_jax.models.weights import count_params, model_weight_specs
 
@@ -27,7 +27,7 @@ def test_preset_parameter_counts(name, params):
     assert count_params(model_weight_specs(PRESETS[name])) == params
 
 
-def test_smollm2_preset_matches_the_default_model():
+def test_smollm2_preset_matches_the_default_model(default_model_installed):
     real = load_target(None).cfg
     preset = preset_config("smollm2-135m", real.dtype)
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -84,7 +84,8 @@ def test_cli_roofline_json(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out)
-    assert report["kind"] == "roofline" and report["dtype"] == "float32"  # auto = float32 on CPU
+    auto_dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    assert report["kind"] == "roofline" and report["dtype"] == auto_dtype
     assert [r["tokens"] for r in report["verify"]] == [1, 3]
 
 
@@ -104,10 +105,10 @@ def test_cli_roofline_usage_errors(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
-def test_shipped_drafters_load_in_the_target_dtype():
+def test_shipped_drafters_load_in_the_target_dtype(default_model_installed):
     import dataclasses
 
-    from spec_jax.launch import DrafterSpec, build_drafter
+    from spec_jax.app.inputs import DrafterSpec, build_drafter
 
     real = load_target(None)
     target = dataclasses.replace(real, cfg=real.cfg.replace(dtype="bfloat16"))

@@ -18,7 +18,8 @@ import pytest
 from scipy import stats as scipy_stats
 
 from spec_jax.decoding import generate
-from spec_jax.decoding.sampling import SamplingParams, accept, sample, warp
+from spec_jax.sampling import SamplingParams, sample, warp
+from spec_jax.decoding.acceptance import accept
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.ngram import NGramDrafter

@@ -95,13 +95,14 @@ def test_default_mesh_shape():
 # ----------------------------------------------------------------------------- rules
 def test_param_shardings_divisible():
     shardings = param_shardings(model_weight_specs(DIVISIBLE), abstract_mesh(2, 4))
-    layers = shardings["layers"]
-    assert layers["wq"].spec == P(None, None, "model")
-    assert layers["wk"].spec == P(None, None, "model")
-    assert layers["wo"].spec == P(None, "model")
-    assert layers["w_gate"].spec == P(None, None, "model")
-    assert layers["w_down"].spec == P(None, "model")
-    assert layers["attn_norm"].spec == P()
+    assert len(shardings["layers"]) == DIVISIBLE.num_layers
+    for layers in shardings["layers"]:
+        assert layers["wq"].spec == P(None, "model")
+        assert layers["wk"].spec == P(None, "model")
+        assert layers["wo"].spec == P("model")
+        assert layers["w_gate"].spec == P(None, "model")
+        assert layers["w_down"].spec == P("model")
+        assert layers["attn_norm"].spec == P()
     assert shardings["embed"].spec == P("model")
     assert shardings["final_norm"].spec == P()
 
@@ -111,24 +112,24 @@ def test_param_shardings_replicate_non_dividing_heads_with_one_note(caplog):
     with caplog.at_level(logging.INFO, logger="spec_jax.sharding"):
         shardings = param_shardings(model_weight_specs(SMOLLM2), mesh)
         param_shardings(model_weight_specs(SMOLLM2), mesh)  # same model and mesh: no new note
-    layers = shardings["layers"]
-    for name in ("wq", "wk", "wv", "wo"):
-        assert layers[name].spec == P(), name
-    assert layers["w_up"].spec == P(None, None, "model")  # 1536 MLP divides
+    for layers in shardings["layers"]:
+        for name in ("wq", "wk", "wv", "wo"):
+            assert layers[name].spec == P(), name
+        assert layers["w_up"].spec == P(None, "model")  # 1536 MLP divides
     assert shardings["embed"].spec == P("model")  # 49152 vocab divides
     notes = [r for r in caplog.records if "do not divide" in r.getMessage()]
     assert len(notes) == 1
     message = notes[0].getMessage()
-    assert "['layers']['wq']" in message and "q_heads=9" in message and "kv_heads=3" in message
+    assert "['layers'][0]['wq']" in message and "q_heads=9" in message and "kv_heads=3" in message
     assert "w_up" not in message
 
 
 def test_rules_are_data():
     rules = ShardingRules(mlp=None, vocab=None)
     shardings = param_shardings(model_weight_specs(DIVISIBLE), abstract_mesh(1, 8), rules)
-    assert shardings["layers"]["w_up"].spec == P()
+    assert shardings["layers"][0]["w_up"].spec == P()
     assert shardings["embed"].spec == P()
-    assert shardings["layers"]["wq"].spec == P(None, None, "model")
+    assert shardings["layers"][0]["wq"].spec == P(None, "model")
     with pytest.raises(ValueError, match="Unknown logical axis 'heads'"):
         ShardingRules().mesh_axis("heads")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -136,11 +137,12 @@ def test_rules_are_data():
 
 
 def test_kv_cache_shardings():
-    cache = kv_cache_shardings(abstract_mesh(2, 4), batch=4, num_kv_heads=4)
-    assert cache.k.spec == P(None, "data", "model")
+    cache = kv_cache_shardings(abstract_mesh(2, 4), batch=4, num_kv_heads=4, num_layers=3)
+    assert len(cache.k) == len(cache.v) == 3
+    assert all(k.spec == P("data", "model") for k in cache.k + cache.v)
     assert cache.lengths.spec == P("data")
     odd = kv_cache_shardings(abstract_mesh(2, 4), batch=3, num_kv_heads=3)
-    assert odd.k.spec == P() and odd.lengths.spec == P()
+    assert odd.k[0].spec == P() and odd.lengths.spec == P()
 
 
 def test_drafter_weight_specs():
@@ -161,13 +163,13 @@ def test_distributed_single_process(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- sharded generate
-DRAFTERS = ["ar", "ngram", "draft_model", "dflash"]
+DRAFTERS = ["ar", "ngram", "draft_model", "dflash", "table"]
 MESHES = ["2x4", "4x2", "1x8"]
 
 
 # Default: each model meets every mesh and, between the two models, every drafter.
 DEFAULT_CASES = {
-    "divisible": ["ar@1x8", "ngram@4x2", "dflash@2x4"],
+    "divisible": ["ar@1x8", "ngram@4x2", "dflash@2x4", "table@2x4"],
     "nondivisible": ["draft_model@2x4", "ngram@1x8", "dflash@4x2"],
 }
 
@@ -218,21 +220,39 @@ def test_sharded_generate_matches_unsharded(worker_results, model):
         drafter_name, mesh_name = name.split("@")
         if drafter_name in ("draft_model", "dflash"):
             assert case["drafter_wq_spec"] == EXPECTED_SHARDS[(model, mesh_name)][0], name
+        if drafter_name == "table":
+            # A drafter the library has never heard of: its own weight_specs() split its
+            # [vocab, vocab] table over `model`, and its drafts were accepted.
+            model_parts = int(mesh_name.split("x")[1])
+            assert case["drafter_table_spec"] == "P('model',)", name
+            assert case["drafter_table_shard_rows"] == 128 // model_parts, name
+            assert case["accepted"] > 0, name
 
 
 def test_sharded_dflash_is_covered(worker_results):
     names = [n for r in worker_results.values() for n in r["cases"]]
     assert any(n.startswith("dflash@") for n in names)
+    assert any(n.startswith("table@") for n in names)
+
+
+def test_a_drafter_defined_in_a_test_shows_in_info():
+    """The drafter protocol alone puts a new drafter into `spec-jax info` (no library change)."""
+    from spec_jax.app.info import drafter_info
+    from table_drafter import TableDrafter
+
+    info = drafter_info(TableDrafter(vocab=128, k=3))
+    assert info == {"kind": "TableDrafter", "k": 3, "params": 128 * 128, "capture_layers": [],
+                    "kv_bytes_per_token": 0}
 
 
 # Expected (wq spec, cache spec) per model and mesh.
 EXPECTED_SHARDS = {
-    ("divisible", "2x4"): ("P(None, None, 'model')", "P(None, 'data', 'model')"),
-    ("divisible", "4x2"): ("P(None, None, 'model')", "P(None, 'data', 'model')"),
+    ("divisible", "2x4"): ("P(None, 'model')", "P('data', 'model')"),
+    ("divisible", "4x2"): ("P(None, 'model')", "P('data', 'model')"),
     # 4 KV heads do not split 8 ways: the cache and wk/wv stay whole, wq (8 heads) splits.
-    ("divisible", "1x8"): ("P(None, None, 'model')", "P()"),
-    ("nondivisible", "2x4"): ("P()", "P(None, 'data')"),
-    ("nondivisible", "4x2"): ("P()", "P(None, 'data')"),
+    ("divisible", "1x8"): ("P(None, 'model')", "P()"),
+    ("nondivisible", "2x4"): ("P()", "P('data',)"),
+    ("nondivisible", "4x2"): ("P()", "P('data',)"),
     ("nondivisible", "1x8"): ("P()", "P()"),
 }
 
@@ -246,7 +266,7 @@ def test_params_and_caches_are_sharded(worker_results, model):
         assert shards["specs"]["wq"] == wq_spec, mesh_name
         assert shards["cache_spec"] == cache_spec, mesh_name
         assert shards["specs"]["embed"] == "P('model',)"  # vocab 128 divides every model axis
-        assert shards["specs"]["w_up"] == "P(None, None, 'model')"
+        assert shards["specs"]["w_up"] == "P(None, 'model')"
         assert shards["num_devices_holding"] == 8
         # Bytes per device: a sharded wq holds 1/model of the weight on each device.
         wq_share = shards["wq_bytes"] // parts if wq_spec != "P()" else shards["wq_bytes"]
@@ -258,7 +278,8 @@ def test_params_and_caches_are_sharded(worker_results, model):
             assert per_device < shards["param_bytes_total"] / parts * 1.1, mesh_name
     if model == "nondivisible":
         # The replication note is logged once per weight tree and mesh, not once per call.
-        note = "(2, 72, 9, 8): dim 2 (q_heads=9) over model="
+        # (Only the 2-layer target has a layer 1; the 1-layer drafters log notes of their own.)
+        note = "['layers'][1]['wq'] (72, 9, 8): dim 1 (q_heads=9) over model="
         lines = [line for line in result["stderr"].splitlines() if note in line]
         meshes_with_model = {m for m in result["shards"] if not m.endswith("x1")}
         assert len(lines) == len(meshes_with_model), lines

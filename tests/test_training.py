@@ -75,7 +75,14 @@ def test_a_few_steps_reduce_the_loss(setup, kind):
     result = train(loss, params, target_params, _batches(data, features, CFG), CFG, None, progress=False)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     assert last < 0.9 * first, (first, last)
-    assert result.history[-1]["accuracy"] > result.history[0]["accuracy"]
+    # Accuracy on one fixed batch, averaged over many anchor/position draws (a single training
+    # step's accuracy is too noisy to compare), before and after training.
+    batch = next(_batches(data, features, CFG)(0))
+    evaluate = jax.jit(lambda p, b, key: loss(p, target_params, b, key)[1]["accuracy"])
+    keys = jax.random.split(jax.random.key(42), 16)
+    before = float(np.mean([evaluate(params, batch, k) for k in keys]))
+    after = float(np.mean([evaluate(result.state.params, batch, k) for k in keys]))
+    assert after > before, (before, after)
 
 
 def test_save_restore_is_exact(tmp_path, setup):
@@ -169,7 +176,7 @@ def test_trained_dflash_exports_loads_and_stays_exact(tmp_path, setup):
 @pytest.mark.parametrize("kind", ["dflash", "draft-model"])
 def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kind):
     from spec_jax.checkpoints import save_hf_dir
-    from spec_jax.cli import main
+    from spec_jax.app.main import main
 
     target_params, data, _, prompts = setup
     save_hf_dir(tmp_path / "target", TARGET, jax.device_get(target_params))
@@ -187,7 +194,7 @@ def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kin
     capsys.readouterr()
     assert main(common) == 0
     ar = capsys.readouterr().out
-    assert main(common + ["--drafter", kind, str(out / "drafter")]) == 0
+    assert main(common + ["--drafter", f"{kind}={out / 'drafter'}"]) == 0
     spec = capsys.readouterr().out
     import json
 

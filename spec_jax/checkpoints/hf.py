@@ -1,8 +1,8 @@
-"""HF checkpoints (config.json + safetensors) to and from spec_jax's stacked params.
+"""HF checkpoints (config.json + safetensors) to and from spec_jax's params.
 
-One table, `LAYER_WEIGHTS`, says how each HF decoder-layer weight maps to our stacked layout.
-`stack_layers_from_hf` / `unstack_layers_to_hf` apply it under any per-layer name prefix, so the
-target loader (`model.layers.{i}.`) and the DFlash drafter loader (`layers.{i}.`) share it.
+One table, `LAYER_WEIGHTS`, says how each HF decoder-layer weight maps to our per-layer layout.
+`layers_from_hf` / `layers_to_hf` apply it under any per-layer name prefix, so the target loader
+(`model.layers.{i}.`) and the DFlash drafter loader (`layers.{i}.`) share it.
 
 HF stores a linear layer as [out, in]; we store [in..., out...] with heads split out, e.g.
 q_proj [N*D, H] -> wq [H, N, D] and o_proj [H, N*D] -> wo [N, D, H]. Both directions are a
@@ -20,7 +20,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -109,47 +109,46 @@ def _layer_weight(name: str) -> HFWeight:
 
 
 def expected_hf_layer_shapes(
-    layer_specs: Mapping[str, WeightSpec], prefix: LayerPrefix
+    layer_specs: Sequence[Mapping[str, WeightSpec]], prefix: LayerPrefix
 ) -> dict[str, tuple[int, ...]]:
-    """HF name -> HF shape for every per-layer tensor the stacked `layer_specs` need."""
+    """HF name -> HF shape for every per-layer tensor of `layer_specs` (one dict per layer)."""
     name_of = _prefix_fn(prefix)
     out = {}
-    for name, spec in layer_specs.items():
-        w = _layer_weight(name)
-        for i in range(spec.shape[0]):
-            out[name_of(i) + w.hf_name] = hf_shape(spec.shape[1:], w.in_axes)
+    for i, specs in enumerate(layer_specs):
+        for name, spec in specs.items():
+            w = _layer_weight(name)
+            out[name_of(i) + w.hf_name] = hf_shape(spec.shape, w.in_axes)
     return out
 
 
-def stack_layers_from_hf(
-    get_tensor: GetTensor, prefix: LayerPrefix, layer_specs: Mapping[str, WeightSpec]
-) -> dict[str, np.ndarray]:
-    """Read per-layer HF tensors and stack them as `layer_specs` ([L, ...]) describes.
+def layers_from_hf(
+    get_tensor: GetTensor, prefix: LayerPrefix, layer_specs: Sequence[Mapping[str, WeightSpec]]
+) -> list[dict[str, np.ndarray]]:
+    """Read per-layer HF tensors into our layout: one dict per layer, as `layer_specs` describes.
 
     get_tensor: HF name -> array (already in the wanted dtype).
     prefix:     "model.layers.{i}." (targets), "layers.{i}." (DFlash), or a function of the layer
                 index for checkpoints that name some layers differently.
     """
     name_of = _prefix_fn(prefix)
-    layers = {}
-    for name, spec in layer_specs.items():
-        w = _layer_weight(name)
-        per_layer = spec.shape[1:]
-        layers[name] = np.stack(
-            [from_hf(get_tensor(name_of(i) + w.hf_name), per_layer, w.in_axes) for i in range(spec.shape[0])]
-        )
-    return layers
+    return [
+        {
+            name: from_hf(get_tensor(name_of(i) + _layer_weight(name).hf_name), spec.shape,
+                          _layer_weight(name).in_axes)
+            for name, spec in specs.items()
+        }
+        for i, specs in enumerate(layer_specs)
+    ]
 
 
-def unstack_layers_to_hf(layers: Mapping[str, Any], prefix: LayerPrefix) -> dict[str, np.ndarray]:
-    """Inverse of `stack_layers_from_hf`: stacked [L, ...] params -> {HF name: tensor}."""
+def layers_to_hf(layers: Sequence[Mapping[str, Any]], prefix: LayerPrefix) -> dict[str, np.ndarray]:
+    """Inverse of `layers_from_hf`: per-layer params -> {HF name: tensor}."""
     name_of = _prefix_fn(prefix)
     out = {}
-    for name, stacked in layers.items():
-        w = _layer_weight(name)
-        stacked = np.asarray(stacked)
-        for i in range(stacked.shape[0]):
-            out[name_of(i) + w.hf_name] = np.ascontiguousarray(to_hf(stacked[i], w.in_axes))
+    for i, layer in enumerate(layers):
+        for name, value in layer.items():
+            w = _layer_weight(name)
+            out[name_of(i) + w.hf_name] = np.ascontiguousarray(to_hf(np.asarray(value), w.in_axes))
     return out
 
 
@@ -167,7 +166,7 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def params_from_hf(get_tensor: GetTensor, cfg: ModelConfig) -> Params:
     """Target params (host numpy) from HF-named tensors."""
     specs = model_weight_specs(cfg)
-    params: Params = {"layers": stack_layers_from_hf(get_tensor, TARGET_LAYER_PREFIX, specs["layers"])}
+    params: Params = {"layers": layers_from_hf(get_tensor, TARGET_LAYER_PREFIX, specs["layers"])}
     for name, spec in specs.items():
         if name != "layers":
             w = _MODEL_WEIGHT[name]
@@ -179,7 +178,7 @@ def params_from_hf(get_tensor: GetTensor, cfg: ModelConfig) -> Params:
 def params_to_hf(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """Target params -> {HF name: numpy tensor} (no lm_head when embeddings are tied)."""
     check_params_match_specs(params, model_weight_specs(cfg), what="params")
-    out = unstack_layers_to_hf(params["layers"], TARGET_LAYER_PREFIX)
+    out = layers_to_hf(params["layers"], TARGET_LAYER_PREFIX)
     for name, value in params.items():
         if name != "layers":
             w = _MODEL_WEIGHT[name]

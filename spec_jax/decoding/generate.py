@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -14,11 +16,12 @@ from spec_jax.decoding.loop import (
     FINISH_NAMES,
     MAX_STOP_IDS,
     GenerateOutput,
+    LoopInputs,
     generate_jit,
 )
-from spec_jax.decoding.sampling import SamplingParams, validate_sampling
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.config import ModelConfig
+from spec_jax.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
 CAPACITY_BUCKET = 256
@@ -105,13 +108,26 @@ def _unpack(out: GenerateOutput) -> tuple[list[list[int]], list[str], list[RowSt
     return generated, reasons, rows, total, int(out.steps)
 
 
-_COMPILED: dict[Any, Any] = {}
+# Compiled loops by static configuration and input shapes, most recently used last. Bounded: each
+# entry holds an executable (and, through its static drafter, configs), so a long-lived process
+# that sweeps shapes keeps only the newest ones.
+_COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+MAX_COMPILED = 16
 
 
 def _target_parts(target: Any) -> tuple[ModelConfig, Any]:
     if isinstance(target, tuple):
         return target
     return target.cfg, target.params
+
+
+def default_stop_ids(target: Any) -> tuple[int, ...]:
+    """The ids generation stops at unless told otherwise: the target's own `stop_ids` (a loaded
+    model: EOS and its chat template's end-of-turn token), else its config's EOS ids."""
+    own = getattr(target, "stop_ids", None)
+    if own is not None:
+        return tuple(own)
+    return _target_parts(target)[0].eos_token_ids
 
 
 def generate(
@@ -136,7 +152,9 @@ def generate(
 
     target: a loaded model (anything with `.cfg` and `.params`) or a `(cfg, params)` tuple.
     drafter: None for the autoregressive baseline, else a Drafter; `k` overrides its K.
-    stop_ids: default the model's EOS ids; `ignore_eos=True` disables stopping.
+    stop_ids: default `default_stop_ids(target)`: EOS and, for a loaded model with a chat template,
+      its end-of-turn token (so a chat prompt stops at the end of the assistant's turn);
+      `ignore_eos=True` disables stopping.
     capacity: KV cache/buffer length; default bucket(prompt) + max_new_tokens + K + 1 rounded up.
     mesh: a `jax.sharding.Mesh` from `spec_jax.sharding.make_mesh` ("data=D,model=M") to run the
       whole loop sharded: params are placed per `sharding_rules` (default
@@ -149,7 +167,7 @@ def generate(
     k_eff = drafter.k if drafter is not None else 0
     if k_eff < 0 or (drafter is not None and k_eff == 0):
         raise ValueError(f"K (drafts per step) must be >= 1 with a drafter, got {k_eff}.")
-    validate_sampling(temperature, top_k, top_p)
+    sampling = SamplingParams.create(temperature, top_k, top_p)  # validates the values
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}.")
     prompts = [list(map(int, p)) for p in prompts]
@@ -173,11 +191,18 @@ def generate(
             f"the cache capacity {capacity}; shorten the prompt, lower max_new_tokens or K, or raise "
             "capacity."
         )
+    positions = cfg.max_position_embeddings
+    if longest + max_new_tokens + k_eff > positions:
+        raise ValueError(
+            f"Prompt too long: {longest} prompt tokens + max_new_tokens={max_new_tokens} + K={k_eff} "
+            f"exceeds the model's {positions} positions (max_position_embeddings); shorten the "
+            "prompt or lower max_new_tokens."
+        )
     bucket = min(bucket, capacity)
     if drafter is not None:
         drafter.validate(cfg, capacity)
     if stop_ids is None:
-        stop_ids = () if ignore_eos else cfg.eos_token_ids
+        stop_ids = () if ignore_eos else default_stop_ids(target)
     elif ignore_eos:
         stop_ids = ()
     stop_ids = list(dict.fromkeys(int(s) for s in stop_ids))
@@ -188,39 +213,41 @@ def generate(
     prompt_tokens = np.zeros((batch, bucket), np.int32)
     for i, p in enumerate(prompts):
         prompt_tokens[i, : len(p)] = p
-    args = (
-        params,
-        drafter_params,
-        jnp.asarray(prompt_tokens),
-        jnp.asarray([len(p) for p in prompts], jnp.int32),
-        jax.random.key(seed),
-        SamplingParams.create(temperature, top_k, top_p),
-        jnp.asarray(max_new_tokens, jnp.int32),
-        jnp.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32),
+    inputs = LoopInputs(
+        target_params=params,
+        drafter_params=drafter_params,
+        prompt_tokens=jnp.asarray(prompt_tokens),
+        prompt_lengths=jnp.asarray([len(p) for p in prompts], jnp.int32),
+        key=jax.random.key(seed),
+        sampling=sampling,
+        max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
+        stop_ids=jnp.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32),
     )
     if mesh is not None:
-        from spec_jax.sharding.placement import place_generate_args
+        from spec_jax.sharding.placement import place_generate_inputs
 
-        args = place_generate_args(args, cfg, drafter, mesh, sharding_rules)
+        inputs = place_generate_inputs(inputs, cfg, drafter, mesh, sharding_rules)
     static = dict(cfg=cfg, drafter=drafter, capacity=capacity)
-    shapes = jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x)), args[:4])
+    shaped = (inputs.target_params, inputs.drafter_params, inputs.prompt_tokens, inputs.prompt_lengths)
+    shapes = jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x)), shaped)
     cache_key = (cfg, drafter, capacity, str(shapes))
     if mesh is not None:
-        shardings = jax.tree_util.tree_map(lambda x: x.sharding, args)
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, inputs)
         cache_key += (mesh, str(shardings))
     compile_s = 0.0
     compiled = _COMPILED.get(cache_key)
     if compiled is None:
         t0 = time.perf_counter()
-        if mesh is None:
-            compiled = generate_jit.lower(*args, **static).compile()
-        else:
-            with jax.set_mesh(mesh):
-                compiled = generate_jit.lower(*args, **static).compile()
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            compiled = generate_jit.lower(inputs, **static).compile()
         compile_s = time.perf_counter() - t0
         _COMPILED[cache_key] = compiled
+        while len(_COMPILED) > MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+    else:
+        _COMPILED.move_to_end(cache_key)
     t0 = time.perf_counter()
-    out = compiled(*args)
+    out = compiled(inputs)
     jax.block_until_ready(out)
     generate_s = time.perf_counter() - t0
     if mesh is not None:

@@ -6,17 +6,18 @@ the last committed token and emits the one token sampled from it.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax.decoding.sampling import SamplingParams, accept, sample, warp
+from spec_jax.decoding.acceptance import accept
 from spec_jax.drafters.base import Drafter, Target
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import KVCache, forward, init_cache
+from spec_jax.models.weights import abstract_from_specs, model_weight_specs
+from spec_jax.sampling import SamplingParams, sample, warp
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 FINISH_NAMES = {FINISH_NONE: "none", FINISH_STOP: "stop", FINISH_LENGTH: "length"}
@@ -98,6 +99,53 @@ class GenerateOutput:
     finish_reason: jax.Array
     steps: jax.Array
     stats: Stats
+
+
+@struct.dataclass
+class LoopInputs:
+    """The loop's traced inputs; only the static cfg, drafter and capacity sit beside them.
+
+    target_params:  the target's weight pytree
+    drafter_params: the drafter's weight pytree (None when it has no weights)
+    prompt_tokens:  [B, P] int32, right-padded to the prompt bucket
+    prompt_lengths: [B] int32
+    key:            PRNG key
+    sampling:       SamplingParams (traced: new values never recompile)
+    max_new_tokens: [] int32
+    stop_ids:       [MAX_STOP_IDS] int32, padded with -1
+    """
+
+    target_params: Any
+    drafter_params: Any
+    prompt_tokens: jax.Array
+    prompt_lengths: jax.Array
+    key: jax.Array
+    sampling: SamplingParams
+    max_new_tokens: jax.Array
+    stop_ids: jax.Array
+
+
+def abstract_inputs(
+    cfg: ModelConfig,
+    drafter_specs: Any,
+    *,
+    batch: int,
+    prompt_len: int,
+    sampling: SamplingParams | None = None,
+) -> LoopInputs:
+    """`LoopInputs` of ShapeDtypeStructs (weights in cfg.dtype; allocates nothing), for
+    `jax.eval_shape` and `generate_jit.lower` at any model size."""
+    dtype = jnp.dtype(cfg.dtype)
+    return LoopInputs(
+        target_params=abstract_from_specs(model_weight_specs(cfg), dtype),
+        drafter_params=None if drafter_specs is None else abstract_from_specs(drafter_specs, dtype),
+        prompt_tokens=jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+        prompt_lengths=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        key=jax.random.key(0),
+        sampling=sampling if sampling is not None else SamplingParams.create(),
+        max_new_tokens=jax.ShapeDtypeStruct((), jnp.int32),
+        stop_ids=jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32),
+    )
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -247,14 +295,7 @@ def speculative_step(
 
 
 def generate_loop(
-    target_params: Any,
-    drafter_params: Any,
-    prompt_tokens: jax.Array,
-    prompt_lengths: jax.Array,
-    key: jax.Array,
-    sampling: SamplingParams,
-    max_new_tokens: jax.Array,
-    stop_ids: jax.Array,
+    inputs: LoopInputs,
     *,
     cfg: ModelConfig,
     drafter: Drafter | None,
@@ -262,13 +303,15 @@ def generate_loop(
 ) -> GenerateOutput:
     """Prefill + the whole speculative loop; meant to run under one `jax.jit`.
 
-    Static: cfg, drafter (hashable, holds K), capacity, and the shapes of prompt_tokens [B, P].
-    Traced: everything else, so new sampling values, caps or stop ids never recompile.
+    Static: cfg, drafter (hashable, holds K), capacity, and the shapes of the inputs.
+    Traced: everything in `inputs`, so new sampling values, caps or stop ids never recompile.
     """
-    target = Target(target_params, cfg)
+    target = Target(inputs.target_params, cfg)
+    drafter_params, sampling = inputs.drafter_params, inputs.sampling
+    max_new_tokens, stop_ids = inputs.max_new_tokens, inputs.stop_ids
     state = prefill(
-        target, drafter, drafter_params, prompt_tokens, prompt_lengths, key, sampling,
-        max_new_tokens, stop_ids, capacity,
+        target, drafter, drafter_params, inputs.prompt_tokens, inputs.prompt_lengths, inputs.key,
+        sampling, max_new_tokens, stop_ids, capacity,
     )
 
     def not_finished(s: LoopState) -> jax.Array:
@@ -290,7 +333,3 @@ def generate_loop(
 
 
 generate_jit = jax.jit(generate_loop, static_argnames=("cfg", "drafter", "capacity"))
-
-
-def with_k(drafter: Drafter, k: int) -> Drafter:
-    return dataclasses.replace(drafter, k=k)

@@ -11,15 +11,13 @@ Positions: after a step, `lengths[b]` tokens of row b are committed and the last
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 from flax import struct
 
 from spec_jax.models.config import ModelConfig
-
-if TYPE_CHECKING:  # decoding imports this module; avoid the cycle at run time
-    from spec_jax.decoding.sampling import SamplingParams
+from spec_jax.sampling import SamplingParams
 
 Params = Any
 DrafterState = Any
@@ -43,6 +41,12 @@ class Drafter(Protocol):
     @property
     def capture_layers(self) -> tuple[int, ...]:
         """Target layers whose hidden states `init`/`commit` need (HF hidden_states[id + 1])."""
+        ...
+
+    def weight_specs(self) -> Any:
+        """The WeightSpec tree (`spec_jax.models.weights`) of this drafter's params, or None when
+        it has no weights. Sharding, `spec-jax info` and checkpoint checks read it, so a new
+        drafter is described once, here."""
         ...
 
     def validate(self, target_cfg: ModelConfig, capacity: int) -> None:

@@ -22,24 +22,24 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from spec_jax.decoding.sampling import SamplingParams, sample, warp
+from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.drafters.base import Target
-from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling
+from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling, kv_bytes_per_token
 from spec_jax.models.decoder import (
     KVCache,
-    attend,
-    attention_output,
+    decoder_layer,
+    einsum,
     embed,
+    empty_cache,
     heads_major,
     lm_head,
-    mlp,
     project_qkv,
     rms_norm,
     rope,
     rope_inv_freq,
     write_kv,
 )
-from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
+from spec_jax.models.weights import WeightSpec, init_from_specs, per_layer_specs
 
 Params = Any
 
@@ -123,6 +123,11 @@ class DFlashConfig:
             self.sliding_window if t == SLIDING_ATTENTION and self.sliding_window else GLOBAL_WINDOW
             for t in self.layer_types
         )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Context-cache bytes per committed token."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def layer_causal(self) -> tuple[bool, ...]:
@@ -255,20 +260,20 @@ class DFlashConfig:
 
 
 def dflash_weight_specs(cfg: DFlashConfig) -> dict[str, Any]:
-    """The drafter's weights; its layers are the decoder's stacked layer weights (qk_norm on)."""
+    """The drafter's weights; its layers are the decoder's layer weights (qk_norm on)."""
     H = cfg.hidden_size
     n = len(cfg.target_layer_ids)
     return {
         "fc": WeightSpec((n * H, H), (None, "embed")),
         "hidden_norm": WeightSpec((H,), (None,), "ones"),
         "norm": WeightSpec((H,), (None,), "ones"),
-        "layers": layer_weight_specs(
+        "layers": per_layer_specs(
             cfg.num_layers,
-            H,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
+            hidden=H,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate=cfg.intermediate_size,
             qk_norm=True,
         ),
     }
@@ -312,34 +317,32 @@ def check_compatible(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
         )
 
 
-def _attention_mask(
-    q_pos: jax.Array, k_pos: jax.Array, window: jax.Array, causal: jax.Array
-) -> jax.Array:
+def _attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int, causal: bool) -> jax.Array:
     """q_pos [B, T], k_pos [B, S] -> [B, T, S] bool: |q - k| < window, and k <= q when causal."""
     diff = q_pos[:, :, None] - k_pos[:, None, :]
     in_window = (diff < window) & (-diff < window)
-    return in_window & ((diff >= 0) | ~causal)
+    return in_window & (diff >= 0) if causal else in_window
 
 
 def context_kv(
     cfg: DFlashConfig, params: Params, captured: jax.Array, positions: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Captured target hidden states [B, T, n*H] -> context k, v [L, B, Kv, T, D] of every layer.
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Captured target hidden states [B, T, n*H] -> context k, v: per layer [B, Kv, T, D].
 
     fc -> hidden_norm, then each layer's k/v projection; context features skip input_layernorm,
     k_norm and RoPE (at `positions` [B, T]) apply as to the block's own keys.
     """
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     with jax.named_scope("dflash_context"):
-        ctx = jnp.einsum("btc,ch->bth", captured.astype(params["fc"].dtype), params["fc"])
+        ctx = einsum("btc,ch->bth", captured.astype(params["fc"].dtype), params["fc"])
         ctx = rms_norm(ctx, params["hidden_norm"], cfg.rms_norm_eps)  # [B, T, H]
-
-        def layer_kv(lp):
+        ks, vs = [], []
+        for lp in params["layers"]:
             _, k, v = project_qkv(lp, ctx)  # [B, T, Kv, D]; q is unused (dropped by XLA)
             k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
-            return heads_major(k), heads_major(v)  # the cache layout [B, Kv, T, D]
-
-        return jax.vmap(layer_kv)(params["layers"])
+            ks.append(heads_major(k))  # the cache layout [B, Kv, T, D]
+            vs.append(heads_major(v))
+        return tuple(ks), tuple(vs)
 
 
 def dflash_hidden(
@@ -347,46 +350,32 @@ def dflash_hidden(
     params: Params,
     x: jax.Array,
     positions: jax.Array,
-    ctx_k: jax.Array,
-    ctx_v: jax.Array,
+    ctx_k: tuple[jax.Array, ...],
+    ctx_v: tuple[jax.Array, ...],
     ctx_positions: jax.Array,
     ctx_visible: jax.Array,
     block_visible: jax.Array,
 ) -> jax.Array:
     """The draft layers over block inputs; shared by drafting (one block) and training (many).
 
-    x [B, Tq, H] block embeddings at positions [B, Tq]; ctx_k/ctx_v [L, B, Kv, S, D] context at
-    ctx_positions [B, S]; ctx_visible [B, Tq, S] and block_visible [B, Tq, Tq] say which context
-    entries and block tokens each query may see, before each layer's window/causality rules.
+    x [B, Tq, H] block embeddings at positions [B, Tq]; ctx_k/ctx_v per layer [B, Kv, S, D]
+    context at ctx_positions [B, S]; ctx_visible [B, Tq, S] and block_visible [B, Tq, Tq] say which
+    context entries and block tokens each query may see, before each layer's window/causality rules.
     Returns the final-normed hidden states [B, Tq, H].
     """
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-
-    def layer(x, xs):
-        lp, layer_ctx_k, layer_ctx_v, window, causal = xs  # layer_ctx_k/v: [B, Kv, S, D]
-        with jax.named_scope("attention"):
-            h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = project_qkv(lp, h)  # q [B, Tq, N, D]; k, v [B, Tq, Kv, D]
-            q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
-            k = heads_major(rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq))
-            v = heads_major(v)
+    layers = zip(params["layers"], ctx_k, ctx_v, cfg.layer_windows, cfg.layer_causal)
+    with jax.named_scope("dflash_block"):
+        for i, (lp, layer_ctx_k, layer_ctx_v, window, causal) in enumerate(layers):
             ctx_mask = ctx_visible & _attention_mask(positions, ctx_positions, window, causal)
             block_mask = block_visible & _attention_mask(positions, positions, window, causal)
-            attn = attend(q, [(layer_ctx_k, layer_ctx_v, ctx_mask), (k, v, block_mask)])
-            x = x + attention_output(lp, attn)
-        with jax.named_scope("mlp"):
-            x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
-        return x, None
 
-    xs = (
-        params["layers"],
-        ctx_k,
-        ctx_v,
-        jnp.asarray(cfg.layer_windows, jnp.int32),
-        jnp.asarray(cfg.layer_causal, bool),
-    )
-    with jax.named_scope("dflash_block"):
-        x, _ = jax.lax.scan(layer, x, xs)
+            # Queries see the (read-only) context cache and the block's own keys.
+            def context_and_block(k, v, ctx=(layer_ctx_k, layer_ctx_v, ctx_mask), own=block_mask):
+                return [ctx, (k, v, own)], None
+
+            with jax.named_scope(f"layer_{i}"):
+                x, _ = decoder_layer(lp, x, positions, inv_freq, cfg.rms_norm_eps, context_and_block)
         return rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 
@@ -410,7 +399,7 @@ class DFlashDrafter:
     sample_drafts: at temperature > 0, sample drafts from the warped draft logits and return their
                   probabilities (as the reference does); False keeps argmax drafts (one-hot q).
                   Under greedy sampling both give argmax drafts.
-    State: a `KVCache` of context k/v [L, B, Kv, capacity, D] whose `lengths` [B] are the context
+    State: a `KVCache` of context k/v (per layer [B, Kv, capacity, D]) whose `lengths` [B] are the context
     lengths (lengths - 1 of the loop: every committed token but the last).
     """
 
@@ -431,6 +420,9 @@ class DFlashDrafter:
     def capture_layers(self) -> tuple[int, ...]:
         return self.cfg.target_layer_ids
 
+    def weight_specs(self) -> dict[str, Any]:
+        return dflash_weight_specs(self.cfg)
+
     def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
         check_compatible(self.cfg, target_cfg)
 
@@ -439,8 +431,11 @@ class DFlashDrafter:
         self, params: Params, cache: KVCache, captured: jax.Array, positions: jax.Array
     ) -> KVCache:
         """Project captured target hidden states [B, T, n*H] and write their k/v at positions [B, T]."""
-        k, v = context_kv(self.cfg, params, captured, positions)  # [L, B, Kv, T, D]
-        return cache.replace(k=write_kv(cache.k, k, positions), v=write_kv(cache.v, v, positions))
+        ks, vs = context_kv(self.cfg, params, captured, positions)  # per layer [B, Kv, T, D]
+        return cache.replace(
+            k=tuple(write_kv(c, k, positions) for c, k in zip(cache.k, ks)),
+            v=tuple(write_kv(c, v, positions) for c, v in zip(cache.v, vs)),
+        )
 
     def init(
         self,
@@ -453,10 +448,8 @@ class DFlashDrafter:
     ) -> KVCache:
         cfg = self.cfg
         batch, prompt_len = prompt_tokens.shape
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        dtype = params["fc"].dtype
-        cache = KVCache(
-            k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
+        cache = empty_cache(
+            cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, params["fc"].dtype
         )
         positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
         cache = self._write_context(params, cache, prefill_captured, positions)

@@ -8,10 +8,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spec_jax.decoding.sampling import SamplingParams, sample, warp
+from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.drafters.base import Target
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import KVCache, forward, init_cache
+from spec_jax.models.weights import model_weight_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,9 @@ class DraftModelDrafter:
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return ()
+
+    def weight_specs(self) -> dict[str, Any]:
+        return model_weight_specs(self.cfg)
 
     def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
         if self.k < 1:

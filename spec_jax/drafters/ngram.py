@@ -24,6 +24,9 @@ class NGramDrafter:
     def capture_layers(self) -> tuple[int, ...]:
         return ()
 
+    def weight_specs(self) -> None:
+        return None
+
     def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
         if self.k < 1:
             raise ValueError(f"K must be >= 1 for the n-gram drafter, got {self.k}.")

@@ -14,7 +14,16 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
-GLOBAL_WINDOW = 1 << 30  # "no sliding window": larger than any cache capacity
+GLOBAL_WINDOW = 1 << 30
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """KV-cache bytes one token takes: a key and a value per KV head in every layer."""
+    if dtype not in _ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_ITEMSIZE)}.")
+    return 2 * num_layers * num_kv_heads * head_dim * _ITEMSIZE[dtype]  # "no sliding window": larger than any cache capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +77,10 @@ class ModelConfig:
     @property
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

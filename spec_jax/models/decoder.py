@@ -1,14 +1,20 @@
 """The one decoder implementation: pure functions over a params pytree.
 
-Layer weights are stacked on a leading `layers` axis and run with `lax.scan`, which keeps compile
-time flat in depth. The pieces (`rms_norm`, `rope`, `project_qkv`, `attend`, `mlp`) are public so
-the DFlash drafter builds its layers from this same code.
+Each decoder layer has its own weight arrays (`params["layers"][i]`, see `spec_jax.models.weights`)
+and its own KV-cache arrays, and the layer loop is unrolled at trace time, so no slice of a stacked
+weight (which XLA:GPU copies before the matmul) is left in the compiled step. `decoder_layer` is the
+one layer implementation: targets, draft models and the DFlash drafter differ only in what the
+queries attend to. The pieces (`rms_norm`, `rope`, `project_qkv`, `attend`, `mlp`) are public too.
+
+Precision: a float32 model means float32 matmuls. XLA:GPU would otherwise run float32 dots as TF32
+(about 10 mantissa bits), so every einsum here goes through `einsum`, which asks for full precision
+when its operands are float32 and keeps the fast default for bfloat16.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,35 +30,48 @@ NEG_INF = -1e30  # finite so fully-masked rows (padding) stay NaN-free
 
 @struct.dataclass
 class KVCache:
-    """Fixed-capacity KV cache, indexed by absolute position.
+    """Fixed-capacity KV cache, indexed by absolute position; one array per layer.
 
-    k, v:     [L, B, Kv, S, D]  S = capacity; heads before positions ("heads-major"), so attention
-                                contracts each head's [S, D] block in place, with no per-layer
-                                transpose (a copy of the whole cache every step)
-    lengths:  [B] int32         committed tokens per row
+    k, v:     L-tuples of [B, Kv, S, D]  S = capacity; heads before positions ("heads-major"), so
+                                         attention contracts each head's [S, D] block in place
+    lengths:  [B] int32                  committed tokens per row
 
     Slot j holds the key/value of position j. A forward pass over consecutive positions
-    p0..p0+T-1 reads only slots < p0 (committed) plus its own new keys, then writes those at their
-    positions; so rejected drafts are rolled back by setting `lengths` alone, never by clearing.
+    p0..p0+T-1 writes its keys/values at those positions and then attends causally to slots <= its
+    own position: slots < p0 are committed, later slots are masked. So rejected drafts are rolled
+    back by setting `lengths` alone, never by clearing.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     lengths: jax.Array
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=lengths.astype(jnp.int32))
 
 
-def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
-    dtype = dtype or cfg.dtype
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+def empty_cache(
+    num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: Any
+) -> KVCache:
+    shape = (batch, num_kv_heads, capacity, head_dim)
     return KVCache(
-        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        lengths=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
+    return empty_cache(
+        cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype or cfg.dtype
     )
 
 
@@ -61,6 +80,18 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 1.0) -> Params:
 
 
 # ----------------------------------------------------------------------------- pieces
+def einsum(
+    subscripts: str, x: jax.Array, y: jax.Array, preferred_element_type: Any = None
+) -> jax.Array:
+    """`jnp.einsum` at the precision the operands' dtype promises: HIGHEST when the product is
+    float32 (XLA:GPU would otherwise compute it in TF32), the backend's fast default otherwise."""
+    full = jnp.result_type(x, y) == jnp.float32
+    precision = jax.lax.Precision.HIGHEST if full else None
+    return jnp.einsum(
+        subscripts, x, y, precision=precision, preferred_element_type=preferred_element_type
+    )
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -97,27 +128,30 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 def project_qkv(lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x: [B, T, H] -> q [B, T, N, D], k/v [B, T, Kv, D] (before q/k norm and RoPE)."""
-    q = jnp.einsum("bth,hnd->btnd", x, lp["wq"])
-    k = jnp.einsum("bth,hkd->btkd", x, lp["wk"])
-    v = jnp.einsum("bth,hkd->btkd", x, lp["wv"])
+    q = einsum("bth,hnd->btnd", x, lp["wq"])
+    k = einsum("bth,hkd->btkd", x, lp["wk"])
+    v = einsum("bth,hkd->btkd", x, lp["wv"])
     return q, k, v
 
 
 def heads_major(x: jax.Array) -> jax.Array:
-    """Keys/values [..., B, T, Kv, D] -> the cache layout [..., B, Kv, T, D]."""
+    """Keys/values [B, T, Kv, D] -> the cache layout [B, Kv, T, D]."""
     return jnp.swapaxes(x, -3, -2)
 
 
 def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Write new [L, B, Kv, T, D] into cache [L, B, Kv, S, D] at positions [B, T] (one scatter;
-    positions past the capacity are dropped)."""
+    """Write new [B, Kv, T, D] into one layer's cache [B, Kv, S, D] at positions [B, T] (one
+    scatter, in place; positions past the capacity are dropped)."""
     rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
-    # Indexing dims 1 and 3 (split by a slice) puts the indexed [B, T] first: [B, T, L, Kv, D].
-    updates = jnp.transpose(new, (1, 3, 0, 2, 4)).astype(cache.dtype)
-    return cache.at[:, rows, :, positions].set(updates, mode="drop")
+    # Indexing dims 0 and 2 (split by a slice) puts the indexed [B, T] first: [B, T, Kv, D].
+    updates = jnp.swapaxes(new, 1, 2).astype(cache.dtype)
+    return cache.at[rows, :, positions].set(updates, mode="drop")
 
 
-def attend(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+AttentionParts = Sequence[tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def attend(q: jax.Array, parts: AttentionParts) -> jax.Array:
     """Grouped-query attention over one or more key/value parts with one joint softmax.
 
     q: [B, T, N, D]; each part (k, v, mask): k, v [B, Kv, S_i, D] (heads-major, as cached), mask
@@ -129,14 +163,14 @@ def attend(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, d)  # [B, T, Kv, G, D]
     scores = []
     for k, _, mask in parts:
-        s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        s = einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores.append(jnp.where(mask[:, None, None, :, :], s / math.sqrt(d), NEG_INF))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, Kv, G, T, sum S_i]
     out = 0.0
     start = 0
     for k, v, _ in parts:
         p = probs[..., start : start + k.shape[2]].astype(q.dtype)
-        out = out + jnp.einsum("bkgts,bksd->btkgd", p, v.astype(q.dtype))
+        out = out + einsum("bkgts,bksd->btkgd", p, v.astype(q.dtype))
         start += k.shape[2]
     return out.reshape(b, t, n, d)
 
@@ -144,19 +178,53 @@ def attend(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]]
 def attention_output(lp: Params, attn: jax.Array) -> jax.Array:
     """attn [B, T, N, D] -> [B, T, H]. Flattened (N*D) so XLA does not transpose wo every step."""
     b, t, n, d = attn.shape
-    return jnp.dot(attn.reshape(b, t, n * d), lp["wo"].reshape(n * d, -1))
+    return einsum("bti,ih->bth", attn.reshape(b, t, n * d), lp["wo"].reshape(n * d, -1))
 
 
 def mlp(lp: Params, x: jax.Array) -> jax.Array:
-    gate = jnp.einsum("bth,hf->btf", x, lp["w_gate"])
-    up = jnp.einsum("bth,hf->btf", x, lp["w_up"])
-    return jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, lp["w_down"])
+    gate = einsum("bth,hf->btf", x, lp["w_gate"])
+    up = einsum("bth,hf->btf", x, lp["w_up"])
+    return einsum("btf,fh->bth", jax.nn.silu(gate) * up, lp["w_down"])
 
 
-def causal_window_mask(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
+def causal_window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | jax.Array) -> jax.Array:
     """q_pos [B, T], k_pos [B, S] -> [B, T, S]: key visible when q - window < k <= q."""
     diff = q_pos[:, :, None] - k_pos[:, None, :]
     return (diff >= 0) & (diff < window)
+
+
+# What one layer's queries attend to: given the layer's new keys/values [B, Kv, T, D] (normed,
+# rotated), return the attention parts and anything the caller wants back (e.g. updated caches).
+AttendTo = Callable[[jax.Array, jax.Array], tuple[AttentionParts, Any]]
+
+
+def decoder_layer(
+    lp: Params,
+    x: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    eps: float,
+    attend_to: AttendTo,
+) -> tuple[jax.Array, Any]:
+    """One pre-norm decoder layer: RMSNorm -> GQA attention (per-head q/k RMSNorm when the layer
+    has `q_norm`/`k_norm`, RoPE at `positions` [B, T]) -> residual -> RMSNorm -> SwiGLU -> residual.
+
+    The one layer of targets, draft models and DFlash; `attend_to` says what the queries see.
+    x [B, T, H] -> (x [B, T, H], what `attend_to` returned besides the parts).
+    """
+    with jax.named_scope("attention"):
+        h = rms_norm(x, lp["attn_norm"], eps)
+        q, k, v = project_qkv(lp, h)  # q [B, T, N, D]; k, v [B, T, Kv, D]
+        if "q_norm" in lp:
+            q = rms_norm(q, lp["q_norm"], eps)
+            k = rms_norm(k, lp["k_norm"], eps)
+        q = rope(q, positions, inv_freq)
+        k, v = heads_major(rope(k, positions, inv_freq)), heads_major(v)  # [B, Kv, T, D]
+        parts, aux = attend_to(k, v)
+        x = x + attention_output(lp, attend(q, parts)).astype(x.dtype)
+    with jax.named_scope("mlp"):
+        x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], eps)).astype(x.dtype)
+    return x, aux
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -167,8 +235,8 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final-normed hidden states [B, T, H] -> float32 logits [B, T, V]."""
     # Contract the tied embedding as stored ([V, H]): a transposed view would be copied every step.
     if cfg.tie_embeddings:
-        return jnp.einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("bth,hv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+        return einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
+    return einsum("bth,hv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -204,55 +272,37 @@ def forward_hidden(
     for layer_id in capture:
         if not 0 <= layer_id < cfg.num_layers:
             raise ValueError(f"capture layer {layer_id} outside the model's {cfg.num_layers} layers")
-    b, t = tokens.shape
+    b, _ = tokens.shape
     positions = positions.astype(jnp.int32)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    slots = jnp.arange(cache.capacity, dtype=jnp.int32)
-    k_pos = jnp.broadcast_to(slots, (b, cache.capacity))
-    windows = jnp.asarray(cfg.layer_windows, jnp.int32)
-    # capture_slot[layer] = index in the capture buffer, or -1.
-    capture_slot = [-1] * cfg.num_layers
-    for i, layer_id in enumerate(capture):
-        capture_slot[layer_id] = i
-    capture_slot = jnp.asarray(capture_slot, jnp.int32)
+    slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (b, cache.capacity))
+    masks = {}  # one mask per distinct window: [B, T, S]
     x = embed(params, tokens)
-    captured0 = jnp.zeros((max(len(capture), 1), b, t, cfg.hidden_size), x.dtype)
-    # Cached slots this pass may read: those before its first position (later ones are stale
-    # drafts or about to be overwritten). Positions within a row are consecutive.
-    before_pass = k_pos[:, None, :] < positions[:, :1, None]  # [B, 1, S]
+    captured: dict[int, jax.Array] = {}
+    new_k, new_v = [], []
+    for i, lp in enumerate(params["layers"]):
+        window = cfg.layer_windows[i]
+        if window not in masks:
+            masks[window] = causal_window_mask(positions, slots, window)
 
-    def layer(carry, xs):
-        x, captured = carry
-        lp, k_cached, v_cached, window, slot = xs  # k/v_cached: [B, Kv, S, D], read only
-        with jax.named_scope("attention"):
-            h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = project_qkv(lp, h)
-            if cfg.qk_norm:
-                q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-            q = rope(q, positions, inv_freq)
-            k, v = heads_major(rope(k, positions, inv_freq)), heads_major(v)  # [B, Kv, T, D]
-            cached_mask = before_pass & causal_window_mask(positions, k_pos, window)
-            new_mask = causal_window_mask(positions, positions, window)
-            attn = attend(q, [(k_cached, v_cached, cached_mask), (k, v, new_mask)])
-            x = x + attention_output(lp, attn).astype(x.dtype)
-        with jax.named_scope("mlp"):
-            x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)).astype(x.dtype)
-        if capture:
-            idx = jnp.maximum(slot, 0)
-            captured = captured.at[idx].set(jnp.where(slot >= 0, x, captured[idx]))
-        return (x, captured), (k, v)
+        # Write this pass's keys/values first, then attend to the cache: the attention reads
+        # the written buffer, so XLA updates it in place (no copy of the cache per layer).
+        def write_then_read(k, v, i=i, mask=masks[window]):
+            k_cache = write_kv(cache.k[i], k, positions)
+            v_cache = write_kv(cache.v[i], v, positions)
+            return [(k_cache, v_cache, mask)], (k_cache, v_cache)
 
-    xs = (params["layers"], cache.k, cache.v, windows, capture_slot)
-    (x, captured), (new_k, new_v) = jax.lax.scan(layer, (x, captured0), xs)
-    # One scatter per pass writes every layer's new keys/values at their positions (in place);
-    # positions past capacity are dropped.
-    k_cache = write_kv(cache.k, new_k, positions)
-    v_cache = write_kv(cache.v, new_v, positions)
+        with jax.named_scope(f"layer_{i}"):
+            x, (k_cache, v_cache) = decoder_layer(
+                lp, x, positions, inv_freq, cfg.rms_norm_eps, write_then_read
+            )
+        new_k.append(k_cache)
+        new_v.append(v_cache)
+        if i in capture:
+            captured[i] = x
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    new_cache = KVCache(k=k_cache, v=v_cache, lengths=positions[:, -1] + 1)
+    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=positions[:, -1] + 1)
     if not capture:
         return x, None, new_cache
-    # [n, B, T, H] -> [B, T, n * H], layer order as requested.
-    captured = jnp.moveaxis(captured, 0, 2).reshape(b, t, len(capture) * cfg.hidden_size)
-    return x, captured, new_cache
+    # [B, T, n * H], layer order as requested.
+    return x, jnp.concatenate([captured[i] for i in capture], axis=-1), new_cache

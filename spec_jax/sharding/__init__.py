@@ -14,7 +14,7 @@ from spec_jax.sharding.mesh import (
     mesh_spec_string,
     parse_mesh_spec,
 )
-from spec_jax.sharding.placement import gather_to_host, place_generate_args
+from spec_jax.sharding.placement import gather_to_host, place_generate_inputs
 from spec_jax.sharding.rules import (
     DEFAULT_RULES,
     KV_CACHE_AXES,
@@ -46,7 +46,7 @@ __all__ = [
     "mesh_spec_string",
     "param_shardings",
     "parse_mesh_spec",
-    "place_generate_args",
+    "place_generate_inputs",
     "shard_params",
     "state_shardings",
 ]

@@ -1,10 +1,10 @@
 """Placing the jitted loop's arguments on a mesh, and bringing its outputs back.
 
-`generate(..., mesh=mesh)` calls `place_generate_args` before compiling: target and drafter params
+`generate(..., mesh=mesh)` calls `place_generate_inputs` before compiling: target and drafter params
 follow their WeightSpec trees, prompts and prompt lengths are split over `data`, the rest
 (PRNG key, sampling values, caps, stop ids) is replicated. With every argument committed to the
 mesh, XLA propagates those shardings through prefill and the while loop: the KV caches come out
-[L, B/data, Kv/model, S, D] per device without any constraint inside the loop.
+[B/data, Kv/model, S, D] per layer and device without any constraint inside the loop.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from spec_jax.decoding.loop import LoopInputs
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.weights import model_weight_specs
 from spec_jax.sharding.rules import (
@@ -44,36 +45,39 @@ def batch_sharding(mesh: Mesh, rules: ShardingRules, shape: tuple[int, ...]) -> 
     return NamedSharding(mesh, spec)
 
 
-def place_generate_args(
-    args: tuple,
+def place_generate_inputs(
+    inputs: LoopInputs,
     cfg: ModelConfig,
     drafter: Any,
     mesh: Mesh,
     rules: ShardingRules | None = None,
-) -> tuple:
-    """(target_params, drafter_params, prompt_tokens, prompt_lengths, key, sampling,
-    max_new_tokens, stop_ids) -> the same, every leaf committed to `mesh`."""
+) -> LoopInputs:
+    """The loop's inputs with every leaf committed to `mesh`: weights per their WeightSpec trees
+    (the drafter's from its own `weight_specs()`), prompts over the batch rule, the rest replicated."""
     rules = rules or DEFAULT_RULES
-    (params, drafter_params, prompt_tokens, prompt_lengths, key, sampling, max_new, stop) = args
     rep = replicated_sharding(mesh)
-    params = shard_params(params, model_weight_specs(cfg), mesh, rules)
     drafter_specs = drafter_weight_specs(drafter)
-    if drafter_params is not None and drafter_specs is None and jax.tree_util.tree_leaves(
-        drafter_params
+    if inputs.drafter_params is not None and drafter_specs is None and jax.tree_util.tree_leaves(
+        inputs.drafter_params
     ):
         logger.info("Sharding: drafter %s has no weight specs; its params are replicated.",
                     type(drafter).__name__)
-    drafter_params = shard_params(drafter_params, drafter_specs, mesh, rules)
-    tokens_sharding = batch_sharding(mesh, rules, tuple(np.shape(prompt_tokens)))
-    prompt_tokens = place(prompt_tokens, tokens_sharding)
-    prompt_lengths = place(
-        prompt_lengths, NamedSharding(mesh, logical_to_partition_spec(
-            tuple(np.shape(prompt_lengths)), ("batch",), mesh, rules))
+    lengths = inputs.prompt_lengths
+    lengths_sharding = NamedSharding(
+        mesh, logical_to_partition_spec(tuple(np.shape(lengths)), ("batch",), mesh, rules)
     )
-    key = place(key, rep)
-    sampling = jax.tree_util.tree_map(lambda x: place(x, rep), sampling)
-    return (params, drafter_params, prompt_tokens, prompt_lengths, key, sampling,
-            place(max_new, rep), place(stop, rep))
+    return LoopInputs(
+        target_params=shard_params(inputs.target_params, model_weight_specs(cfg), mesh, rules),
+        drafter_params=shard_params(inputs.drafter_params, drafter_specs, mesh, rules),
+        prompt_tokens=place(
+            inputs.prompt_tokens, batch_sharding(mesh, rules, tuple(np.shape(inputs.prompt_tokens)))
+        ),
+        prompt_lengths=place(lengths, lengths_sharding),
+        key=place(inputs.key, rep),
+        sampling=jax.tree_util.tree_map(lambda x: place(x, rep), inputs.sampling),
+        max_new_tokens=place(inputs.max_new_tokens, rep),
+        stop_ids=place(inputs.stop_ids, rep),
+    )
 
 
 def gather_to_host(tree: Any) -> Any:

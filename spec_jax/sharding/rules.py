@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import KVCache
-from spec_jax.models.weights import WeightSpec, is_spec, model_weight_specs
+from spec_jax.models.weights import WeightSpec, is_spec
 
 logger = logging.getLogger(__name__)
 
-# Logical axes of the KV cache k/v [L, B, Kv, S, D] and of its lengths [B].
-KV_CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", "head_dim")  # the KVCache layout
+# Logical axes of one layer's KV cache k/v [B, Kv, S, D] and of its lengths [B].
+KV_CACHE_AXES = ("batch", "kv_heads", "sequence", "head_dim")  # the KVCache layout
 KV_LENGTHS_AXES = ("batch",)
 
 
@@ -35,12 +34,11 @@ class ShardingRules:
     """Which mesh axis each logical axis is split over (None = replicated).
 
     Defaults: Megatron-style tensor parallelism over `model` (vocabulary, query and KV heads, MLP
-    width) and data parallelism over `data` (batch rows). Model width (`embed`), `head_dim`, the
-    stacked `layers` axis and the cache `sequence` axis stay whole on every device.
+    width) and data parallelism over `data` (batch rows). Model width (`embed`), `head_dim` and
+    the cache `sequence` axis stay whole on every device.
     """
 
     batch: str | None = "data"
-    layers: str | None = None
     sequence: str | None = None
     vocab: str | None = "model"
     embed: str | None = None
@@ -181,14 +179,14 @@ def kv_cache_shardings(
     capacity: int = 1,
     head_dim: int = 1,
 ) -> KVCache:
-    """KVCache of NamedShardings: k/v [L, B, Kv, S, D] batch over data, KV heads over model
-    (each only when it divides), lengths [B] batch over data."""
-    kv_shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+    """KVCache of NamedShardings: each layer's k/v [B, Kv, S, D] batch over data, KV heads over
+    model (each only when it divides), lengths [B] batch over data."""
+    kv_shape = (batch, num_kv_heads, capacity, head_dim)
     kv = NamedSharding(mesh, logical_to_partition_spec(kv_shape, KV_CACHE_AXES, mesh, rules))
     lengths = NamedSharding(
         mesh, logical_to_partition_spec((batch,), KV_LENGTHS_AXES, mesh, rules)
     )
-    return KVCache(k=kv, v=kv, lengths=lengths)
+    return KVCache(k=(kv,) * num_layers, v=(kv,) * num_layers, lengths=lengths)
 
 
 def state_shardings(abstract_state: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
@@ -202,9 +200,9 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: ShardingRules = DEFA
 
     def one(x: Any) -> Any:
         if isinstance(x, KVCache):
-            layers, b, kv_heads, capacity, head_dim = x.k.shape
+            b, kv_heads, capacity, head_dim = x.k[0].shape
             return kv_cache_shardings(
-                mesh, rules, batch=b, num_kv_heads=kv_heads, num_layers=layers,
+                mesh, rules, batch=b, num_kv_heads=kv_heads, num_layers=x.num_layers,
                 capacity=capacity, head_dim=head_dim,
             )
         shape = tuple(getattr(x, "shape", ()))
@@ -227,27 +225,8 @@ def _find_batch(tree: Any) -> int | None:
 
 
 def drafter_weight_specs(drafter: Any) -> Any:
-    """The WeightSpec tree of a drafter's params, or None when it has none we know of.
-
-    A drafter may describe its own weights with a `weight_specs()` method. Otherwise: the DFlash
-    drafter uses `dflash_weight_specs(drafter.cfg)`; a drafter holding a decoder `ModelConfig` as
-    `cfg` (draft model, self drafter) uses the decoder's `model_weight_specs`.
-    """
-    if drafter is None:
-        return None
-    own = getattr(drafter, "weight_specs", None)
-    if callable(own):
-        return own()
-    try:
-        from spec_jax.drafters.dflash import DFlashDrafter, dflash_weight_specs
-    except ImportError:  # the DFlash drafter is optional for this module
-        DFlashDrafter = None
-    if DFlashDrafter is not None and isinstance(drafter, DFlashDrafter):
-        return dflash_weight_specs(drafter.cfg)
-    cfg = getattr(drafter, "cfg", None)
-    if isinstance(cfg, ModelConfig):
-        return model_weight_specs(cfg)
-    return None
+    """The WeightSpec tree of a drafter's params (its own `weight_specs()`), None without one."""
+    return None if drafter is None else drafter.weight_specs()
 
 
 def bytes_per_device(tree: Any) -> dict[int, int]:
@@ -257,9 +236,3 @@ def bytes_per_device(tree: Any) -> dict[int, int]:
         for shard in leaf.addressable_shards:
             out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
     return out
-
-
-def describe_shardings(tree: Any) -> Iterable[tuple[str, str]]:
-    """(path, partition spec) pairs for logging or tests."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        yield jax.tree_util.keystr(path), str(getattr(leaf.sharding, "spec", leaf.sharding))

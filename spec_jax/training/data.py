@@ -58,7 +58,7 @@ class Prompt:
 
 def humaneval_prompts(held_out: bool = False) -> list[Prompt]:
     """HumanEval prompts: the held-out first problems, or the rest."""
-    from spec_jax.launch import humaneval_problems
+    from spec_jax.humaneval import humaneval_problems
 
     problems = humaneval_problems()
     chosen = problems[:HELD_OUT_HUMANEVAL] if held_out else problems[HELD_OUT_HUMANEVAL:]

@@ -1,9 +1,9 @@
-"""Benchmark the autoregressive baseline against drafters on the same prompts.
+"""`spec-jax bench`: the autoregressive baseline against drafters on the same prompts.
 
-    from spec_jax import bench, launch
-    target = launch.load_target_or_fail(None)
-    prompts = launch.encode_prompts(target, bench.humaneval_prompts(10))
-    methods = bench.expand_methods([launch.parse_drafter_spec("ngram")], ks=[2, 4, 8])
+    from spec_jax.app import bench, inputs
+    target = inputs.load_target_or_fail(None)
+    prompts = inputs.encode_prompts(target, bench.humaneval_prompts(10))
+    methods = bench.expand_methods([inputs.parse_drafter_spec("ngram")], ks=[2, 4, 8])
     report = bench.run_bench(target, prompts, methods, max_new_tokens=128)
     bench.print_table(report); bench.write_outputs(report, "bench_out")
 
@@ -15,6 +15,7 @@ sampling every drafter's output must equal AR's token for token; mismatches are 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -23,8 +24,20 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from spec_jax.app import inputs
+from spec_jax.app.common import (
+    add_prompt_args,
+    add_sampling_args,
+    add_target_args,
+    collect_prompts,
+    emit,
+    log,
+    parse_positive_ints,
+    sampling_kwargs,
+)
+from spec_jax.app.inputs import DrafterSpec, Prompt, build_drafter
 from spec_jax.checkpoints import LoadedModel
-from spec_jax.launch import DrafterSpec, Prompt, build_drafter, check_fits, drafter_k, humaneval_problems
+from spec_jax.humaneval import humaneval_problems
 
 AR = DrafterSpec("none")
 
@@ -86,7 +99,6 @@ def run_bench(
     )
     # Build (and load) every drafter before timing anything, so a bad checkpoint fails fast.
     built = [(m, *build_drafter(m, target)) for m in methods]
-    check_fits(target, prompt_ids, max_new_tokens, max(drafter_k(d) for _, d, _ in built))
     greedy = temperature <= 0
     rows: list[dict[str, Any]] = []
     ar_outputs: list[list[int]] | None = None
@@ -277,3 +289,73 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- the command
+HELP = "AR vs drafters: tokens/s, speedup, acceptance"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_target_args(p)
+    add_prompt_args(p)
+    p.add_argument("--num-prompts", type=int, default=10, help="first N HumanEval prompts (default 10)")
+    p.add_argument(
+        "--drafters",
+        default="ngram",
+        help="comma list of ngram, self, draft-model=PATH, dflash=PATH (default ngram)",
+    )
+    p.add_argument("--k", default=None, help="comma list of K values to sweep, e.g. 2,4,8")
+    p.add_argument("--batch-size", type=int, default=1)
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--out", default=None, metavar="DIR", help="write results.json and bench.png here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="instead of prompts: copy bandwidth, AR step vs the bandwidth floor, and the cost of "
+        "verifying 1..64 tokens in one pass (uses --target, --dtype, --batch-size, --out; the AR "
+        "step is timed over --max-new-tokens steps)",
+    )
+    p.add_argument("--context", type=int, default=256, help="roofline: tokens already in the cache")
+    p.add_argument(
+        "--verify-tokens", default="1,2,4,8,16,32,64", help="roofline: comma list of tokens per verify pass"
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.roofline:
+        from spec_jax.app import roofline
+
+        return roofline.run_command(args)
+    sampling = sampling_kwargs(args)
+    ks = [None] if args.k is None else list(parse_positive_ints(args.k, "--k", "2,4,8"))
+    kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    specs = [inputs.parse_drafter_spec(d) for d in kinds if d != "none"]
+    if args.batch_size < 1:
+        raise inputs.UsageError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    if args.prompt_file or args.prompt_ids:
+        prompts = collect_prompts(args, [])
+        prompt_set = args.prompt_file or "--prompt-ids"
+    else:
+        if args.num_prompts < 1:
+            raise inputs.UsageError(f"--num-prompts must be >= 1, got {args.num_prompts}.")
+        prompts = humaneval_prompts(args.num_prompts)
+        prompt_set = f"HumanEval[:{args.num_prompts}]"
+
+    target = inputs.load_target_or_fail(args.target, args.dtype)
+    log(f"loaded {target.source}")
+    prompt_ids = inputs.encode_prompts(target, prompts, args.chat)
+    methods = expand_methods(specs, ks)
+    report = run_bench(
+        target,
+        prompt_ids,
+        methods,
+        batch_size=args.batch_size,
+        ignore_eos=args.ignore_eos,
+        progress=not args.no_progress,
+        extra_generate_kwargs=inputs.mesh_kwargs(args.mesh, target),
+        prompt_set=prompt_set,
+        **sampling,
+    )
+    return emit(args, report, write_outputs, print_table)

@@ -2,7 +2,7 @@
 
     spec-jax bench --roofline --target random:llama-3.2-1b --dtype bfloat16 --out results/
 
-    from spec_jax import roofline
+    from spec_jax.app import roofline
     from spec_jax.checkpoints import load_target
     report = roofline.run_roofline(load_target("random:llama-3.2-1b", dtype="bfloat16"))
     roofline.print_roofline(report); roofline.write_roofline(report, "results/")
@@ -23,6 +23,7 @@ rest of the machine disturbed least).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
@@ -36,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.app import inputs
+from spec_jax.app.common import emit, log, parse_positive_ints
 from spec_jax.decoding.generate import default_capacity, generate
 from spec_jax.models.decoder import KVCache, forward, init_cache
 
@@ -46,7 +49,7 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _best_seconds(call: Callable[[], Any], repeats: int) -> float:
+def best_seconds(call: Callable[[], Any], repeats: int) -> float:
     # Best of N: the work is deterministic, so the fastest run is the one least disturbed by
     # the rest of the machine.
     times = []
@@ -69,7 +72,7 @@ def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> dict
         return state["x"]
 
     step()
-    seconds = _best_seconds(step, repeats)
+    seconds = best_seconds(step, repeats)
     moved = 2 * state["x"].nbytes
     return {"buffer_bytes": float(state["x"].nbytes), "seconds": seconds, "bytes_per_s": moved / seconds}
 
@@ -106,7 +109,7 @@ def verify_costs(
             return out
 
         call()  # compile
-        seconds[t] = _best_seconds(call, repeats)
+        seconds[t] = best_seconds(call, repeats)
         cache = state["cache"].with_lengths(jnp.full((batch,), context, jnp.int32))
         on_done()
     return seconds
@@ -174,10 +177,9 @@ def run_roofline(
     bar.update(1)
     bar.close()
 
-    itemsize = jnp.dtype(cfg.dtype).itemsize
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
     # The loop's attention reads the whole cache buffer (masked), keys and values of every layer.
-    cache_bytes = 2 * cfg.num_layers * batch * capacity * cfg.num_kv_heads * cfg.head_dim * itemsize
+    cache_bytes = cfg.kv_bytes_per_token * batch * capacity
     bandwidth = copy["bytes_per_s"]
     floor_s = weight_bytes / bandwidth
     device = jax.devices()[0]
@@ -268,3 +270,22 @@ def write_roofline(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return [json_path, png_path]
+
+
+def run_command(args: argparse.Namespace) -> dict[str, Any] | None:
+    verify_tokens = parse_positive_ints(args.verify_tokens, "--verify-tokens", "1,4,16")
+    if args.batch_size < 1 or args.context < 1:
+        raise inputs.UsageError("--batch-size and --context must be >= 1.")
+    if args.mesh:
+        raise inputs.UsageError("--roofline measures one device; drop --mesh.")
+    target = inputs.load_target_or_fail(args.target, args.dtype)
+    log(f"loaded {target.source} ({target.cfg.dtype})")
+    report = run_roofline(
+        target,
+        batch=args.batch_size,
+        context=args.context,
+        verify_tokens=verify_tokens,
+        new_tokens=max(2, args.max_new_tokens),
+        progress=not args.no_progress,
+    )
+    return emit(args, report, write_roofline, print_roofline)

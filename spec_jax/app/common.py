@@ -1,0 +1,138 @@
+"""What the `spec-jax` commands share: logging, the common flags, prompts from flags, output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+from spec_jax.app.inputs import (
+    DRAFTER_KINDS_WITH_PATH,
+    DrafterSpec,
+    Prompt,
+    UsageError,
+    default_drafter_spec,
+    parse_drafter_spec,
+    parse_prompt_ids,
+    read_prompt_file,
+)
+
+
+def log(*parts: Any) -> None:
+    print("spec-jax:", *parts, file=sys.stderr, flush=True)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target",
+        default=None,
+        help="HF checkpoint dir, hub id, .gguf file or random:PRESET (random weights, e.g. "
+        "random:llama-3.2-1b; for speed measurements). Default: the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weights and caches; auto = float32 on CPU, bfloat16 on GPU/TPU",
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS / end of turn")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap text prompts in the chat template (default on; never for --prompt-ids)",
+    )
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompt-file",
+        default=None,
+        metavar="JSONL",
+        help='one JSON object per line with "prompt", "messages" or "prompt_ids"',
+    )
+    p.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=[],
+        metavar="1,2,3",
+        help="a prompt as token ids (repeat the flag for more prompts)",
+    )
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    # Values are checked once, by `generate` (SamplingParams.create), before anything compiles.
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def collect_prompts(args: argparse.Namespace, positional: Sequence[str]):
+    prompts = [Prompt(text=t, source=f"prompt argument {i + 1}") for i, t in enumerate(positional)]
+    if args.prompt_file:
+        prompts += read_prompt_file(args.prompt_file)
+    prompts += [parse_prompt_ids(t, f"--prompt-ids #{i + 1}") for i, t in enumerate(args.prompt_ids)]
+    return prompts
+
+
+def parse_positive_ints(text: str, flag: str, example: str) -> list[int]:
+    """ "2,4,8" -> [2, 4, 8]; anything else is a usage error naming `flag`."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not a comma list of integers, e.g. {example}.") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} values must be integers >= 1, got {text!r}.")
+    return values
+
+
+def emit(args: argparse.Namespace, report: dict[str, Any], write: Any, show: Any) -> dict[str, Any] | None:
+    """--out DIR: write the report's files; --json: return it for printing; else print a table."""
+    if args.out:
+        log("wrote " + ", ".join(str(p) for p in write(report, args.out)))
+    if args.json:
+        return report
+    show(report)
+    return None
+
+
+def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
+    p.add_argument(
+        "--drafter",
+        default=None,
+        metavar="KIND[=PATH]",
+        help="none | ngram | self | draft-model[=PATH] | dflash[=PATH] (one word; a checkpoint "
+        f"follows '='). {default_help}",
+    )
+    p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
+
+
+def drafter_spec_from_args(args: argparse.Namespace, prompts: Sequence[str] = ()) -> DrafterSpec:
+    """`--drafter KIND` or `--drafter KIND=PATH`; without --drafter, `default_drafter_spec`.
+
+    The old two-word form `--drafter dflash PATH` cannot be told apart from a prompt, so it is
+    refused (naming the one-word form) when the word after it is an existing path."""
+    if args.drafter is None:
+        return default_drafter_spec(args.target, args.k)
+    spec = parse_drafter_spec(args.drafter, args.k)
+    if spec.kind in DRAFTER_KINDS_WITH_PATH and spec.path is None and prompts:
+        if os.path.exists(prompts[0]):
+            raise UsageError(
+                f"--drafter takes one word: write --drafter {spec.kind}={prompts[0]} to use that "
+                "checkpoint (a word after --drafter is a prompt)."
+            )
+    return spec

@@ -1,0 +1,72 @@
+"""`spec-jax info`: parameter counts and KV-cache bytes per token of a target and a drafter."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from spec_jax.app import inputs
+from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_from_args
+
+HELP = "parameter counts and KV-cache bytes per token"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_target_args(p)
+    add_drafter_arg(p, "Default: none.")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    from spec_jax.models.weights import count_params, model_weight_specs
+
+    spec = drafter_spec_from_args(args) if args.drafter else inputs.DrafterSpec("none")
+    target = inputs.load_target_or_fail(args.target, args.dtype)
+    cfg = target.cfg
+    info: dict[str, Any] = {
+        "target": {
+            "source": target.source,
+            "architecture": cfg.architecture,
+            "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "tied_embeddings": cfg.tie_embeddings,
+            "dtype": cfg.dtype,
+            "params": count_params(model_weight_specs(cfg)),
+            "kv_bytes_per_token": cfg.kv_bytes_per_token,
+            "has_tokenizer": target.tokenizer is not None,
+            "has_chat_template": target.chat_template is not None,
+        }
+    }
+    drafter, _ = inputs.build_drafter(spec, target)
+    if drafter is not None:
+        info["drafter"] = drafter_info(drafter) | ({"source": spec.path} if spec.path else {})
+    if args.json:
+        return info
+    for section, values in info.items():
+        print(f"{section}:")
+        for key, value in values.items():
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+                value = f"{value:,}"
+            print(f"  {key:20s} {value}")
+    return None
+
+
+def drafter_info(drafter: Any) -> dict[str, Any]:
+    """What `info` shows of any drafter, from the protocol alone: its weights come from its own
+    `weight_specs()`, so a new drafter shows here without a change to this function."""
+    from spec_jax.models.weights import count_params
+
+    specs = drafter.weight_specs()
+    cfg = getattr(drafter, "cfg", None)
+    return {
+        "kind": type(drafter).__name__,
+        "k": int(drafter.k),
+        "params": 0 if specs is None else count_params(specs),
+        "capture_layers": list(drafter.capture_layers),
+        # Per-token cache of drafters that keep one (draft model, DFlash context); n-gram keeps none.
+        "kv_bytes_per_token": int(getattr(cfg, "kv_bytes_per_token", 0)),
+    }

@@ -1,0 +1,88 @@
+"""`spec-jax train data|dflash|draft-model`: resumable; re-run the same command to continue."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from spec_jax.app import inputs
+from spec_jax.app.common import add_target_args, log
+
+HELP = "build self-distillation data; train DFlash or a draft model"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kind", choices=["data", "dflash", "draft-model"])
+    add_target_args(p)
+    p.add_argument("--data", required=True, metavar="NPZ",
+                   help="token dataset: written by `train data`, read by the others")
+    p.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
+    p.add_argument("--num-prompts", type=int, default=384, help="data: prompts to answer")
+    p.add_argument("--answer-tokens", type=int, default=192, help="data: max tokens per answer")
+    p.add_argument("--generate-batch", type=int, default=32, help="data: prompts answered per batch")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=320)
+    p.add_argument("--learning-rate", type=float, default=6e-4)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--block-size", type=int, default=8, help="dflash: block size (K = block - 1)")
+    p.add_argument("--layers", type=int, default=2, help="drafter layers")
+    p.add_argument("--hidden", type=int, default=256, help="draft-model: width")
+    p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
+    p.add_argument("--answer-positions", type=int, default=64,
+                   help="draft-model: answer positions per sequence that get the losses")
+    p.add_argument("--kl-weight", type=float, default=None,
+                   help="weight of KL to the target's logits (default: dflash 0, draft-model 1)")
+    p.add_argument("--eval-every", type=int, default=250, help="held-out tau every N steps")
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    from spec_jax.training import data as data_lib
+    from spec_jax.training import run as training
+    from spec_jax.training.trainer import TrainConfig
+
+    if args.kind != "data" and args.dtype == "bfloat16":
+        raise inputs.UsageError(
+            "train dflash|draft-model keeps the frozen target in float32 (its features feed the loss); "
+            "drop --dtype bfloat16 (it applies to `train data` only)."
+        )
+    # auto: generating the data in bfloat16 on GPU/TPU is fine; training features stay float32.
+    dtype = inputs.resolve_dtype(args.dtype) if args.kind == "data" else "float32"
+    target = inputs.load_target_or_fail(args.target, dtype)
+    progress = not args.no_progress
+    if args.kind == "data":
+        prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
+        dataset = data_lib.build_dataset(
+            target, prompts, max_new_tokens=args.answer_tokens, batch_size=args.generate_batch,
+            seed=args.seed, progress=progress,
+        )
+        dataset.save(args.data)
+        log(f"wrote {args.data}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
+        return None
+    if not args.out:
+        raise ValueError("train dflash|draft-model needs --out DIR (checkpoints and the exported drafter).")
+    dataset = data_lib.TokenDataset.load(args.data)
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
+        save_every=args.save_every, eval_every=args.eval_every,
+    )
+    if args.kind == "dflash":
+        dflash_cfg = training.smollm2_dflash_config(target.cfg, args.block_size, args.layers)
+        _, _, result = training.train_dflash(
+            target, dataset, args.out, cfg, dflash_cfg, num_anchors=args.anchors,
+            kl_weight=args.kl_weight or 0.0, progress=progress,
+        )
+    else:
+        student = training.small_draft_config(target.cfg, args.hidden, args.layers)
+        _, _, result = training.train_draft_model(
+            target, dataset, args.out, cfg, student,
+            kl_weight=1.0 if args.kl_weight is None else args.kl_weight,
+            positions=args.answer_positions, progress=progress,
+        )
+    log(f"trained {result.state.step} steps in {result.seconds:.0f}s; held-out {result.evals[-1:]}; "
+        f"drafter in {args.out}/drafter")
+    return None
