@@ -165,8 +165,9 @@ def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
     assert info["drafter"]["params"] == info["target"]["params"]
 
 
-def test_default_model_uses_the_shipped_dflash_drafter_and_matches_ar(capsys, default_model_installed):
-    """No --target, no --drafter: the shipped DFlash drafter, with the AR baseline's output."""
+def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, default_model_installed):
+    """No --target, no --drafter: the drafter measured fastest on this backend (n-gram on CPU),
+    with the reason in the JSON, and the AR baseline's output; the shipped DFlash too."""
     args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json",
             "--dtype", "float32"]
     out = run_json(capsys, args)
@@ -174,10 +175,13 @@ def test_default_model_uses_the_shipped_dflash_drafter_and_matches_ar(capsys, de
     assert 1 <= len(row["generated_ids"]) <= 8
     assert isinstance(row["text"], str)
     assert out["target"].startswith("default:")
-    assert out["drafter"].startswith("dflash") and out["k"] == 7
+    assert out["drafter"] == "ngram" and "default" in out["drafter_reason"]
     ar = run_json(capsys, args + ["--drafter", "none"])
     assert ar["drafter"] == "none"
     assert ar["results"][0]["generated_ids"] == row["generated_ids"]
+    shipped = run_json(capsys, args + ["--drafter", "dflash"])
+    assert shipped["drafter"].startswith("dflash") and shipped["k"] == 7
+    assert shipped["results"][0]["generated_ids"] == row["generated_ids"]
 
 
 def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):

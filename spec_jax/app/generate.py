@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     drafter, drafter_params = inputs.build_drafter(spec, target)
     mesh = inputs.mesh_kwargs(args.mesh, target)
 
-    log(f"generating: {len(prompt_ids)} prompt(s), drafter {spec.kind}, K={inputs.drafter_k(drafter)}")
+    log(f"generating: {len(prompt_ids)} prompt(s), drafter {spec.kind}, K={inputs.drafter_k(drafter)}"
+        + (f" ({spec.reason})" if spec.reason else ""))
     result = generate(
         target,
         prompt_ids,
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "stats": result.stats.to_dict(),
         "target": target.source,
         "drafter": spec.label if spec.kind != "none" else "none",
+        "drafter_reason": spec.reason or "named by --drafter",
         "k": inputs.drafter_k(drafter),
     }
     if args.json:

@@ -130,6 +130,7 @@ class DrafterSpec:
     kind: str
     path: str | None = None
     k: int | None = None
+    reason: str = dataclasses.field(default="", compare=False)  # why it was chosen, when by default
 
     @property
     def label(self) -> str:
@@ -212,12 +213,35 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
     return path
 
 
+# The drafter `spec-jax generate` uses for the default model when none is named, per backend: the
+# fastest in the recorded measurements (benchmarks/RESULTS.md, "Drafters on the default model").
+# Only the CPU has been measured; another backend gets n-gram, the one drafter that was never
+# slower than plain decoding in any measurement.
+MEASURED_DEFAULT_DRAFTER = {
+    "cpu": (
+        "ngram",
+        "measured fastest for the default model on CPU (benchmarks/RESULTS.md: n-gram 1.36x plain "
+        "decoding at batch 1 and 1.00x at batch 8; the shipped DFlash 0.67x / 0.47x, the shipped "
+        "draft model 0.70x / 0.55x)",
+    ),
+}
+UNMEASURED_DEFAULT_DRAFTER = (
+    "ngram",
+    "no drafter measured for the default model on this backend; n-gram never lost to plain "
+    "decoding where measured",
+)
+
+
 def default_drafter_spec(target_arg: str | None, k: int | None) -> DrafterSpec:
-    """`generate` without --drafter: the shipped DFlash drafter for the default model, else AR."""
-    shipped = ASSETS / SHIPPED_DRAFTERS["dflash"] / "config.json"
-    if target_arg is None and shipped.is_file():
-        return DrafterSpec("dflash", None, k)
-    return DrafterSpec("none", None, k)
+    """`generate` without --drafter: for the default model, the drafter measured fastest on the
+    running backend (with the reason in `DrafterSpec.reason`); plain decoding for other targets,
+    for which spec_jax ships no drafter."""
+    if target_arg is not None:
+        return DrafterSpec("none", None, k, reason="no drafter named and none shipped for this target")
+    import jax
+
+    kind, why = MEASURED_DEFAULT_DRAFTER.get(jax.default_backend(), UNMEASURED_DEFAULT_DRAFTER)
+    return DrafterSpec(kind, None, k, reason=f"default for the default model: {why}")
 
 
 def drafter_k(drafter: Any) -> int:
