@@ -14,8 +14,10 @@ HELP = "build self-distillation data; train DFlash or a draft model"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=["data", "dflash", "draft-model"])
     add_target_args(p)
-    p.add_argument("--data", required=True, metavar="NPZ",
-                   help="token dataset: written by `train data`, read by the others")
+    p.add_argument("--data", required=True, metavar="NPZ|DIR",
+                   help="token dataset: written by `train data`, read by the others; a path without "
+                   ".npz is a dir of resumable shards (re-run the same command to continue)")
+    p.add_argument("--shard-prompts", type=int, default=256, help="data: prompts per shard")
     p.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
     p.add_argument("--num-prompts", type=int, default=384, help="data: prompts to answer")
     p.add_argument("--answer-tokens", type=int, default=192, help="data: max tokens per answer")
@@ -55,11 +57,15 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     progress = not args.no_progress
     if args.kind == "data":
         prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
+        # A path without .npz is a shard dir: resumable, re-run the same command to continue.
+        sharded = not str(args.data).endswith(".npz")
         dataset = data_lib.build_dataset(
             target, prompts, max_new_tokens=args.answer_tokens, batch_size=args.generate_batch,
-            seed=args.seed, progress=progress,
+            seed=args.seed, progress=progress, shard_dir=args.data if sharded else None,
+            shard_prompts=args.shard_prompts,
         )
-        dataset.save(args.data)
+        if not sharded:
+            dataset.save(args.data)
         log(f"wrote {args.data}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
         return None
     if not args.out:

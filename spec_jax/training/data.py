@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
+import json
 import os
 import random
 import sysconfig
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -103,6 +107,11 @@ def training_prompts(num_prompts: int, seed: int = 0) -> list[Prompt]:
     pool = humaneval_prompts(held_out=False) + instruction_prompts()
     pool += stdlib_prompts(max(num_prompts - len(pool), 0) + 50, seed)
     random.Random(seed).shuffle(pool)
+    if len(pool) < num_prompts:
+        warnings.warn(
+            f"spec_jax: only {len(pool)} training prompts are available on this machine "
+            f"(asked for {num_prompts}); using all of them."
+        )
     return pool[:num_prompts]
 
 
@@ -159,8 +168,29 @@ class TokenDataset:
         os.replace(tmp, path)
 
     @classmethod
+    def concatenate(cls, parts: Sequence["TokenDataset"]) -> "TokenDataset":
+        seqs = [part.sequence(i) for part in parts for i in range(len(part))]
+        prompt_lengths = [int(x) for part in parts for x in part.prompt_lengths]
+        return cls.from_sequences(seqs, prompt_lengths, [s for part in parts for s in part.sources])
+
+    @classmethod
     def load(cls, path: str | os.PathLike) -> "TokenDataset":
+        """A dataset file, or a shard dir written by `build_dataset(shard_dir=...)` (its shards in
+        order; an unfinished dir is refused, naming how many shards are missing)."""
         path = Path(path)
+        if path.is_dir():
+            manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else None
+            if manifest is None:
+                raise FileNotFoundError(f"{str(path)!r} has no {MANIFEST}; it is not a shard dir.")
+            count = -(-manifest["num_prompts"] // manifest["shard_prompts"])
+            shards = [path / f"shard-{k:05d}.npz" for k in range(count)]
+            missing = [p.name for p in shards if not p.is_file()]
+            if missing:
+                raise ValueError(
+                    f"{str(path)!r} is unfinished: {len(missing)} of {count} shards missing "
+                    f"(first {missing[0]}); re-run the same `spec-jax train data` command to finish it."
+                )
+            return cls.concatenate([cls.load(p) for p in shards])
         if not path.is_file():
             raise FileNotFoundError(
                 f"Training data {str(path)!r} does not exist; build it with `spec-jax train data`."
@@ -172,6 +202,38 @@ class TokenDataset:
             raise ValueError(f"{str(path)!r} is not a spec_jax token dataset ({e}); rebuild it.") from e
 
 
+def _answer(
+    model: Any,
+    encoded: Sequence[Sequence[int]],
+    sources: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float,
+    seed: int,
+    on_batch: Any = None,
+) -> TokenDataset:
+    """The target's answers to chat-formatted prompt ids through spec_jax `generate`, in order."""
+    from spec_jax.decoding.generate import generate
+
+    # Similar lengths per batch: less padding, fewer prompt buckets to compile.
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    seqs: dict[int, np.ndarray] = {}
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = [list(encoded[i]) for i in idx]
+        # Stops at EOS and the chat template's end-of-turn (the model's own stop ids).
+        result = generate(
+            model, batch, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + start
+        )
+        for i, prompt_ids, out in zip(idx, batch, result.generated_ids):
+            seqs[i] = np.asarray(prompt_ids + list(out), np.int32)
+        if on_batch is not None:
+            on_batch(len(idx), result.num_generated)
+    return TokenDataset.from_sequences(
+        [seqs[i] for i in range(len(encoded))], [len(e) for e in encoded], list(sources)
+    )
+
+
 def build_dataset(
     model: Any,
     prompts: Sequence[Prompt],
@@ -180,39 +242,86 @@ def build_dataset(
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
+    shard_dir: str | os.PathLike | None = None,
+    shard_prompts: int = 256,
 ) -> TokenDataset:
-    """Answer every prompt with the target (chat template applied) through spec_jax generate."""
+    """Answer every prompt with the target (chat template applied) through spec_jax generate.
+
+    shard_dir: write the answers as shards of `shard_prompts` prompts (`shard-00000.npz`, ...,
+    each saved atomically) beside a manifest of the settings; a later call with the same prompts
+    and settings skips the shards already written, so generation can be interrupted and spread
+    over several runs. A different request for the same dir is refused. `TokenDataset.load(dir)`
+    reads the shards back as one dataset.
+    """
     from tqdm.auto import tqdm
 
     from spec_jax.checkpoints import apply_chat_template
-    from spec_jax.decoding.generate import generate
 
     encoded = [apply_chat_template(model.tokenizer, p.text, model.chat_template) for p in prompts]
-    # Similar lengths per batch: less padding, fewer prompt buckets to compile.
-    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
-    stop_ids = list(model.cfg.eos_token_ids)
-    end_of_turn = model.tokenizer.convert_tokens_to_ids("<|im_end|>") if model.tokenizer else None
-    if isinstance(end_of_turn, int) and end_of_turn >= 0:
-        stop_ids.append(end_of_turn)
-    seqs: dict[int, np.ndarray] = {}
-    bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt", disable=not progress)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        batch = [encoded[i] for i in idx]
-        result = generate(
-            model, batch, max_new_tokens=max_new_tokens, temperature=temperature,
-            seed=seed + start, stop_ids=stop_ids,
+    sources = [p.source for p in prompts]
+    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    if shard_dir is None:
+        shards = [(None, range(len(prompts)))]
+    else:
+        shard_dir = Path(shard_dir)
+        _check_manifest(shard_dir, encoded, sources, settings, shard_prompts)
+        shards = [
+            (shard_dir / f"shard-{k:05d}.npz", range(start, min(start + shard_prompts, len(prompts))))
+            for k, start in enumerate(range(0, len(prompts), shard_prompts))
+        ]
+    done = sum(len(r) for path, r in shards if path is not None and path.is_file())
+    bar = tqdm(total=len(prompts), initial=done, desc="self-distillation", unit="prompt",
+               disable=not progress)
+    tokens, t0 = [0], time.perf_counter()
+
+    def on_batch(num_prompts: int, num_tokens: int) -> None:
+        tokens[0] += num_tokens
+        bar.update(num_prompts)
+        bar.set_postfix(tok_s=f"{tokens[0] / (time.perf_counter() - t0):.0f}", tokens=tokens[0])
+
+    parts = []
+    for path, rows in shards:
+        if path is not None and path.is_file():
+            parts.append(TokenDataset.load(path))
+            continue
+        part = _answer(
+            model, [encoded[i] for i in rows], [sources[i] for i in rows], max_new_tokens,
+            batch_size, temperature, seed + rows.start, on_batch,
         )
-        for i, prompt_ids, out in zip(idx, batch, result.generated_ids):
-            seqs[i] = np.asarray(list(prompt_ids) + list(out), np.int32)
-        bar.update(len(idx))
-        bar.set_postfix(tok_s=f"{result.tokens_per_second:.0f}")
+        if path is not None:
+            part.save(path)
+        parts.append(part)
     bar.close()
-    return TokenDataset.from_sequences(
-        [seqs[i] for i in range(len(prompts))],
-        [len(encoded[i]) for i in range(len(prompts))],
-        [p.source for p in prompts],
-    )
+    return TokenDataset.concatenate(parts)
+
+
+MANIFEST = "manifest.json"
+
+
+def _check_manifest(shard_dir: Path, encoded, sources, settings: dict, shard_prompts: int) -> None:
+    """Write the manifest of a new shard dir, or refuse to resume one made for another request."""
+    digest = hashlib.sha256(json.dumps([list(map(int, e)) for e in encoded] + [list(sources)]).encode())
+    manifest = {
+        "format": "spec_jax token dataset shards v1",
+        "prompts_sha256": digest.hexdigest(),
+        "num_prompts": len(encoded),
+        "shard_prompts": shard_prompts,
+        **settings,
+    }
+    path = shard_dir / MANIFEST
+    if path.is_file():
+        existing = json.loads(path.read_text())
+        differs = sorted(k for k in manifest if existing.get(k) != manifest[k])
+        if differs:
+            raise ValueError(
+                f"{shard_dir} holds shards of another request (differs in {', '.join(differs)}); "
+                "resume with the same prompts and settings, or write to a new directory."
+            )
+        return
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
 
 
 @dataclasses.dataclass

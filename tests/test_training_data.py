@@ -1,0 +1,70 @@
+"""Self-distillation data: generation in resumable shards (interrupted, then resumed, equals one run)."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import numpy as np
+import pytest
+from test_library_rules import CFG, write_chat_model
+
+import spec_jax
+from spec_jax.models import init_params
+from spec_jax.training.data import Prompt, TokenDataset, build_dataset
+
+data_module = importlib.import_module("spec_jax.training.data")
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    params = init_params(CFG, jax.random.key(0), scale=4.0)
+    directory = write_chat_model(tmp_path_factory.mktemp("data") / "model", params, end_of_turn=9)
+    return spec_jax.load_target(str(directory))
+
+
+PROMPTS = [Prompt(f"source{i}", f"w{i} w{i + 1} w{i + 2}") for i in range(10, 17)]  # 7 prompts
+KW = dict(max_new_tokens=6, batch_size=2, progress=False)
+
+
+def same(a: TokenDataset, b: TokenDataset) -> bool:
+    return (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.offsets, b.offsets)
+            and np.array_equal(a.prompt_lengths, b.prompt_lengths) and a.sources == b.sources)
+
+
+def test_sharded_generation_resumes_after_an_interruption(chat_target, tmp_path, monkeypatch):
+    whole = build_dataset(chat_target, PROMPTS, **KW)
+    assert len(whole) == 7 and whole.sources == [p.source for p in PROMPTS]
+    shard_dir = tmp_path / "shards"
+    calls = []
+    answer = data_module._answer
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # stopped while the third shard was being generated
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "_answer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_dataset(chat_target, PROMPTS, shard_dir=shard_dir, shard_prompts=2, **KW)
+    assert sorted(p.name for p in shard_dir.glob("shard-*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
+    with pytest.raises(ValueError, match="2 of 4 shards missing"):
+        TokenDataset.load(shard_dir)
+
+    calls.clear()
+    monkeypatch.setattr(data_module, "_answer", lambda *a, **k: (calls.append(1), answer(*a, **k))[1])
+    resumed = build_dataset(chat_target, PROMPTS, shard_dir=shard_dir, shard_prompts=2, **KW)
+    assert len(calls) == 2  # only the two missing shards were generated
+    assert same(resumed, whole)
+    assert same(TokenDataset.load(shard_dir), whole)
+
+
+def test_a_shard_dir_refuses_another_request(chat_target, tmp_path):
+    shard_dir = tmp_path / "shards"
+    build_dataset(chat_target, PROMPTS[:2], shard_dir=shard_dir, shard_prompts=2, **KW)
+    with pytest.raises(ValueError, match="differs in max_new_tokens"):
+        build_dataset(chat_target, PROMPTS[:2], shard_dir=shard_dir, shard_prompts=2,
+                      **{**KW, "max_new_tokens": 7})
+    with pytest.raises(ValueError, match="num_prompts, prompts_sha256"):
+        build_dataset(chat_target, PROMPTS[:3], shard_dir=shard_dir, shard_prompts=2, **KW)
