@@ -74,7 +74,7 @@ class LoadedModel:
     chat_template: str | None
     source: str
 
-    @property
+    @functools.cached_property  # reads the tokenizer's vocabulary once, not per generate call
     def stop_ids(self) -> tuple[int, ...]:
         """Where generation stops by default (`spec_jax.generate` reads this): the config's and
         tokenizer's EOS ids and, when the model has a chat template, the template's end-of-turn
