@@ -4,9 +4,10 @@
   transposes a weight (XLA:GPU materialised every slice of a stacked [L, ...] weight as a copy,
   about three times the memory traffic of a decode step). Checked in the optimized HLO for the
   default model's shapes with the DFlash drafter and with the draft model.
-- Float32 models compute every dot at HIGHEST precision (TF32 otherwise on GPU), on the decode,
-  verify, draft and training paths; bfloat16 models keep the default. Checked in the lowered
-  StableHLO, which is the same on every backend.
+- Float32 models compute every dot in float32, on the decode, verify, draft and training paths:
+  at HIGHEST precision on GPU/TPU (TF32 or bfloat16 passes otherwise), at DEFAULT on CPU, where
+  that is already exact float32 (checked bit for bit) and HIGHEST only picks a slower kernel;
+  bfloat16 models keep the default. Checked in the lowered StableHLO.
 
 Weights are abstract (`jax.ShapeDtypeStruct`): the default model's shapes are compiled without
 loading it.
@@ -244,7 +245,18 @@ def lowered_texts(dtype: str) -> dict[str, str]:
     return out
 
 
-def test_float32_dots_are_full_precision_and_bfloat16_dots_are_not():
+def test_float32_dots_are_full_precision_and_bfloat16_dots_are_not(monkeypatch):
+    # Lowered as for an accelerator (lowering compiles nothing, so this runs on any host).
+    # Traces are cached: clear them so neither policy's programs are reused under the other.
+    jax.clear_caches()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    try:
+        _check_float32_highest_bfloat16_default()
+    finally:
+        jax.clear_caches()
+
+
+def _check_float32_highest_bfloat16_default():
     for name, text in lowered_texts("float32").items():
         dots = dot_precisions(text)
         assert dots, name
@@ -257,3 +269,20 @@ def test_float32_dots_are_full_precision_and_bfloat16_dots_are_not():
         assert all(d[0] in fast for d in dots), (name, [d for d in dots if d[0] not in fast][:3])
         if not name.startswith("train"):  # backward dots mix in float32 cotangents
             assert all("bf16" in d[1] for d in dots), name
+
+
+def test_cpu_float32_dots_use_the_exact_default_kernel():
+    """On CPU the float32 programs ask for DEFAULT precision, and that dot is bit-identical to
+    HIGHEST (both exact float32), on the shapes of a batched decode step."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU precision policy")
+    jax.clear_caches()
+    for name, text in lowered_texts("float32").items():
+        assert all(d[0] in {"DEFAULT", "DEFAULT, DEFAULT"} for d in dot_precisions(text)), name
+    rng = np.random.RandomState(0)
+    x, w = rng.randn(32, 576).astype(np.float32), rng.randn(576, 1536).astype(np.float32)
+    default = jax.jit(lambda x, w: jnp.einsum("mh,hf->mf", x, w))(x, w)
+    highest = jax.jit(lambda x, w: jnp.einsum("mh,hf->mf", x, w, precision="highest"))(x, w)
+    np.testing.assert_array_equal(np.asarray(default), np.asarray(highest))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(np.asarray(default) - exact).max() < 1e-6 * np.abs(exact).max() * 576

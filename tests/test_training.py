@@ -199,3 +199,35 @@ def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kin
     import json
 
     assert json.loads(spec)["results"][0]["generated_ids"] == json.loads(ar)["results"][0]["generated_ids"]
+
+
+def test_per_step_target_features_equal_precomputed(setup):
+    """Running the frozen target inside the step gives the loss precomputed features give."""
+    from spec_jax.training.features import WithTargetFeatures
+
+    target_params, data, features, _ = setup
+    batch = next(_batches(data, features, CFG)(0))
+    tokens_only = {k: batch[k] for k in ("tokens", "lengths", "prompt_lengths")}
+    params = init_dflash_params(DFLASH, jax.random.key(1))
+    key = jax.random.key(3)
+    loss = DFlashLoss(DFLASH, TARGET, num_anchors=4, kl_weight=0.5)
+    pre, pre_metrics = loss(params, target_params, batch, key)
+    now, now_metrics = WithTargetFeatures(loss, TARGET, DFLASH.target_layer_ids)(params, target_params, tokens_only, key)
+    np.testing.assert_allclose(float(now), float(pre), rtol=1e-5)
+    np.testing.assert_allclose(float(now_metrics["kl"]), float(pre_metrics["kl"]), rtol=1e-5, atol=1e-7)
+
+
+def test_teacher_labels_are_the_targets_own_greedy_tokens(setup):
+    """On the target's own greedy answers, labels from its argmax are exactly the data's labels;
+    on other text they differ (that is what they are for)."""
+    target_params, data, features, _ = setup
+    batch = next(_batches(data, features, CFG)(0))
+    params = init_dflash_params(DFLASH, jax.random.key(1))
+    key = jax.random.key(3)
+    plain, _ = DFlashLoss(DFLASH, TARGET, num_anchors=4)(params, target_params, batch, key)
+    teacher, _ = DFlashLoss(DFLASH, TARGET, num_anchors=4, teacher_labels=True)(params, target_params, batch, key)
+    np.testing.assert_allclose(float(teacher), float(plain), rtol=1e-6)
+    noisy = dict(batch, tokens=np.where(np.arange(SEQ_LEN) % 3 == 2, 5, batch["tokens"]).astype(np.int32))
+    a, _ = DFlashLoss(DFLASH, TARGET, num_anchors=4)(params, target_params, noisy, key)
+    b, _ = DFlashLoss(DFLASH, TARGET, num_anchors=4, teacher_labels=True)(params, target_params, noisy, key)
+    assert abs(float(a) - float(b)) > 1e-3

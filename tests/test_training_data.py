@@ -68,3 +68,34 @@ def test_a_shard_dir_refuses_another_request(chat_target, tmp_path):
                       **{**KW, "max_new_tokens": 7})
     with pytest.raises(ValueError, match="num_prompts, prompts_sha256"):
         build_dataset(chat_target, PROMPTS[:3], shard_dir=shard_dir, shard_prompts=2, **KW)
+
+
+def test_prompts_cover_functions_and_classes_across_the_standard_library():
+    prompts = data_module.stdlib_prompts(100_000)
+    assert len(prompts) > 1000
+    assert any(p.text.startswith("Write a Python class") for p in prompts)
+    assert any(p.text.startswith("Write a Python function") for p in prompts)
+    files = data_module._stdlib_files()
+    assert not [f for f in files if "site-packages" in f.parts or "test" in f.parts]
+    assert any(f.parent.name == "json" for f in files)  # packages too, not only top-level modules
+
+
+def test_stdlib_text_pieces_every_position_a_label(chat_target):
+    data = data_module.stdlib_text_dataset(chat_target.tokenizer, seq_len=64, max_tokens=2000)
+    lengths = np.diff(data.offsets)
+    assert data.num_tokens >= 2000 and lengths.max() <= 64
+    assert set(data.prompt_lengths.tolist()) == {1} and set(data.sources) == {"stdlib-text"}
+
+
+def test_held_out_tau_uses_humaneval_prompts_never_trained_on(chat_target):
+    from spec_jax.checkpoints import apply_chat_template
+    from spec_jax.humaneval import humaneval_problems
+    from spec_jax.training.run import held_out_prompts
+
+    data = build_dataset(chat_target, PROMPTS, **KW)
+    train_part, prompts, source = held_out_prompts(chat_target, data, 3, seed=0, seq_len=64)
+    assert source == "HumanEval[:3]" and len(train_part) == len(data)
+    first = apply_chat_template(chat_target.tokenizer, humaneval_problems()[0]["prompt"], chat_target.chat_template)
+    assert prompts[0] == first
+    # Never more than the problems the training prompts leave out.
+    assert len(held_out_prompts(chat_target, data, 500, seed=0, seq_len=64)[1]) == data_module.HELD_OUT_HUMANEVAL

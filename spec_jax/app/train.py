@@ -1,4 +1,4 @@
-"""`spec-jax train data|dflash|draft-model`: resumable; re-run the same command to continue."""
+"""`spec-jax train data|text|dflash|draft-model`: resumable; re-run the same command to continue."""
 
 from __future__ import annotations
 
@@ -8,20 +8,24 @@ from typing import Any
 from spec_jax.app import inputs
 from spec_jax.app.common import add_target_args, log
 
-HELP = "build self-distillation data; train DFlash or a draft model"
+HELP = "build self-distillation (or standard-library text) data; train DFlash or a draft model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=["data", "dflash", "draft-model"])
+    p.add_argument("kind", choices=["data", "text", "dflash", "draft-model"])
     add_target_args(p)
-    p.add_argument("--data", required=True, metavar="NPZ|DIR",
-                   help="token dataset: written by `train data`, read by the others; a path without "
-                   ".npz is a dir of resumable shards (re-run the same command to continue)")
+    p.add_argument("--data", required=True, nargs="+", metavar="NPZ|DIR",
+                   help="token dataset: written by `train data|text`, read (several are joined) by the "
+                   "others; a path without .npz is a dir of resumable shards (re-run to continue)")
     p.add_argument("--shard-prompts", type=int, default=256, help="data: prompts per shard")
     p.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
     p.add_argument("--num-prompts", type=int, default=384, help="data: prompts to answer")
     p.add_argument("--answer-tokens", type=int, default=192, help="data: max tokens per answer")
     p.add_argument("--generate-batch", type=int, default=32, help="data: prompts answered per batch")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="data: 0 = greedy answers; > 0 samples them (use another --seed per sample set)")
+    p.add_argument("--text-tokens", type=int, default=1_000_000,
+                   help="text: tokens of standard-library source to cut into --seq-len pieces")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=320)
@@ -35,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft-model: answer positions per sequence that get the losses")
     p.add_argument("--kl-weight", type=float, default=None,
                    help="weight of KL to the target's logits (default: dflash 0, draft-model 1)")
+    p.add_argument("--teacher-labels", action="store_true",
+                   help="dflash: labels are the target's greedy predictions (for `train text` data)")
+    p.add_argument("--target-features", choices=["auto", "precompute", "per-step"], default="auto",
+                   help="precompute the frozen target's features once (host memory) or run it in every "
+                   "step; auto: precompute on CPU when under 4 GB")
+    p.add_argument("--eval-prompts", type=int, default=40,
+                   help="held-out tau on HumanEval[:N] (N <= 40; never trained on)")
+    p.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per held-out prompt")
     p.add_argument("--eval-every", type=int, default=250, help="held-out tau every N steps")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -55,22 +67,30 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     dtype = inputs.resolve_dtype(args.dtype) if args.kind == "data" else "float32"
     target = inputs.load_target_or_fail(args.target, dtype)
     progress = not args.no_progress
-    if args.kind == "data":
-        prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
+    if args.kind in ("data", "text"):
+        if len(args.data) != 1:
+            raise inputs.UsageError(f"train {args.kind} writes one dataset: give one --data path.")
+        path = args.data[0]
         # A path without .npz is a shard dir: resumable, re-run the same command to continue.
-        sharded = not str(args.data).endswith(".npz")
-        dataset = data_lib.build_dataset(
-            target, prompts, max_new_tokens=args.answer_tokens, batch_size=args.generate_batch,
-            seed=args.seed, progress=progress, shard_dir=args.data if sharded else None,
-            shard_prompts=args.shard_prompts,
-        )
+        sharded = not str(path).endswith(".npz")
+        if args.kind == "text":
+            if sharded:
+                raise inputs.UsageError("train text writes a single file: give --data NAME.npz.")
+            dataset = data_lib.stdlib_text_dataset(target.tokenizer, args.seq_len, args.text_tokens, args.seed)
+        else:
+            prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
+            dataset = data_lib.build_dataset(
+                target, prompts, max_new_tokens=args.answer_tokens, batch_size=args.generate_batch,
+                temperature=args.temperature, seed=args.seed, progress=progress,
+                shard_dir=path if sharded else None, shard_prompts=args.shard_prompts,
+            )
         if not sharded:
-            dataset.save(args.data)
-        log(f"wrote {args.data}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
+            dataset.save(path)
+        log(f"wrote {path}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
         return None
     if not args.out:
         raise ValueError("train dflash|draft-model needs --out DIR (checkpoints and the exported drafter).")
-    dataset = data_lib.TokenDataset.load(args.data)
+    dataset = data_lib.TokenDataset.concatenate([data_lib.TokenDataset.load(d) for d in args.data])
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
@@ -80,14 +100,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         dflash_cfg = training.smollm2_dflash_config(target.cfg, args.block_size, args.layers)
         _, _, result = training.train_dflash(
             target, dataset, args.out, cfg, dflash_cfg, num_anchors=args.anchors,
-            kl_weight=args.kl_weight or 0.0, progress=progress,
+            kl_weight=args.kl_weight or 0.0, teacher_labels=args.teacher_labels,
+            eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
+            features=args.target_features, progress=progress,
         )
     else:
         student = training.small_draft_config(target.cfg, args.hidden, args.layers)
         _, _, result = training.train_draft_model(
             target, dataset, args.out, cfg, student,
             kl_weight=1.0 if args.kl_weight is None else args.kl_weight,
-            positions=args.answer_positions, progress=progress,
+            positions=args.answer_positions, eval_prompts=args.eval_prompts,
+            eval_tokens=args.eval_tokens, features=args.target_features, progress=progress,
         )
     log(f"trained {result.state.step} steps in {result.seconds:.0f}s; held-out {result.evals[-1:]}; "
         f"drafter in {args.out}/drafter")

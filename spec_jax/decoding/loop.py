@@ -15,7 +15,7 @@ from flax import struct
 from spec_jax.decoding.acceptance import accept
 from spec_jax.drafters.base import Drafter, Target
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.decoder import KVCache, forward, init_cache
+from spec_jax.models.decoder import KVCache, forward, forward_hidden, init_cache, lm_head
 from spec_jax.models.weights import abstract_from_specs, model_weight_specs
 from spec_jax.sampling import SamplingParams, sample, warp
 
@@ -172,11 +172,14 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
     cache = init_cache(target.cfg, batch, capacity)
     with jax.named_scope("prefill"):
-        logits, captured, cache = forward(
+        hidden, captured, cache = forward_hidden(
             target.params, target.cfg, prompt_tokens, positions, cache, capture
         )
+        # The LM head at each row's last prompt position only: [B, P, V] logits would cost P times
+        # the head's FLOPs and, at batch 512 x 512 positions, tens of GB.
+        logits = lm_head(target.params, target.cfg, hidden[rows, prompt_lengths - 1][:, None])[:, 0]
     key, first_key = jax.random.split(key)
-    first = sample(first_key, warp(logits[rows, prompt_lengths - 1], sampling))  # [B]
+    first = sample(first_key, warp(logits, sampling))  # [B]
     tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_len].set(prompt_tokens)
     tokens = tokens.at[rows, prompt_lengths].set(first)
     is_stop = _is_stop(first, stop_ids)

@@ -80,13 +80,23 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 1.0) -> Params:
 
 
 # ----------------------------------------------------------------------------- pieces
+def float32_precision() -> jax.lax.Precision | None:
+    """The dot precision that computes float32 in float32 on the backend being traced for.
+
+    HIGHEST on GPU and TPU, whose DEFAULT rounds float32 operands (TF32, bfloat16 passes). None
+    (DEFAULT) on CPU: XLA:CPU's DEFAULT float32 dot is already exact float32 (bit-identical to
+    HIGHEST, tested), and HIGHEST there selects a slower kernel: 2.7x slower at batch 32, 1.3x
+    at batch 1 on the 2-core VM (benchmarks/RESULTS.md)."""
+    return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
+
+
 def einsum(
     subscripts: str, x: jax.Array, y: jax.Array, preferred_element_type: Any = None
 ) -> jax.Array:
-    """`jnp.einsum` at the precision the operands' dtype promises: HIGHEST when the product is
-    float32 (XLA:GPU would otherwise compute it in TF32), the backend's fast default otherwise."""
+    """`jnp.einsum` at the precision the operands' dtype promises: float32 products in float32
+    (`float32_precision`), the backend's fast default for bfloat16."""
     full = jnp.result_type(x, y) == jnp.float32
-    precision = jax.lax.Precision.HIGHEST if full else None
+    precision = float32_precision() if full else None
     return jnp.einsum(
         subscripts, x, y, precision=precision, preferred_element_type=preferred_element_type
     )

@@ -72,30 +72,61 @@ def humaneval_prompts(held_out: bool = False) -> list[Prompt]:
     ]
 
 
-def stdlib_prompts(limit: int, seed: int = 0) -> list[Prompt]:
-    """Function signatures + docstrings from the Python standard library on this machine."""
+def _stdlib_files() -> list[Path]:
+    """The standard library's own modules on this machine: no site-packages, tests or IDLE."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def stdlib_prompts(limit: int, seed: int = 0) -> list[Prompt]:
+    """Public functions, methods and classes with docstrings across the standard library."""
     found: list[Prompt] = []
-    for path in files:
+    for path in _stdlib_files():
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-                doc = ast.get_docstring(node)
-                if doc and 40 <= len(doc) <= 600:
-                    args = ", ".join(a.arg for a in node.args.args)
-                    found.append(
-                        Prompt(
-                            "stdlib",
-                            f"Write a Python function `{node.name}({args})`.\n"
-                            f"Its docstring says:\n{doc.strip()}",
-                        )
-                    )
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or not 40 <= len(doc) <= 600:
+                continue
+            if isinstance(node, ast.ClassDef):
+                bases = ", ".join(ast.unparse(b) for b in node.bases)
+                head = f"Write a Python class `{node.name}" + (f"({bases})`" if bases else "`")
+            else:
+                head = f"Write a Python function `{node.name}({', '.join(a.arg for a in node.args.args)})`"
+            found.append(Prompt("stdlib", f"{head}.\nIts docstring says:\n{doc.strip()}"))
     random.Random(seed).shuffle(found)
     return found[:limit]
+
+
+def stdlib_text_dataset(tokenizer: Any, seq_len: int, max_tokens: int, seed: int = 0) -> "TokenDataset":
+    """The cheaper signal: standard-library source itself, cut into `seq_len`-token pieces, with no
+    generation (every token is a training position; train on the target's own predictions of it).
+    Each piece starts with the file's path, so the model knows what it reads."""
+    files = _stdlib_files()
+    random.Random(seed).shuffle(files)
+    seqs: list[np.ndarray] = []
+    total = 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tokenizer.encode(f"# {path.name}\n{text}", add_special_tokens=False)
+        for start in range(0, max(len(ids) - 16, 0), seq_len):
+            piece = np.asarray(ids[start : start + seq_len], np.int32)
+            seqs.append(piece)
+            total += len(piece)
+            if total >= max_tokens:
+                break
+        if total >= max_tokens:
+            break
+    # prompt length 1: every position after the first is a label.
+    return TokenDataset.from_sequences(seqs, [1] * len(seqs), ["stdlib-text"] * len(seqs))
 
 
 def instruction_prompts() -> list[Prompt]:

@@ -7,7 +7,8 @@ would see at inference, where the context is every committed token but the ancho
 itself, the block's own tokens. All blocks of a sequence run in one pass with a block-diagonal mask.
 Loss: cross-entropy against the target's continuation, weighted by exp(-i / position_decay) for
 draft position i (early drafts matter most: one miss ends the accepted run), optionally plus KL to
-the target's logits.
+the target's logits. On text the target did not write (`teacher_labels`), the labels are the target's
+own greedy predictions instead of the text's next tokens: acceptance is agreement with the target.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DFlashLoss:
     num_anchors: int = 8
     position_decay: float = 4.0
     kl_weight: float = 0.0
+    teacher_labels: bool = False  # labels = the target's argmax (needs batch["final"])
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         cfg = self.cfg
@@ -79,7 +81,17 @@ class DFlashLoss:
         logits = logits.reshape(b_size, anchors_n, block - 1, -1)  # [B, A, b-1, V]
         label_pos = anchors[:, :, None] + offsets[None, None, 1:]  # [B, A, b-1]
         valid = label_pos < lengths[:, None, None]
-        labels = tokens[rows[:, :, None], jnp.minimum(label_pos, seq_len - 1)]
+        teacher = None
+        if self.kl_weight > 0 or self.teacher_labels:
+            # The target's logits at position a+i predict token a+i+1.
+            teacher_pos = jnp.minimum(label_pos - 1, seq_len - 1)
+            final = batch["final"][rows[:, :, None], teacher_pos]
+            teacher = lm_head(target_params, self.target_cfg, final.reshape(b_size, -1, final.shape[-1]))
+            teacher = teacher.reshape(logits.shape)
+        if self.teacher_labels:
+            labels = jnp.argmax(teacher, -1)
+        else:
+            labels = tokens[rows[:, :, None], jnp.minimum(label_pos, seq_len - 1)]
         weight = jnp.exp(-jnp.arange(block - 1) / self.position_decay)[None, None, :] * valid
         ce = jnp.sum(cross_entropy(logits, labels) * weight) / jnp.maximum(jnp.sum(weight), 1e-6)
         correct = (jnp.argmax(logits, -1) == labels) & valid
@@ -92,11 +104,7 @@ class DFlashLoss:
         }
         loss = ce
         if self.kl_weight > 0:
-            # The target's logits at position a+i predict token a+i+1.
-            teacher_pos = jnp.minimum(label_pos - 1, seq_len - 1)
-            teacher = lm_head(target_params, self.target_cfg, batch["final"][rows[:, :, None], teacher_pos].reshape(b_size, -1, batch["final"].shape[-1]))
-            kl = kl_to_teacher(logits.reshape(teacher.shape), teacher).reshape(weight.shape)
-            kl = jnp.sum(kl * weight) / jnp.maximum(jnp.sum(weight), 1e-6)
+            kl = jnp.sum(kl_to_teacher(logits, teacher) * weight) / jnp.maximum(jnp.sum(weight), 1e-6)
             metrics["kl"] = kl
             loss = loss + self.kl_weight * kl
         return loss, metrics

@@ -1,8 +1,12 @@
-"""Frozen-target features, computed once per dataset (the target never trains).
+"""Frozen-target features (the target never trains), computed once per dataset or per step.
 
 For every token of every sequence: the target's hidden states after `capture_layers` (what a DFlash
 drafter reads) and the target's final-normed hidden state (its logits are `lm_head` of it, so
 distillation losses recompute teacher logits for just the positions they need).
+
+Precomputing (`compute_features`) pays the target's forward pass once and reuses it every epoch,
+but holds `tokens x (layers + 1) x hidden` floats in host memory; `WithTargetFeatures` runs the
+target inside each jitted training step instead (the choice for accelerators and large data).
 """
 
 from __future__ import annotations
@@ -28,6 +32,38 @@ class TargetFeatures:
     final: np.ndarray
 
 
+def target_features(
+    params: Any, cfg: ModelConfig, tokens: jax.Array, capture_layers: Sequence[int]
+) -> tuple[jax.Array, jax.Array]:
+    """(captured [B, T, n*H], final [B, T, H]) of the target over `tokens` [B, T]."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    final, captured, _ = forward_hidden(
+        params, cfg, tokens, positions, init_cache(cfg, b, t), tuple(capture_layers)
+    )
+    if captured is None:
+        captured = jnp.zeros((b, t, 0), final.dtype)
+    return jax.lax.stop_gradient(captured), jax.lax.stop_gradient(final)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithTargetFeatures:
+    """A loss whose batch gets `captured` and `final` from the frozen target inside the step."""
+
+    loss: Any
+    target_cfg: ModelConfig
+    capture_layers: tuple[int, ...]
+
+    def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
+        captured, final = target_features(target_params, self.target_cfg, batch["tokens"], self.capture_layers)
+        return self.loss(params, target_params, {**batch, "captured": captured, "final": final}, key)
+
+
+def precompute_fits(num_tokens: int, capture_layers: Sequence[int], hidden: int, limit_gb: float = 4.0) -> bool:
+    """Whether precomputed float32 features of a dataset stay under `limit_gb` of host memory."""
+    return num_tokens * (len(capture_layers) + 1) * hidden * 4 <= limit_gb * 2**30
+
+
 def compute_features(
     params: Any,
     cfg: ModelConfig,
@@ -40,15 +76,7 @@ def compute_features(
     from tqdm.auto import tqdm
 
     capture = tuple(capture_layers)
-
-    @jax.jit
-    def run(params, tokens):
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        final, captured, _ = forward_hidden(params, cfg, tokens, positions, init_cache(cfg, b, t), capture)
-        if captured is None:
-            captured = jnp.zeros((b, t, 0), final.dtype)
-        return captured, final
+    run = jax.jit(lambda params, tokens: target_features(params, cfg, tokens, capture))
 
     n_cap = len(capture_layers) * cfg.hidden_size
     captured = np.zeros((data.num_tokens, n_cap), np.float32)

@@ -19,7 +19,7 @@ import numpy as np
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import init_params
 from spec_jax.training.data import TokenDataset, iterate_batches
-from spec_jax.training.features import TargetFeatures, compute_features, gather_features
+from spec_jax.training.features import compute_features, gather_features
 from spec_jax.training.trainer import TrainConfig, TrainResult, train
 
 
@@ -90,11 +90,8 @@ def held_out_tau(
     return {"tau": result.stats.tau, "accepted_per_step": result.stats.accepted / max(result.stats.steps, 1)}
 
 
-def split_for_eval(
-    data: TokenDataset, eval_prompts: int, seed: int, seq_len: int
-) -> tuple[TokenDataset, list[list[int]]]:
-    """Drop sequences with fewer than 2 answer tokens inside seq_len (nothing to learn), then hold
-    out `eval_prompts` sequences: train on the rest, measure tau on their prompts."""
+def usable_sequences(data: TokenDataset, seq_len: int) -> TokenDataset:
+    """Sequences with at least 2 answer tokens inside seq_len (the others teach nothing)."""
     usable = [
         i for i in range(len(data))
         if min(len(data.sequence(i)), seq_len) - int(data.prompt_lengths[i]) >= 2
@@ -104,28 +101,74 @@ def split_for_eval(
             f"Only {len(usable)} sequences have an answer within seq_len={seq_len}; raise --seq-len "
             "or build more data."
         )
-    data = data.subset(usable)
+    return data.subset(usable)
+
+
+def held_out_prompts(
+    target: Any, data: TokenDataset, eval_prompts: int, seed: int, seq_len: int
+) -> tuple[TokenDataset, list[list[int]], str]:
+    """(training data, prompts for held-out tau, where those come from).
+
+    With a tokenizer: the first `eval_prompts` HumanEval problems (never in the training data,
+    see `data.HELD_OUT_HUMANEVAL`), chat-formatted exactly as `spec-jax bench` sends them, so the
+    curve's tau is the benchmark's. Without one (tiny test models): held-out data sequences."""
+    from spec_jax.training.data import HELD_OUT_HUMANEVAL
+
+    data = usable_sequences(data, seq_len)
+    if getattr(target, "tokenizer", None) is not None:
+        from spec_jax.checkpoints import apply_chat_template
+        from spec_jax.humaneval import humaneval_problems
+
+        n = min(eval_prompts, HELD_OUT_HUMANEVAL)
+        prompts = [
+            apply_chat_template(target.tokenizer, p["prompt"], target.chat_template)
+            for p in humaneval_problems()[:n]
+        ]
+        return data, prompts, f"HumanEval[:{n}]"
     fraction = min(eval_prompts / max(len(data), 1), 0.5)
     train_part, held_out = data.split(fraction, seed)
     prompts = [
         [int(t) for t in held_out.sequence(i)[: held_out.prompt_lengths[i]]]
         for i in range(len(held_out))
     ]
-    return train_part, prompts[:eval_prompts]
+    return train_part, prompts[:eval_prompts], f"{len(prompts[:eval_prompts])} held-out data sequences"
 
 
-def _batches(data: TokenDataset, features, cfg: TrainConfig, with_captured: bool):
+FEATURE_MODES = ("auto", "precompute", "per-step")
+
+
+def feature_mode(mode: str, data: TokenDataset, capture_layers: Sequence[int], hidden: int) -> str:
+    """auto: precompute on CPU when it fits in host memory (reused every epoch), else per step."""
+    from spec_jax.training.features import precompute_fits
+
+    if mode not in FEATURE_MODES:
+        raise ValueError(f"target features mode must be one of {FEATURE_MODES}, got {mode!r}.")
+    if mode != "auto":
+        return mode
+    if jax.default_backend() == "cpu" and precompute_fits(data.num_tokens, capture_layers, hidden):
+        return "precompute"
+    return "per-step"
+
+
+def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode: str, progress: bool):
+    """The loss and batch stream for a feature mode, and the seconds spent precomputing."""
+    from spec_jax.training.features import WithTargetFeatures
+
+    if mode == "per-step":
+        return WithTargetFeatures(loss, target.cfg, tuple(capture_layers)), _batches(data, None, cfg), 0.0
+    t0 = time.perf_counter()
+    features = compute_features(target.params, target.cfg, data, capture_layers, cfg.seq_len, progress=progress)
+    return loss, _batches(data, features, cfg), time.perf_counter() - t0
+
+
+def _batches(data: TokenDataset, features, cfg: TrainConfig):
+    """Batches for steps start, start + 1, ...; with precomputed features when given."""
+
     def batches(start: int):
         for b in iterate_batches(data, cfg.batch_size, cfg.seq_len, cfg.seed, start):
-            captured, final = gather_features(data, features, b.picks, cfg.seq_len)
-            batch = {
-                "tokens": b.tokens,
-                "lengths": b.lengths,
-                "prompt_lengths": b.prompt_lengths,
-                "final": final,
-            }
-            if with_captured:
-                batch["captured"] = captured
+            batch = {"tokens": b.tokens, "lengths": b.lengths, "prompt_lengths": b.prompt_lengths}
+            if features is not None:
+                batch["captured"], batch["final"] = gather_features(data, features, b.picks, cfg.seq_len)
             yield batch
 
     return batches
@@ -165,8 +208,10 @@ def train_dflash(
     dflash_cfg: Any = None,
     num_anchors: int = 8,
     kl_weight: float = 0.0,
+    teacher_labels: bool = False,
     eval_prompts: int = 4,
     eval_tokens: int = 64,
+    features: str = "auto",
     progress: bool = True,
 ) -> tuple[Any, Any, TrainResult]:
     from spec_jax.checkpoints.dflash import save_dflash
@@ -176,30 +221,32 @@ def train_dflash(
     out_dir = Path(out_dir)
     dflash_cfg = dflash_cfg or smollm2_dflash_config(target.cfg)
     check_compatible(dflash_cfg, target.cfg)
-    data, prompts = split_for_eval(data, eval_prompts, cfg.seed, cfg.seq_len)
-    t0 = time.perf_counter()
-    features = compute_features(
-        target.params, target.cfg, data, dflash_cfg.target_layer_ids, cfg.seq_len, progress=progress
-    )
-    feature_s = time.perf_counter() - t0
+    data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
+    mode = feature_mode(features, data, dflash_cfg.target_layer_ids, target.cfg.hidden_size)
     drafter = DFlashDrafter(dflash_cfg)
-    loss = DFlashLoss(dflash_cfg, target.cfg, num_anchors=num_anchors, kl_weight=kl_weight)
+    loss, batches, feature_s = _loss_and_batches(
+        DFlashLoss(dflash_cfg, target.cfg, num_anchors=num_anchors, kl_weight=kl_weight,
+                   teacher_labels=teacher_labels),
+        target, data, dflash_cfg.target_layer_ids, cfg, mode, progress,
+    )
     result = train(
         loss,
         init_dflash_params(dflash_cfg, jax.random.key(cfg.seed)),
         target.params,
-        _batches(data, features, cfg, with_captured=True),
+        batches,
         cfg,
         out_dir,
         run_config={"kind": "dflash", "drafter": dataclasses.asdict(dflash_cfg), "anchors": num_anchors,
-                    "kl_weight": kl_weight, "data_tokens": data.num_tokens},
+                    "kl_weight": kl_weight, "teacher_labels": teacher_labels, "data_tokens": data.num_tokens},
         evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
         progress=progress,
     )
     save_dflash(out_dir / "drafter", dflash_cfg, jax.device_get(result.state.params), overwrite=True)
     write_report(out_dir, "DFlash", result, {
         "kind": "dflash", "data_sequences": len(data), "data_tokens": data.num_tokens,
-        "feature_seconds": feature_s, "train": dataclasses.asdict(cfg),
+        "anchors": num_anchors, "kl_weight": kl_weight, "teacher_labels": teacher_labels,
+        "target_features": mode, "feature_seconds": feature_s, "held_out": eval_source,
+        "eval_tokens": eval_tokens, "backend": jax.default_backend(), "train": dataclasses.asdict(cfg),
     })
     return drafter, result.state.params, result
 
@@ -215,6 +262,7 @@ def train_draft_model(
     eval_tokens: int = 64,
     k: int = 4,
     positions: int = 64,
+    features: str = "auto",
     progress: bool = True,
 ) -> tuple[Any, Any, TrainResult]:
     from spec_jax.checkpoints import save_hf_dir
@@ -223,20 +271,19 @@ def train_draft_model(
 
     out_dir = Path(out_dir)
     student_cfg = student_cfg or small_draft_config(target.cfg)
-    data, prompts = split_for_eval(data, eval_prompts, cfg.seed, cfg.seq_len)
-    t0 = time.perf_counter()
+    data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
+    loss = DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight, positions=positions)
     if kl_weight > 0:  # the teacher's final hidden states, for its logits
-        features = compute_features(target.params, target.cfg, data, (), cfg.seq_len, progress=progress)
+        mode = feature_mode(features, data, (), target.cfg.hidden_size)
+        loss, batches, feature_s = _loss_and_batches(loss, target, data, (), cfg, mode, progress)
     else:  # cross-entropy on the target's own answers needs no target pass
-        empty = np.zeros((data.num_tokens, 0), np.float32)
-        features = TargetFeatures((), empty, empty)
-    feature_s = time.perf_counter() - t0
+        mode, batches, feature_s = "none", _batches(data, None, cfg), 0.0
     drafter = DraftModelDrafter(student_cfg, k=k)
     result = train(
-        DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight, positions=positions),
+        loss,
         init_draft_from_target(student_cfg, target.params, jax.random.key(cfg.seed)),
         target.params,
-        _batches(data, features, cfg, with_captured=False),
+        batches,
         cfg,
         out_dir,
         run_config={"kind": "draft-model", "student": dataclasses.asdict(student_cfg),
@@ -250,6 +297,8 @@ def train_draft_model(
     )
     write_report(out_dir, "draft model", result, {
         "kind": "draft-model", "data_sequences": len(data), "data_tokens": data.num_tokens,
-        "feature_seconds": feature_s, "train": dataclasses.asdict(cfg),
+        "kl_weight": kl_weight, "k": k, "target_features": mode, "feature_seconds": feature_s,
+        "held_out": eval_source, "eval_tokens": eval_tokens, "backend": jax.default_backend(),
+        "train": dataclasses.asdict(cfg),
     })
     return drafter, result.state.params, result
