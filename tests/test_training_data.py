@@ -99,3 +99,11 @@ def test_held_out_tau_uses_humaneval_prompts_never_trained_on(chat_target):
     assert prompts[0] == first
     # Never more than the problems the training prompts leave out.
     assert len(held_out_prompts(chat_target, data, 500, seed=0, seq_len=64)[1]) == data_module.HELD_OUT_HUMANEVAL
+
+
+def test_train_text_without_a_tokenizer_is_a_clear_error(tmp_path, capsys):
+    from spec_jax.app.main import main
+
+    assert main(["train", "text", "--target", "random:tiny", "--data", str(tmp_path / "t.npz")]) != 0
+    assert "ships no tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "t.npz").exists()

@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         if args.kind == "text":
             if sharded:
                 raise inputs.UsageError("train text writes a single file: give --data NAME.npz.")
+            if target.tokenizer is None:
+                raise inputs.UsageError(
+                    f"{target.source} ships no tokenizer, so source text cannot be encoded; pass a "
+                    "checkpoint with tokenizer files (or the default model)."
+                )
             dataset = data_lib.stdlib_text_dataset(target.tokenizer, args.seq_len, args.text_tokens, args.seed)
         else:
             prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
