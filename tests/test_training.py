@@ -201,6 +201,48 @@ def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kin
     assert json.loads(spec)["results"][0]["generated_ids"] == json.loads(ar)["results"][0]["generated_ids"]
 
 
+@pytest.mark.parametrize("kind", ["dflash", "draft-model"])
+def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsys, kind):
+    """--init-from starts from the exported drafter's exact weights (the schedule's first step has
+    learning rate 0, so a 1-step run exports them unchanged); a drafter of another shape and a bad
+    --data-sequences are clear errors."""
+    import json
+
+    from spec_jax.app.main import main
+    from spec_jax.checkpoints import save_hf_dir
+    from spec_jax.checkpoints.hf import load_hf_dir
+
+    target_params, data, _, _ = setup
+    save_hf_dir(tmp_path / "target", TARGET, jax.device_get(target_params))
+    data.save(tmp_path / "data.npz")
+    common = ["train", kind, "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
+              "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--block-size", "4", "--layers", "1",
+              "--hidden", "64", "--eval-every", "0", "--no-progress"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(common + ["--out", str(first), "--steps", "6"]) == 0
+    assert main(common + ["--out", str(second), "--steps", "1", "--init-from", str(first / "drafter"),
+                          "--data-sequences", "20"]) == 0
+
+    def exported(run):
+        if kind == "dflash":
+            return load_dflash(run / "drafter")[1]
+        return load_hf_dir(run / "drafter", "float32")[1]
+
+    assert _tree_equal(exported(first), exported(second))
+    meta = json.loads((second / "training_log.json").read_text())
+    assert meta["init_from"] == str(first / "drafter") and meta["data_sequences"] < len(data)
+
+    capsys.readouterr()
+    wider = common + ["--out", str(tmp_path / "bad"), "--steps", "1", "--init-from", str(first / "drafter")]
+    wider[wider.index("--layers") + 1] = "2"
+    assert main(wider) == 2
+    err = capsys.readouterr().err
+    assert "--init-from" in err and "num_layers: 1 there, 2 here" in err, err
+    assert not (tmp_path / "bad" / "drafter").exists()
+    assert main(common + ["--out", str(tmp_path / "bad"), "--data-sequences", "1000"]) == 2
+    assert f"holds {len(data)} sequences" in capsys.readouterr().err
+
+
 def test_per_step_target_features_equal_precomputed(setup):
     """Running the frozen target inside the step gives the loss precomputed features give."""
     from spec_jax.training.features import WithTargetFeatures

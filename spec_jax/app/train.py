@@ -17,6 +17,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, nargs="+", metavar="NPZ|DIR",
                    help="token dataset: written by `train data|text`, read (several are joined) by the "
                    "others; a path without .npz is a dir of resumable shards (re-run to continue)")
+    p.add_argument("--data-sequences", type=int, default=None, metavar="N",
+                   help="dflash/draft-model: train on N sequences drawn (seeded) from --data instead of all "
+                   "(bounds host memory for precomputed features; tau against data amount)")
+    p.add_argument("--init-from", metavar="DIR", default=None,
+                   help="dflash/draft-model: continue from an exported drafter dir (same shape), e.g. "
+                   "an earlier run's drafter/ or the shipped one, instead of a fresh init")
     p.add_argument("--shard-prompts", type=int, default=256, help="data: prompts per shard")
     p.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
     p.add_argument("--num-prompts", type=int, default=384, help="data: prompts to answer")
@@ -96,6 +102,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if not args.out:
         raise ValueError("train dflash|draft-model needs --out DIR (checkpoints and the exported drafter).")
     dataset = data_lib.TokenDataset.concatenate([data_lib.TokenDataset.load(d) for d in args.data])
+    if args.data_sequences is not None:
+        if not 2 <= args.data_sequences <= len(dataset):
+            raise inputs.UsageError(
+                f"--data-sequences {args.data_sequences}: --data holds {len(dataset)} sequences; pass 2..{len(dataset)}."
+            )
+        _, dataset = dataset.split(args.data_sequences / len(dataset), args.seed)
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
@@ -107,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             target, dataset, args.out, cfg, dflash_cfg, num_anchors=args.anchors,
             kl_weight=args.kl_weight or 0.0, teacher_labels=args.teacher_labels,
             eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
-            features=args.target_features, progress=progress,
+            features=args.target_features, progress=progress, init_from=args.init_from,
         )
     else:
         student = training.small_draft_config(target.cfg, args.hidden, args.layers)
@@ -116,6 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             kl_weight=1.0 if args.kl_weight is None else args.kl_weight,
             positions=args.answer_positions, eval_prompts=args.eval_prompts,
             eval_tokens=args.eval_tokens, features=args.target_features, progress=progress,
+            init_from=args.init_from,
         )
     log(f"trained {result.state.step} steps in {result.seconds:.0f}s; held-out {result.evals[-1:]}; "
         f"drafter in {args.out}/drafter")

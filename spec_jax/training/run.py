@@ -81,6 +81,31 @@ def init_draft_from_target(student_cfg: ModelConfig, target_params: Any, key: ja
     return params
 
 
+def warm_start_params(kind: str, path: str | Path, expected_cfg: Any) -> Any:
+    """Params of an exported drafter (`drafter/` of an earlier run, or a shipped one) to continue
+    training from; its config must equal the one this run trains, else a clear error."""
+    from spec_jax.checkpoints import CheckpointError
+
+    if kind == "dflash":
+        from spec_jax.checkpoints.dflash import load_dflash
+
+        drafter, params = load_dflash(path)
+        found = drafter.cfg
+    else:
+        from spec_jax.checkpoints.hf import load_hf_dir
+
+        found, params = load_hf_dir(Path(path), "float32")
+    keys = [f.name for f in dataclasses.fields(expected_cfg) if f.name != "dtype"]
+    differ = [k for k in keys if getattr(found, k, None) != getattr(expected_cfg, k)]
+    if differ:
+        detail = ", ".join(f"{k}: {getattr(found, k, None)} there, {getattr(expected_cfg, k)} here" for k in differ)
+        raise CheckpointError(
+            f"--init-from {path}: that {kind} drafter differs from the one this run trains ({detail}); "
+            "pass matching --block-size/--layers/--hidden or drop --init-from."
+        )
+    return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params)
+
+
 def held_out_tau(
     target: Any, drafter: Any, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> dict[str, float]:
@@ -213,7 +238,9 @@ def train_dflash(
     eval_tokens: int = 64,
     features: str = "auto",
     progress: bool = True,
+    init_from: str | Path | None = None,
 ) -> tuple[Any, Any, TrainResult]:
+    """init_from: an exported DFlash drafter dir to continue from (same config) instead of random."""
     from spec_jax.checkpoints.dflash import save_dflash
     from spec_jax.drafters.dflash import DFlashDrafter, check_compatible, init_dflash_params
     from spec_jax.training.dflash import DFlashLoss
@@ -221,6 +248,11 @@ def train_dflash(
     out_dir = Path(out_dir)
     dflash_cfg = dflash_cfg or smollm2_dflash_config(target.cfg)
     check_compatible(dflash_cfg, target.cfg)
+    # Warm-start params first: a mismatched --init-from fails before the target feature pass.
+    if init_from is not None:
+        init = warm_start_params("dflash", init_from, dflash_cfg)
+    else:
+        init = init_dflash_params(dflash_cfg, jax.random.key(cfg.seed))
     data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
     mode = feature_mode(features, data, dflash_cfg.target_layer_ids, target.cfg.hidden_size)
     drafter = DFlashDrafter(dflash_cfg)
@@ -231,13 +263,14 @@ def train_dflash(
     )
     result = train(
         loss,
-        init_dflash_params(dflash_cfg, jax.random.key(cfg.seed)),
+        init,
         target.params,
         batches,
         cfg,
         out_dir,
         run_config={"kind": "dflash", "drafter": dataclasses.asdict(dflash_cfg), "anchors": num_anchors,
-                    "kl_weight": kl_weight, "teacher_labels": teacher_labels, "data_tokens": data.num_tokens},
+                    "kl_weight": kl_weight, "teacher_labels": teacher_labels, "data_tokens": data.num_tokens,
+                    "init_from": str(init_from) if init_from else None},
         evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
         progress=progress,
     )
@@ -245,7 +278,8 @@ def train_dflash(
     write_report(out_dir, "DFlash", result, {
         "kind": "dflash", "data_sequences": len(data), "data_tokens": data.num_tokens,
         "anchors": num_anchors, "kl_weight": kl_weight, "teacher_labels": teacher_labels,
-        "target_features": mode, "feature_seconds": feature_s, "held_out": eval_source,
+        "init_from": str(init_from) if init_from else None, "target_features": mode,
+        "feature_seconds": feature_s, "held_out": eval_source,
         "eval_tokens": eval_tokens, "backend": jax.default_backend(), "train": dataclasses.asdict(cfg),
     })
     return drafter, result.state.params, result
@@ -264,13 +298,20 @@ def train_draft_model(
     positions: int = 64,
     features: str = "auto",
     progress: bool = True,
+    init_from: str | Path | None = None,
 ) -> tuple[Any, Any, TrainResult]:
+    """init_from: an exported draft-model dir to continue from (same config) instead of a fresh
+    student with the target's projected embedding."""
     from spec_jax.checkpoints import save_hf_dir
     from spec_jax.drafters.draft_model import DraftModelDrafter
     from spec_jax.training.draft_model import DraftModelLoss
 
     out_dir = Path(out_dir)
     student_cfg = student_cfg or small_draft_config(target.cfg)
+    if init_from is not None:
+        init = warm_start_params("draft-model", init_from, student_cfg)
+    else:
+        init = init_draft_from_target(student_cfg, target.params, jax.random.key(cfg.seed))
     data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
     loss = DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight, positions=positions)
     if kl_weight > 0:  # the teacher's final hidden states, for its logits
@@ -281,13 +322,14 @@ def train_draft_model(
     drafter = DraftModelDrafter(student_cfg, k=k)
     result = train(
         loss,
-        init_draft_from_target(student_cfg, target.params, jax.random.key(cfg.seed)),
+        init,
         target.params,
         batches,
         cfg,
         out_dir,
         run_config={"kind": "draft-model", "student": dataclasses.asdict(student_cfg),
-                    "kl_weight": kl_weight, "positions": positions, "data_tokens": data.num_tokens},
+                    "kl_weight": kl_weight, "positions": positions, "data_tokens": data.num_tokens,
+                    "init_from": str(init_from) if init_from else None},
         evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
         progress=progress,
     )
@@ -297,7 +339,8 @@ def train_draft_model(
     )
     write_report(out_dir, "draft model", result, {
         "kind": "draft-model", "data_sequences": len(data), "data_tokens": data.num_tokens,
-        "kl_weight": kl_weight, "k": k, "target_features": mode, "feature_seconds": feature_s,
+        "kl_weight": kl_weight, "k": k, "init_from": str(init_from) if init_from else None,
+        "target_features": mode, "feature_seconds": feature_s,
         "held_out": eval_source, "eval_tokens": eval_tokens, "backend": jax.default_backend(),
         "train": dataclasses.asdict(cfg),
     })
