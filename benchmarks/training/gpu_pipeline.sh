@@ -19,7 +19,7 @@ done
 spec-jax train data "${T[@]}" "${GEN[@]}" --data "$W/data/greedy" --temperature 0 --seed 0
 SAMPLED=(1); [ "${MORE_DATA:-1}" = 1 ] && SAMPLED=(1 2 3)
 for s in "${SAMPLED[@]}"; do
-  spec-jax train data "${T[@]}" "${GEN[@]}" --data "$W/data/sampled$s" --temperature 0.7 --seed $s
+  spec-jax train data "${T[@]}" "${GEN[@]}" --data "$W/data/sampled$s" --temperature 0.7 --seed "$s"
 done
 # The cheaper signal: standard-library source as is, no generation.
 [ -f "$W/data/stdlib_text.npz" ] || spec-jax train text "${T[@]}" --data "$W/data/stdlib_text.npz" \
