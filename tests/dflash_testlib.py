@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
 from spec_jax.checkpoints.hf import load_hf_dir
+from spec_jax.decoding import loop
+from spec_jax.decoding.generate import default_capacity, prompt_bucket
+from spec_jax.sampling import SamplingParams
 
 # Tiny models: one thread is fastest, and avoids spinning threads when the 2 cores are shared.
 torch.set_num_threads(1)
@@ -137,3 +142,26 @@ def fit_drafter(drafter, target_model, sequences: torch.Tensor, steps: int, lr: 
         opt.step()
     drafter.eval()
     return float(loss.detach())
+
+
+def spec_jax_greedy_steps(target, drafter, params, prompt, max_new):
+    """Run the loop step by step (batch 1); -> (generated tokens, accepted+1 per step)."""
+    bucket = prompt_bucket(len(prompt))
+    capacity = default_capacity(bucket, max_new, drafter.k)
+    prompt_tokens = jnp.zeros((1, bucket), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))
+    sampling = SamplingParams.create(0.0)
+    stop_ids = jnp.full((loop.MAX_STOP_IDS,), -1, jnp.int32)
+    cap = jnp.asarray(max_new, jnp.int32)
+    prefill = jax.jit(loop.prefill, static_argnames=("drafter", "capacity"))
+    step = jax.jit(loop.speculative_step, static_argnames=("drafter",))
+    state = prefill(
+        target, drafter, params, prompt_tokens, jnp.array([len(prompt)]), jax.random.key(0),
+        sampling, cap, stop_ids, capacity=capacity,
+    )
+    per_step = []
+    while not bool(state.done[0]):
+        accepted_before = int(state.stats.accepted[0])
+        state = step(state, target, drafter, params, sampling, cap, stop_ids)
+        per_step.append(int(state.stats.accepted[0]) - accepted_before + 1)
+    generated = np.asarray(state.tokens[0, len(prompt) : int(state.lengths[0])]).tolist()
+    return generated, per_step

@@ -7,7 +7,7 @@ JSON object (the last stdout line) that the test asserts on.
 usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@MESH
   MODEL: divisible (8 heads, 4 KV heads) | nondivisible (9 heads, 3 KV heads, like SmolLM2)
          | default (the real SmolLM2-135M-Instruct)
-  DRAFTER: ar | ngram | draft_model | dflash | table (a test-only drafter);  MESH: DxM (data x model), e.g. 2x4
+  DRAFTER: ar | ngram | draft_model | dflash | eagle3 | table (a test-only drafter);  MESH: DxM (data x model), e.g. 2x4
 """
 
 from __future__ import annotations
@@ -106,6 +106,14 @@ def make_drafter(name: str, cfg: ModelConfig, baseline=None):
         )
         params = dflash.init_dflash_params(dflash_cfg, jax.random.key(7))
         return dflash.DFlashDrafter(cfg=dflash_cfg, k=K), params
+    if name == "eagle3":
+        from spec_jax.drafters import eagle3
+
+        eagle_cfg = eagle3.Eagle3Config(
+            layer=cfg.replace(num_layers=1, layer_windows=()), draft_vocab_size=cfg.vocab_size - 28,
+            aux_layer_ids=(1, 2),
+        )
+        return eagle3.Eagle3Drafter(cfg=eagle_cfg, k=K), eagle3.init_eagle3_params(eagle_cfg, jax.random.key(7))
     raise ValueError(name)
 
 

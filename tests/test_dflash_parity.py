@@ -24,11 +24,10 @@ from dflash_testlib import (
     greedy_sequences,
     make_reference_drafter,
     make_target,
+    spec_jax_greedy_steps,
 )
 from spec_jax.checkpoints.dflash import load_dflash
-from spec_jax.decoding import loop
-from spec_jax.decoding.generate import default_capacity, generate, prompt_bucket
-from spec_jax.sampling import SamplingParams
+from spec_jax.decoding.generate import generate
 from spec_jax.drafters.base import Target
 from spec_jax.models.decoder import forward, init_cache
 
@@ -143,29 +142,6 @@ def test_draft_logits_match_reference(case, targets):
         assert err < 1e-4, f"{name}: draft logits differ from the reference by {err}"
 
 
-def _spec_jax_steps(target, drafter, params, prompt, max_new):
-    """Run the loop step by step (batch 1); -> (generated tokens, accepted+1 per step)."""
-    bucket = prompt_bucket(len(prompt))
-    capacity = default_capacity(bucket, max_new, drafter.k)
-    prompt_tokens = jnp.zeros((1, bucket), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))
-    sampling = SamplingParams.create(0.0)
-    stop_ids = jnp.full((loop.MAX_STOP_IDS,), -1, jnp.int32)
-    cap = jnp.asarray(max_new, jnp.int32)
-    prefill = jax.jit(loop.prefill, static_argnames=("drafter", "capacity"))
-    step = jax.jit(loop.speculative_step, static_argnames=("drafter",))
-    state = prefill(
-        target, drafter, params, prompt_tokens, jnp.array([len(prompt)]), jax.random.key(0),
-        sampling, cap, stop_ids, capacity=capacity,
-    )
-    per_step = []
-    while not bool(state.done[0]):
-        accepted_before = int(state.stats.accepted[0])
-        state = step(state, target, drafter, params, sampling, cap, stop_ids)
-        per_step.append(int(state.stats.accepted[0]) - accepted_before + 1)
-    generated = np.asarray(state.tokens[0, len(prompt) : int(state.lengths[0])]).tolist()
-    return generated, per_step
-
-
 def test_greedy_generation_matches_reference(case, monkeypatch):
     import dflash.model as reference_module
 
@@ -180,7 +156,7 @@ def test_greedy_generation_matches_reference(case, monkeypatch):
             return_stats=True,
         )
         expected_tokens = result.output_ids[0, len(prompt) :].tolist()
-        tokens, steps = _spec_jax_steps(target, drafter, params, prompt, MAX_NEW)
+        tokens, steps = spec_jax_greedy_steps(target, drafter, params, prompt, MAX_NEW)
         assert tokens == expected_tokens, f"{name}: generated tokens differ from the reference"
         # Compare the steps where the reference verified a full block and nothing was cut by the
         # length cap (its last blocks shrink to fit max_new_tokens).

@@ -22,6 +22,7 @@ from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.decoding.acceptance import accept
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter
+from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import ModelConfig, forward, init_cache, init_params
 
@@ -157,6 +158,11 @@ E2E_DFLASH_CFG = DFlashConfig(
     block_size=K_E2E + 1, target_layer_ids=(0, 1), mask_token_id=7, num_target_layers=2,
     vocab_size=V_E2E,
 )
+# EAGLE-3 with a reduced draft vocabulary (6 of 8 tokens): drafts never propose 3 or 6, and
+# their distributions are mapped back onto the target vocabulary.
+E2E_EAGLE3_CFG = Eagle3Config(layer=E2E_DRAFT_CFG, draft_vocab_size=6, aux_layer_ids=(1, 2),
+                              speculative_tokens=K_E2E)
+E2E_EAGLE3_TARGET_IDS = np.array([0, 1, 2, 4, 5, 7])
 PROMPT = [1, 2, 3]
 
 
@@ -186,7 +192,7 @@ def exact_joint(logits, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING[:3])
-@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "dflash"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "dflash", "eagle3"])
 def test_generate_reproduces_target_joint_distribution(e2e, drafter_kind, temperature, top_k, top_p):
     """The first 3 generated tokens (prefill token + one or two verify steps with K = 2), over
     5 seeds x 2048 identical rows, against the exact warped joint from full forward passes."""
@@ -196,6 +202,10 @@ def test_generate_reproduces_target_joint_distribution(e2e, drafter_kind, temper
     elif drafter_kind == "dflash":  # sampled block drafts with their full distributions
         drafter = DFlashDrafter(E2E_DFLASH_CFG)
         dparams = init_dflash_params(E2E_DFLASH_CFG, jax.random.key(12), scale=1.5)
+    elif drafter_kind == "eagle3":  # sampled chain drafts over a reduced vocabulary
+        drafter = Eagle3Drafter(E2E_EAGLE3_CFG)
+        dparams = init_eagle3_params(E2E_EAGLE3_CFG, jax.random.key(13), scale=1.5)
+        dparams["d2t"] = jnp.asarray(E2E_EAGLE3_TARGET_IDS - np.arange(6), jnp.int32)
     else:
         drafter, dparams = DraftModelDrafter(E2E_DRAFT_CFG, K_E2E), draft_params
     counts = np.zeros((V_E2E,) * HORIZON)

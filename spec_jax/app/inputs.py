@@ -16,8 +16,8 @@ from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # spec_jax/assets
 
-DRAFTER_KINDS = ("none", "ngram", "self", "draft-model", "dflash")
-DRAFTER_KINDS_WITH_PATH = ("draft-model", "dflash")
+DRAFTER_KINDS = ("none", "ngram", "self", "draft-model", "dflash", "eagle3")
+DRAFTER_KINDS_WITH_PATH = ("draft-model", "dflash", "eagle3")
 
 
 class UsageError(ValueError):
@@ -139,7 +139,7 @@ class DrafterSpec:
 
 
 def parse_drafter_spec(text: str, k: int | None = None) -> DrafterSpec:
-    """ "ngram", "self", "draft-model=PATH" / "draft-model:PATH", "dflash=PATH"."""
+    """ "ngram", "self", "draft-model=PATH" / "draft-model:PATH", "dflash=PATH", "eagle3=PATH"."""
     kind, path = text, None
     for sep in ("=", ":"):
         if sep in text:
@@ -172,6 +172,11 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
 
         return self_drafter(target.cfg, **({} if k is None else {"k": k})), target.params
     if spec.kind in DRAFTER_KINDS_WITH_PATH and spec.path is None:
+        if spec.kind not in SHIPPED_DRAFTERS:
+            raise UsageError(
+                f"drafter {spec.kind!r} needs a checkpoint: --drafter {spec.kind}=PATH (a local dir or "
+                "hub id; spec_jax ships no such drafter)."
+            )
         spec = dataclasses.replace(spec, path=str(shipped_drafter_path(spec.kind, target)))
     if spec.kind == "draft-model":
         from spec_jax.drafters.draft_model import DraftModelDrafter, check_same_tokenizer
@@ -187,6 +192,14 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
         from spec_jax.checkpoints.dflash import load_dflash
 
         drafter, params = load_dflash(spec.path, dtype=target.cfg.dtype, k=k)
+        return drafter, jax.tree.map(jnp.asarray, params)
+    if spec.kind == "eagle3":
+        import jax
+        import jax.numpy as jnp
+
+        from spec_jax.checkpoints.eagle3 import load_eagle3
+
+        drafter, params = load_eagle3(spec.path, dtype=target.cfg.dtype, k=k, target_cfg=target.cfg)
         return drafter, jax.tree.map(jnp.asarray, params)
     raise UsageError(f"unknown drafter {spec.kind!r}.")
 

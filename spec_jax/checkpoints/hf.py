@@ -60,6 +60,7 @@ LAYER_WEIGHTS: tuple[HFWeight, ...] = (
     HFWeight("q_norm", "self_attn.q_norm.weight", 0),
     HFWeight("k_norm", "self_attn.k_norm.weight", 0),
     HFWeight("mlp_norm", "post_attention_layernorm.weight", 0),
+    HFWeight("hidden_norm", "hidden_norm.weight", 0),  # EAGLE-3's first layer
     HFWeight("w_gate", "mlp.gate_proj.weight", 1),  # [F, H] -> [H, F]
     HFWeight("w_up", "mlp.up_proj.weight", 1),  # [F, H] -> [H, F]
     HFWeight("w_down", "mlp.down_proj.weight", 1),  # [H, F] -> [F, H]

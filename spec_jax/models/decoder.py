@@ -178,6 +178,7 @@ def attend(q: jax.Array, parts: AttentionParts) -> jax.Array:
     scores = []
     for k, _, mask in parts:
         s = einsum("bkmd,bksd->bkms", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        mask = jnp.broadcast_to(mask, (b, t, k.shape[2]))  # a [B, 1, S_i] mask holds for every query
         visible = jnp.repeat(mask, groups, axis=1)[:, None]  # [B, 1, T*G, S_i]
         scores.append(jnp.where(visible, s / math.sqrt(d), NEG_INF))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, Kv, T*G, sum S_i]
@@ -220,15 +221,18 @@ def decoder_layer(
     inv_freq: jax.Array,
     eps: float,
     attend_to: AttendTo,
+    attn_input: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm decoder layer: RMSNorm -> GQA attention (per-head q/k RMSNorm when the layer
     has `q_norm`/`k_norm`, RoPE at `positions` [B, T]) -> residual -> RMSNorm -> SwiGLU -> residual.
 
-    The one layer of targets, draft models and DFlash; `attend_to` says what the queries see.
+    The one layer of targets, draft models, DFlash and EAGLE-3; `attend_to` says what the queries
+    see. `attn_input`, when given, is what q/k/v are projected from instead of norm(x) (EAGLE-3's
+    first layer: [norm(embedding), norm(fused target features)], with x as the residual).
     x [B, T, H] -> (x [B, T, H], what `attend_to` returned besides the parts).
     """
     with jax.named_scope("attention"):
-        h = rms_norm(x, lp["attn_norm"], eps)
+        h = rms_norm(x, lp["attn_norm"], eps) if attn_input is None else attn_input
         q, k, v = project_qkv(lp, h)  # q [B, T, N, D]; k, v [B, T, Kv, D]
         if "q_norm" in lp:
             q = rms_norm(q, lp["q_norm"], eps)

@@ -1,0 +1,408 @@
+"""EAGLE-3: a one-layer (or few-layer) chain drafter fed by three of the target's hidden states.
+
+Pair t of a sequence is (target features of token t, token t + 1); at RoPE position t + 1 it
+predicts token t + 2. Per verify step:
+
+  fused    = fc(concat of the target's hidden states at `aux_layer_ids`)       [B, T, H]
+  layer 0  = attention over q/k/v of [norm(embed(token)), hidden_norm(fused)], residual = fused
+             (or the normed fused features with norm_before_residual), then the MLP;
+             further layers are plain decoder layers
+  logits   = lm_head(norm(out)) over the draft vocabulary, mapped onto the target's with d2t
+             (target id = draft id + d2t[draft id]); ids outside the draft vocabulary get -inf
+  chain    = the next pair is (out, the draft just chosen), one position further, attending to
+             every real pair and to the chain so far; K drafts in all
+
+The drafter keeps a KV cache of the real pairs (those with target features), indexed by pair:
+slot t holds pair t's keys in every draft layer. The features of the last verified inputs wait in
+`pending` until `propose` knows the tokens that complete their pairs (the bonus token is sampled
+after `commit`), so a rejected draft is rolled back by the per-row pair count alone.
+
+`aux_layer_ids` follow the speculators / vLLM convention: id i is the input of target layer i
+(HF `hidden_states[i]`), i.e. spec_jax's capture of layer i - 1; id == num_layers is the last
+layer's output before the final norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from spec_jax.drafters.base import Target
+from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig
+from spec_jax.models.decoder import (
+    KVCache,
+    causal_window_mask,
+    decoder_layer,
+    einsum,
+    embed,
+    empty_cache,
+    rms_norm,
+    rope_inv_freq,
+    write_kv,
+)
+from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
+from spec_jax.sampling import SamplingParams, sample, warp
+
+Params = Any
+
+
+def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default feature layers (speculators, vLLM): low, middle and high."""
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """Static hyperparameters of an EAGLE-3 drafter (hashable).
+
+    layer:            the draft decoder layers' config (Llama or Qwen3; vocab_size = target vocab)
+    draft_vocab_size: rows of the drafter's LM head (<= the target vocabulary)
+    aux_layer_ids:    target feature layers, speculators convention (see the module doc)
+    own_embedding:    the checkpoint carries embed_tokens; else the target's embedding is used
+    """
+
+    layer: ModelConfig
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    target_hidden_size: int | None = None
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    own_embedding: bool = True
+    num_target_layers: int | None = None
+    speculative_tokens: int = 3  # the checkpoint's proposal length: the default K
+
+    def __post_init__(self):
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if not self.aux_layer_ids:
+            raise ValueError("EAGLE-3 aux_layer_ids is empty; name the target layers it reads.")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("EAGLE-3 norm_before_fc and fc_norm are mutually exclusive; set one.")
+        if not 1 <= self.draft_vocab_size <= self.layer.vocab_size:
+            raise ValueError(
+                f"EAGLE-3 draft_vocab_size {self.draft_vocab_size} must be in 1..{self.layer.vocab_size} "
+                "(the target vocabulary)."
+            )
+        if any(w != GLOBAL_WINDOW for w in self.layer.layer_windows):
+            raise ValueError("EAGLE-3 drafters with sliding-window layers are not supported.")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one target hidden state."""
+        return self.target_hidden_size or self.layer.hidden_size
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """spec_jax capture ids (output of layer i) of the aux layers (input of layer i)."""
+        return tuple(i - 1 for i in self.aux_layer_ids)
+
+    @property
+    def dtype(self) -> str:
+        return self.layer.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Pair-cache bytes per committed token (every draft layer caches k and v)."""
+        return self.layer.kv_bytes_per_token
+
+
+def eagle3_weight_specs(cfg: Eagle3Config) -> dict[str, Any]:
+    """The drafter's weights. Layer 0 projects q/k/v from 2H inputs and has a hidden_norm; its
+    attn_norm is the input_layernorm applied to the token embedding."""
+    c = cfg.layer
+    H, n, F = c.hidden_size, len(cfg.aux_layer_ids), cfg.feature_size
+    layer_kwargs = dict(hidden=H, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                        head_dim=c.head_dim, intermediate=c.intermediate_size, qk_norm=c.qk_norm)
+    first = layer_weight_specs(**layer_kwargs)
+    for name in ("wq", "wk", "wv"):
+        first[name] = WeightSpec((2 * H,) + first[name].shape[1:], first[name].axes)
+    first["hidden_norm"] = WeightSpec((H,), (None,), "ones")
+    specs: dict[str, Any] = {
+        "fc": WeightSpec((n * F, H), (None, "embed")),
+        "layers": [first] + [layer_weight_specs(**layer_kwargs) for _ in range(c.num_layers - 1)],
+        "norm": WeightSpec((H,), (None,), "ones"),
+        "lm_head": WeightSpec((H, cfg.draft_vocab_size), ("embed", "vocab")),
+        "d2t": WeightSpec((cfg.draft_vocab_size,), (None,), "zeros"),  # int32 offsets
+    }
+    if cfg.norm_before_fc:
+        specs["input_norm"] = WeightSpec((n * F,), (None,), "ones")
+    if cfg.fc_norm:
+        specs["fc_norms"] = [WeightSpec((F,), (None,), "ones") for _ in range(n)]
+    if cfg.own_embedding:
+        specs["embed"] = WeightSpec((c.vocab_size, H), ("vocab", "embed"))
+    return specs
+
+
+def init_eagle3_params(cfg: Eagle3Config, key: jax.Array, scale: float = 1.0) -> Params:
+    params = init_from_specs(eagle3_weight_specs(cfg), key, jnp.dtype(cfg.dtype), scale)
+    params["d2t"] = jnp.zeros((cfg.draft_vocab_size,), jnp.int32)  # identity map onto the target
+    return params
+
+
+def check_compatible(cfg: Eagle3Config, target_cfg: ModelConfig) -> None:
+    """Raise a ValueError naming every way `cfg` cannot draft for `target_cfg`."""
+    problems = []
+    if cfg.layer.vocab_size != target_cfg.vocab_size:
+        problems.append(
+            f"its vocabulary ({cfg.layer.vocab_size} tokens) differs from the target's "
+            f"({target_cfg.vocab_size})"
+        )
+    if cfg.feature_size != target_cfg.hidden_size:
+        problems.append(
+            f"it reads {cfg.feature_size}-wide target hidden states, the target's are "
+            f"{target_cfg.hidden_size} wide"
+        )
+    if not cfg.own_embedding and cfg.hidden_size != target_cfg.hidden_size:
+        problems.append(
+            f"it has no embedding of its own and its width {cfg.hidden_size} differs from the "
+            f"target's {target_cfg.hidden_size}"
+        )
+    bad = [i for i in cfg.aux_layer_ids if not 1 <= i <= target_cfg.num_layers]
+    if bad:
+        problems.append(
+            f"aux layer ids {bad} are outside 1..{target_cfg.num_layers} (the inputs of the "
+            "target's layers 1.. and its last layer's output; id 0, the embedding, is not supported)"
+        )
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target_cfg.num_layers:
+        problems.append(
+            f"it was made for a {cfg.num_target_layers}-layer target, this target has "
+            f"{target_cfg.num_layers} layers"
+        )
+    if problems:
+        raise ValueError(
+            "EAGLE-3 drafter does not fit this target: " + "; ".join(problems)
+            + ". Use the EAGLE-3 checkpoint trained for this target model."
+        )
+
+
+# ----------------------------------------------------------------------------- the network
+def fuse_features(cfg: Eagle3Config, params: Params, captured: jax.Array) -> jax.Array:
+    """Concatenated target hidden states [B, T, n*F] -> fused features [B, T, H]."""
+    x = captured.astype(params["fc"].dtype)
+    eps = cfg.layer.rms_norm_eps
+    if cfg.norm_before_fc:  # one norm over the concatenation (gpt-oss heads)
+        x = rms_norm(x, params["input_norm"], eps)
+    if cfg.fc_norm:  # one norm per target layer
+        chunks = jnp.split(x, len(cfg.aux_layer_ids), axis=-1)
+        x = jnp.concatenate([rms_norm(c, w, eps) for c, w in zip(chunks, params["fc_norms"])], -1)
+    return einsum("btc,ch->bth", x, params["fc"])
+
+
+def eagle3_layers(
+    cfg: Eagle3Config,
+    params: Params,
+    token_embeds: jax.Array,
+    hidden: jax.Array,
+    positions: jax.Array,
+    attend_to: Any,
+) -> tuple[jax.Array, list[Any]]:
+    """The draft layers over pairs: token embeddings and hidden inputs (fused target features, or
+    the previous chain step's output) [B, T, H] at RoPE positions [B, T]. attend_to(i) gives
+    layer i's `decoder_layer` attend_to. -> (output hidden [B, T, H] before the final norm, what
+    each layer's attend_to returned)."""
+    c = cfg.layer
+    inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    first = params["layers"][0]
+    normed_hidden = rms_norm(hidden, first["hidden_norm"], c.rms_norm_eps)
+    attn_input = jnp.concatenate(
+        [rms_norm(token_embeds, first["attn_norm"], c.rms_norm_eps), normed_hidden], axis=-1
+    )
+    residual = normed_hidden if cfg.norm_before_residual else hidden
+    with jax.named_scope("eagle3_layer_0"):
+        x, aux = decoder_layer(first, residual, positions, inv_freq, c.rms_norm_eps, attend_to(0),
+                               attn_input=attn_input)
+    auxes = [aux]
+    for i, lp in enumerate(params["layers"][1:], start=1):
+        with jax.named_scope(f"eagle3_layer_{i}"):
+            x, aux = decoder_layer(lp, x, positions, inv_freq, c.rms_norm_eps, attend_to(i))
+        auxes.append(aux)
+    return x, auxes
+
+
+def eagle3_head(cfg: Eagle3Config, params: Params, out: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Layer output [B, T, H] -> (draft-vocabulary logits [B, T, Vd] f32, the hidden state the
+    next chain step reads: normed with norm_output, else the raw output)."""
+    normed = rms_norm(out, params["norm"], cfg.layer.rms_norm_eps)
+    logits = einsum("bth,hv->btv", normed, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits, normed if cfg.norm_output else out
+
+
+def to_target_vocab(cfg: Eagle3Config, params: Params, draft_logits: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf for target
+    tokens the drafter cannot propose, so they get zero draft probability)."""
+    ids = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) + params["d2t"].astype(jnp.int32)
+    full = jnp.full(draft_logits.shape[:-1] + (cfg.layer.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., ids].set(draft_logits)
+
+
+# ----------------------------------------------------------------------------- the drafter
+@struct.dataclass
+class Eagle3State:
+    """cache: per draft layer k/v [B, Kv, capacity, D] of the real pairs, slot = pair index;
+    `cache.lengths` [B] = pairs in it. pending [B, K+1, n*F]: target features of pairs
+    lengths.. not yet run (their count is the loop's lengths - 1 - cache.lengths)."""
+
+    cache: KVCache
+    pending: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    """The EAGLE-3 drafter (see the module docstring). Hashable: a static argument of the loop.
+
+    k: drafts per verify step (default: the checkpoint's speculative_tokens).
+    sample_drafts: at temperature > 0, sample each chain draft from the warped draft distribution
+    (mapped onto the target vocabulary) and return those probabilities; False keeps argmax drafts.
+    """
+
+    cfg: Eagle3Config
+    k: int | None = None
+    sample_drafts: bool = True
+
+    def __post_init__(self):
+        if self.k is None:
+            object.__setattr__(self, "k", self.cfg.speculative_tokens)
+        if self.k < 1:
+            raise ValueError(f"EAGLE-3 K must be >= 1, got {self.k}.")
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.cfg.capture_layers
+
+    def weight_specs(self) -> dict[str, Any]:
+        return eagle3_weight_specs(self.cfg)
+
+    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
+        check_compatible(self.cfg, target_cfg)
+
+    def _embed(self, params: Params, target: Target, tokens: jax.Array) -> jax.Array:
+        table = params["embed"] if self.cfg.own_embedding else target.params["embed"]
+        return embed({"embed": table}, tokens).astype(params["fc"].dtype)
+
+    def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
+        c = self.cfg.layer
+        batch, prompt_len = prompt_tokens.shape
+        cache = empty_cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, params["fc"].dtype)
+        if prompt_len > 1:  # pairs 0 .. P-2 are complete: (features of token t, token t + 1)
+            pairs = jnp.broadcast_to(jnp.arange(prompt_len - 1, dtype=jnp.int32), (batch, prompt_len - 1))
+            hidden = fuse_features(self.cfg, params, prefill_captured[:, :-1])
+            token_embeds = self._embed(params, target, prompt_tokens[:, 1:])
+            visible = causal_window_mask(pairs, pairs, GLOBAL_WINDOW)
+
+            def write_and_attend(i):
+                def attend_to(k, v):
+                    return [(k, v, visible)], (k, v)
+                return attend_to
+
+            _, kvs = eagle3_layers(self.cfg, params, token_embeds, hidden, pairs + 1, write_and_attend)
+            cache = cache.replace(
+                k=tuple(write_kv(ck, k, pairs) for ck, (k, _) in zip(cache.k, kvs)),
+                v=tuple(write_kv(cv, v, pairs) for cv, (_, v) in zip(cache.v, kvs)),
+            )
+        rows = jnp.arange(batch)
+        # The last prompt token's pair waits for the first sampled token.
+        pending = jnp.zeros((batch, self.k + 1, prefill_captured.shape[-1]), prefill_captured.dtype)
+        pending = pending.at[:, 0].set(prefill_captured[rows, prompt_lengths - 1])
+        return Eagle3State(cache=cache.with_lengths(prompt_lengths - 1), pending=pending)
+
+    def commit(self, params, target: Target, state: Eagle3State, start, num_accepted, verify_captured):
+        # Pairs start .. start + n (their tokens are the accepted drafts and the bonus token) wait
+        # for propose; the cache already holds every pair before `start`.
+        return state.replace(pending=verify_captured.astype(state.pending.dtype))
+
+    def draft_logits(
+        self,
+        params: Params,
+        target: Target,
+        state: Eagle3State,
+        tokens: jax.Array,
+        lengths: jax.Array,
+        choose: Any = None,
+    ) -> tuple[jax.Array, jax.Array, Eagle3State]:
+        """Run the pending pairs, then the chain. -> (target-vocabulary logits [B, K, V] f32,
+        drafts [B, K], new state). choose(step, logits [B, V]) -> draft [B] picks each chain
+        input (default argmax); tests pass the true tokens to compare with teacher forcing."""
+        choose = choose or (lambda step, logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        cfg = self.cfg
+        cache: KVCache = state.cache
+        batch, seq = tokens.shape
+        rows = jnp.arange(batch)
+        done = cache.lengths  # [B] pairs in the cache
+        last_pair = lengths - 2  # [B] the newest complete pair: (features of L-2, token L-1)
+        window = self.k + 1
+        pairs = done[:, None] + jnp.arange(window, dtype=jnp.int32)  # [B, K+1]; > last_pair: padding
+        slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (batch, cache.capacity))
+
+        # 1) The pending pairs: attend to the cached pairs and causally to each other; their keys
+        # are written at their slots (padding writes past the last pair, never visible, later
+        # overwritten).
+        hidden = fuse_features(cfg, params, state.pending)
+        token_embeds = self._embed(params, target, tokens[rows[:, None], jnp.minimum(pairs + 1, seq - 1)])
+        old_visible = (slots < done[:, None])[:, None, :]  # [B, 1, S]
+        own_visible = causal_window_mask(pairs, pairs, GLOBAL_WINDOW)
+
+        def pending_attend(i):
+            def attend_to(k, v):
+                return [(cache.k[i], cache.v[i], old_visible), (k, v, own_visible)], (k, v)
+            return attend_to
+
+        out, kvs = eagle3_layers(cfg, params, token_embeds, hidden, pairs + 1, pending_attend)
+        cache = cache.replace(
+            k=tuple(write_kv(ck, k, pairs) for ck, (k, _) in zip(cache.k, kvs)),
+            v=tuple(write_kv(cv, v, pairs) for cv, (_, v) in zip(cache.v, kvs)),
+        ).with_lengths(last_pair + 1)
+        last = jnp.clip(last_pair - done, 0, window - 1)
+        step_logits, step_hidden = eagle3_head(cfg, params, out[rows, last][:, None])  # [B, 1, .]
+
+        # 2) The chain: each draft becomes the next pair's token, one position further; it sees
+        # every real pair and the chain's own keys.
+        real_visible = (slots <= last_pair[:, None])[:, None, :]
+        chain_k: list[list[jax.Array]] = [[] for _ in params["layers"]]
+        chain_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
+        logits_out, drafts = [], []
+        for step in range(self.k):
+            logits = to_target_vocab(cfg, params, step_logits[:, 0])  # [B, V]
+            draft = choose(step, logits)
+            logits_out.append(logits)
+            drafts.append(draft)
+            if step == self.k - 1:
+                break
+            position = (last_pair + 2 + step)[:, None]  # [B, 1]
+
+            def chain_attend(i):
+                def attend_to(k, v):
+                    chain_k[i].append(k)
+                    chain_v[i].append(v)
+                    own = (jnp.concatenate(chain_k[i], axis=2), jnp.concatenate(chain_v[i], axis=2))
+                    return [(cache.k[i], cache.v[i], real_visible),
+                            (*own, jnp.ones((batch, 1, step + 1), bool))], None
+                return attend_to
+
+            out, _ = eagle3_layers(cfg, params, self._embed(params, target, draft[:, None]),
+                                   step_hidden, position, chain_attend)
+            step_logits, step_hidden = eagle3_head(cfg, params, out)
+        return jnp.stack(logits_out, 1), jnp.stack(drafts, 1), Eagle3State(cache=cache, pending=state.pending)
+
+    def propose(self, params, target: Target, state: Eagle3State, tokens, lengths, key, sampling: SamplingParams):
+        if not self.sample_drafts:
+            logits, drafts, state = self.draft_logits(params, target, state, tokens, lengths)
+            return drafts, None, state
+        keys = jax.random.split(key, self.k)
+        chosen_probs = []
+
+        def choose(step, logits):
+            probs = warp(logits, sampling)  # one-hot argmax under greedy
+            chosen_probs.append(probs)
+            return sample(keys[step], probs)
+
+        _, drafts, state = self.draft_logits(params, target, state, tokens, lengths, choose)
+        return drafts, jnp.stack(chosen_probs, 1), state
