@@ -13,10 +13,12 @@ import pytest
 from spec_jax.checkpoints.dflash import load_dflash
 from spec_jax.decoding import generate
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
+from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.models import ModelConfig, init_params
 from spec_jax.training.data import TokenDataset, iterate_batches
 from spec_jax.training.dflash import DFlashLoss
 from spec_jax.training.draft_model import DraftModelLoss
+from spec_jax.training.eagle3 import Eagle3Loss
 from spec_jax.training.features import compute_features, gather_features
 from spec_jax.training.trainer import Checkpointer, TrainConfig, TrainState, make_optimizer, train
 
@@ -29,6 +31,9 @@ DFLASH = DFlashConfig(
     num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
     block_size=4, target_layer_ids=(1, 2), mask_token_id=100, num_target_layers=4, vocab_size=101,
 )
+# An EAGLE-3 head over the same features (aux ids 2, 3 = captures 1, 2) and all 101 tokens.
+EAGLE3 = Eagle3Config(layer=TARGET.replace(num_layers=1, layer_windows=(), eos_token_ids=()),
+                      draft_vocab_size=101, aux_layer_ids=(2, 3), own_embedding=False)
 STUDENT = ModelConfig(
     vocab_size=101, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
     num_kv_heads=1, head_dim=16, tie_embeddings=True,
@@ -65,11 +70,19 @@ def _tree_equal(a, b) -> bool:
     return all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)))
 
 
-@pytest.mark.parametrize("kind", ["dflash", "draft_model"])
+def _eagle3_float_params(key):
+    params = init_eagle3_params(EAGLE3, key)
+    params.pop("d2t")  # the vocabulary map is the loss's, not a trained weight
+    return params
+
+
+@pytest.mark.parametrize("kind", ["dflash", "draft_model", "eagle3"])
 def test_a_few_steps_reduce_the_loss(setup, kind):
     target_params, data, features, _ = setup
     if kind == "dflash":
         loss, params = DFlashLoss(DFLASH, TARGET, num_anchors=4, kl_weight=0.5), init_dflash_params(DFLASH, jax.random.key(1))
+    elif kind == "eagle3":
+        loss, params = Eagle3Loss(EAGLE3, TARGET, tuple(range(101))), _eagle3_float_params(jax.random.key(1))
     else:
         loss, params = DraftModelLoss(STUDENT, TARGET), init_params(STUDENT, jax.random.key(1))
     result = train(loss, params, target_params, _batches(data, features, CFG), CFG, None, progress=False)
@@ -173,7 +186,27 @@ def test_trained_dflash_exports_loads_and_stays_exact(tmp_path, setup):
     assert spec.stats.tau > before.stats.tau
 
 
-@pytest.mark.parametrize("kind", ["dflash", "draft-model"])
+def test_trained_eagle3_multi_step_stays_exact_and_drafts_better(setup):
+    """Multi-step training: the chain's later drafts (fed the drafter's own features) are
+    accepted more often than an untrained head's, and generation stays AR-identical."""
+    target_params, data, features, prompts = setup
+    loss = Eagle3Loss(EAGLE3, TARGET, tuple(range(101)), ttt_steps=3)
+    p0 = _eagle3_float_params(jax.random.key(1))
+    cfg = dataclasses.replace(CFG, steps=80)
+    result = train(loss, p0, target_params, _batches(data, features, cfg), cfg, None, progress=False)
+    assert result.history[-1]["acc_2"] > result.history[0]["acc_2"]  # the third chain step learned
+    d2t = jnp.zeros((101,), jnp.int32)
+    drafter = Eagle3Drafter(EAGLE3, k=3)
+    ar = generate((TARGET, target_params), prompts[:8], max_new_tokens=24)
+    before = generate((TARGET, target_params), prompts[:8], drafter, {**p0, "d2t": d2t}, max_new_tokens=24)
+    spec = generate((TARGET, target_params), prompts[:8], drafter, {**result.state.params, "d2t": d2t},
+                    max_new_tokens=24)
+    assert spec.generated_ids == ar.generated_ids
+    assert spec.stats.tau > before.stats.tau
+    assert spec.stats.acceptance_histogram[2] + spec.stats.acceptance_histogram[3] > 0  # chains accepted
+
+
+@pytest.mark.parametrize("kind", ["dflash", "draft-model", "eagle3"])
 def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kind):
     from spec_jax.checkpoints import save_hf_dir
     from spec_jax.app.main import main

@@ -1,4 +1,4 @@
-"""`spec-jax train data|text|dflash|draft-model`: resumable; re-run the same command to continue."""
+"""`spec-jax train data|text|dflash|draft-model|eagle3`: resumable; re-run the same command to continue."""
 
 from __future__ import annotations
 
@@ -8,20 +8,20 @@ from typing import Any
 from spec_jax.app import inputs
 from spec_jax.app.common import add_target_args, log
 
-HELP = "build self-distillation (or standard-library text) data; train DFlash or a draft model"
+HELP = "build self-distillation (or standard-library text) data; train DFlash, a draft model or EAGLE-3"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=["data", "text", "dflash", "draft-model"])
+    p.add_argument("kind", choices=["data", "text", "dflash", "draft-model", "eagle3"])
     add_target_args(p)
     p.add_argument("--data", required=True, nargs="+", metavar="NPZ|DIR",
                    help="token dataset: written by `train data|text`, read (several are joined) by the "
                    "others; a path without .npz is a dir of resumable shards (re-run to continue)")
     p.add_argument("--data-sequences", type=int, default=None, metavar="N",
-                   help="dflash/draft-model: train on N sequences drawn (seeded) from --data instead of all "
+                   help="dflash/draft-model/eagle3: train on N sequences drawn (seeded) from --data instead of all "
                    "(bounds host memory for precomputed features; tau against data amount)")
     p.add_argument("--init-from", metavar="DIR", default=None,
-                   help="dflash/draft-model: continue from an exported drafter dir (same shape), e.g. "
+                   help="dflash/draft-model/eagle3: continue from an exported drafter dir (same shape), e.g. "
                    "an earlier run's drafter/ or the shipped one, instead of a fresh init")
     p.add_argument("--shard-prompts", type=int, default=256, help="data: prompts per shard")
     p.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
@@ -38,7 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learning-rate", type=float, default=6e-4)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--block-size", type=int, default=8, help="dflash: block size (K = block - 1)")
-    p.add_argument("--layers", type=int, default=2, help="drafter layers")
+    p.add_argument("--layers", type=int, default=None, help="drafter layers (default: eagle3 1, others 2)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="eagle3: draft vocabulary size (the data's most frequent answer tokens)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="eagle3: training steps per pair fed the drafter's own features")
+    p.add_argument("--k", type=int, default=4, help="eagle3: drafts per verify step (eval and export)")
     p.add_argument("--hidden", type=int, default=256, help="draft-model: width")
     p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
     p.add_argument("--answer-positions", type=int, default=64,
@@ -100,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         log(f"wrote {path}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
         return None
     if not args.out:
-        raise ValueError("train dflash|draft-model needs --out DIR (checkpoints and the exported drafter).")
+        raise ValueError("train dflash|draft-model|eagle3 needs --out DIR (checkpoints and the exported drafter).")
     dataset = data_lib.TokenDataset.concatenate([data_lib.TokenDataset.load(d) for d in args.data])
     if args.data_sequences is not None:
         if not 2 <= args.data_sequences <= len(dataset):
@@ -113,8 +118,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
         save_every=args.save_every, eval_every=args.eval_every,
     )
-    if args.kind == "dflash":
-        dflash_cfg = training.smollm2_dflash_config(target.cfg, args.block_size, args.layers)
+    layers = args.layers or (1 if args.kind == "eagle3" else 2)
+    if args.kind == "eagle3":
+        _, _, result = training.train_eagle3(
+            target, dataset, args.out, cfg, num_layers=layers, draft_vocab_size=args.draft_vocab,
+            ttt_steps=args.ttt_steps, k=args.k, eval_prompts=args.eval_prompts,
+            eval_tokens=args.eval_tokens, features=args.target_features, progress=progress,
+            init_from=args.init_from,
+        )
+    elif args.kind == "dflash":
+        dflash_cfg = training.smollm2_dflash_config(target.cfg, args.block_size, layers)
         _, _, result = training.train_dflash(
             target, dataset, args.out, cfg, dflash_cfg, num_anchors=args.anchors,
             kl_weight=args.kl_weight or 0.0, teacher_labels=args.teacher_labels,
@@ -122,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             features=args.target_features, progress=progress, init_from=args.init_from,
         )
     else:
-        student = training.small_draft_config(target.cfg, args.hidden, args.layers)
+        student = training.small_draft_config(target.cfg, args.hidden, layers)
         _, _, result = training.train_draft_model(
             target, dataset, args.out, cfg, student,
             kl_weight=1.0 if args.kl_weight is None else args.kl_weight,

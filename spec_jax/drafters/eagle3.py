@@ -51,8 +51,10 @@ Params = Any
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default feature layers (speculators, vLLM): low, middle and high."""
-    return (2, num_target_layers // 2, num_target_layers - 3)
+    """EAGLE-3's default feature layers (speculators, vLLM): low, middle and high, (2, L/2, L-3);
+    distinct and within 1..L for targets too shallow for three."""
+    n = num_target_layers
+    return tuple(sorted({min(max(i, 1), n) for i in (2, n // 2, n - 3)}))
 
 
 @dataclasses.dataclass(frozen=True)

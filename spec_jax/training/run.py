@@ -91,6 +91,11 @@ def warm_start_params(kind: str, path: str | Path, expected_cfg: Any) -> Any:
 
         drafter, params = load_dflash(path)
         found = drafter.cfg
+    elif kind == "eagle3":
+        from spec_jax.checkpoints.eagle3 import load_eagle3
+
+        drafter, params = load_eagle3(path)
+        found = drafter.cfg
     else:
         from spec_jax.checkpoints.hf import load_hf_dir
 
@@ -103,7 +108,10 @@ def warm_start_params(kind: str, path: str | Path, expected_cfg: Any) -> Any:
             f"--init-from {path}: that {kind} drafter differs from the one this run trains ({detail}); "
             "pass matching --block-size/--layers/--hidden or drop --init-from."
         )
-    return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params)
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x, np.float32 if np.issubdtype(np.asarray(x).dtype, np.floating) else np.int32),
+        params,
+    )
 
 
 def held_out_tau(
@@ -345,3 +353,85 @@ def train_draft_model(
         "train": dataclasses.asdict(cfg),
     })
     return drafter, result.state.params, result
+
+
+def eagle3_config(
+    target_cfg: ModelConfig, num_layers: int = 1, draft_vocab_size: int | None = None, k: int = 4
+):
+    """An EAGLE-3 head for `target_cfg` as speculators builds one: decoder layers shaped like
+    the target's, the default feature layers (2, L/2, L-3), the target's embedding (none of its
+    own), and a draft vocabulary of `draft_vocab_size` tokens (default: the target's)."""
+    from spec_jax.drafters.eagle3 import Eagle3Config, default_aux_layer_ids
+
+    return Eagle3Config(
+        layer=target_cfg.replace(num_layers=num_layers, layer_windows=(), bos_token_id=None,
+                                 eos_token_ids=(), tie_embeddings=False, dtype="float32"),
+        draft_vocab_size=draft_vocab_size or target_cfg.vocab_size,
+        aux_layer_ids=default_aux_layer_ids(target_cfg.num_layers),
+        own_embedding=False,
+        speculative_tokens=k,
+    )
+
+
+def train_eagle3(
+    target: Any,
+    data: TokenDataset,
+    out_dir: str | Path,
+    cfg: TrainConfig,
+    num_layers: int = 1,
+    draft_vocab_size: int | None = None,
+    ttt_steps: int = 3,
+    k: int = 4,
+    eval_prompts: int = 4,
+    eval_tokens: int = 64,
+    features: str = "auto",
+    progress: bool = True,
+    init_from: str | Path | None = None,
+) -> tuple[Any, Any, TrainResult]:
+    """Train an EAGLE-3 head (multi-step, see `spec_jax.training.eagle3`) and export it in the
+    speculators format to out_dir/drafter. The draft vocabulary is the data's most frequent
+    answer tokens (plus the target's EOS ids); its lm_head rows start from the target's own
+    output embedding of those tokens. init_from: an exported EAGLE-3 head to continue from."""
+    from spec_jax.checkpoints.eagle3 import save_eagle3
+    from spec_jax.drafters.eagle3 import Eagle3Drafter, check_compatible, init_eagle3_params
+    from spec_jax.training.eagle3 import Eagle3Loss, frequent_draft_vocab
+
+    out_dir = Path(out_dir)
+    size = min(draft_vocab_size or target.cfg.vocab_size, target.cfg.vocab_size)
+    eagle_cfg = eagle3_config(target.cfg, num_layers, size, k)
+    check_compatible(eagle_cfg, target.cfg)
+    if init_from is not None:
+        init = warm_start_params("eagle3", init_from, eagle_cfg)
+        draft_ids = np.arange(size) + np.asarray(init.pop("d2t"))
+    else:
+        draft_ids = frequent_draft_vocab(data, size, tuple(target.cfg.eos_token_ids))
+        init = jax.device_get(init_eagle3_params(eagle_cfg, jax.random.key(cfg.seed)))
+        init.pop("d2t")
+        # The target's own output embedding of the draft tokens: [H, V] -> [H, Vd].
+        head = target.params["embed"].T if target.cfg.tie_embeddings else target.params["lm_head"]
+        init["lm_head"] = np.asarray(head, np.float32)[:, draft_ids]
+    data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
+    mode = feature_mode(features, data, eagle_cfg.capture_layers, target.cfg.hidden_size)
+    loss, batches, feature_s = _loss_and_batches(
+        Eagle3Loss(eagle_cfg, target.cfg, tuple(int(i) for i in draft_ids), ttt_steps=ttt_steps),
+        target, data, eagle_cfg.capture_layers, cfg, mode, progress,
+    )
+    d2t = jnp.asarray(draft_ids - np.arange(size), jnp.int32)
+    drafter = Eagle3Drafter(eagle_cfg, k=k)
+    result = train(
+        loss, init, target.params, batches, cfg, out_dir,
+        run_config={"kind": "eagle3", "drafter": dataclasses.asdict(eagle_cfg), "ttt_steps": ttt_steps,
+                    "data_tokens": data.num_tokens, "init_from": str(init_from) if init_from else None},
+        evaluate=lambda params, step: held_out_tau(target, drafter, {**params, "d2t": d2t}, prompts, eval_tokens),
+        progress=progress,
+    )
+    params = {**jax.device_get(result.state.params), "d2t": np.asarray(d2t)}
+    save_eagle3(out_dir / "drafter", eagle_cfg, params, overwrite=True)
+    write_report(out_dir, "EAGLE-3", result, {
+        "kind": "eagle3", "data_sequences": len(data), "data_tokens": data.num_tokens,
+        "draft_vocab_size": size, "ttt_steps": ttt_steps, "k": k,
+        "init_from": str(init_from) if init_from else None, "target_features": mode,
+        "feature_seconds": feature_s, "held_out": eval_source, "eval_tokens": eval_tokens,
+        "backend": jax.default_backend(), "train": dataclasses.asdict(cfg),
+    })
+    return drafter, params, result
