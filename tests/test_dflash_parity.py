@@ -208,3 +208,69 @@ def test_sampled_dflash_runs(targets, tmp_path_factory):
     assert [len(g) for g in out.generated_ids] == [24, 24]
     assert all(0 <= t < VOCAB for g in out.generated_ids for t in g)
     assert out.stats.steps > 0
+
+
+def _load_speculators_dflash(directory, target_model):
+    """speculators' DFlashDraftModel from `directory` (eval, eager attention), with the weights
+    it takes from the verifier at load time (embedding, LM head) copied from `target_model`;
+    its verifier-loading step would read the verifier from the hub, so it is skipped."""
+    from unittest import mock
+
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+    config = DFlashSpeculatorConfig.from_pretrained(str(directory))
+    config.transformer_layer_config._attn_implementation = "eager"
+    with mock.patch.object(DFlashDraftModel, "load_verifier_weights", lambda self: None):
+        model = DFlashDraftModel.from_pretrained(str(directory), config=config)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+        model.lm_head.weight.copy_(target_model.lm_head.weight)
+        model.verifier_lm_head.weight.copy_(target_model.lm_head.weight)
+        model.verifier_norm.weight.copy_(target_model.model.norm.weight)
+    return model.float().eval()
+
+
+def test_speculators_dflash_format_both_directions(targets, tmp_path_factory, tmp_path):
+    """A drafter spec_jax saves in the speculators format (vLLM's) loads in speculators with the
+    same draft logits as spec_jax's, and loads back into spec_jax unchanged."""
+    name = "qwen3-1layer-mha-b4"
+    _, model, target, _, _, drafter, params = fitted_case(name, targets, tmp_path_factory)
+    seqs = targets["qwen3"][3]
+    from spec_jax.checkpoints.dflash import save_dflash
+
+    save_dflash(tmp_path / "speculators", drafter.cfg, jax.device_get(params), layout="speculators")
+    loaded, loaded_params = load_dflash(tmp_path / "speculators")
+    assert loaded.cfg == drafter.cfg
+    for a, b in zip(jax.tree.leaves(loaded_params), jax.tree.leaves(jax.device_get(params))):
+        np.testing.assert_array_equal(a, b)
+
+    reference = _load_speculators_dflash(tmp_path / "speculators", model)
+    b = drafter.cfg.block_size
+    anchors = [9, 27, 40]
+    seq = seqs[1:2]
+    length = seq.shape[1]
+    loss_mask = torch.zeros(1, length, dtype=torch.long)
+    loss_mask[0, anchors] = 1  # exactly these anchors (all of them are drawn, in order)
+    with torch.no_grad():
+        out = model(seq, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i] for i in reference.target_layer_ids], dim=-1)
+        _, logits, _, _, _ = reference._backbone_forward(
+            aux, seq, loss_mask, out.hidden_states[-1], torch.zeros(1, length, dtype=torch.long),
+            max_anchors=len(anchors),
+        )
+    # What speculators itself writes loads into spec_jax with the same weights.
+    reference.save_pretrained(tmp_path / "written_by_speculators")
+    again, again_params = load_dflash(tmp_path / "written_by_speculators")
+    assert again.cfg.target_layer_ids == drafter.cfg.target_layer_ids
+    assert again.cfg.block_size == b and again.cfg.mask_token_id == drafter.cfg.mask_token_id
+    for x, y in zip(jax.tree.leaves(again_params), jax.tree.leaves(jax.device_get(params))):
+        np.testing.assert_allclose(x, y, rtol=0, atol=0)
+    logits = logits[0].reshape(len(anchors), b, -1)[:, 1:].numpy()  # slot i predicts token a + i
+    tokens = jnp.asarray(seq.numpy(), jnp.int32)
+    _, captured, _ = forward(target.params, target.cfg, tokens, jnp.arange(length)[None],
+                             init_cache(target.cfg, 1, length), drafter.capture_layers)
+    for j, anchor in enumerate(anchors):
+        state = drafter.init(params, target, tokens, jnp.array([anchor]), captured, length)
+        ours = drafter.draft_logits(params, target, state, tokens, jnp.array([anchor + 1]))
+        np.testing.assert_allclose(np.asarray(ours[0]), logits[j], atol=1e-4, rtol=1e-4,
+                                   err_msg=f"anchor {anchor}")

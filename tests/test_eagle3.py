@@ -193,6 +193,11 @@ def test_incompatible_checkpoints_are_clear_errors(targets, tmp_path_factory, tm
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="lm_head.weight: config implies \\(64, 64\\)"):
         load_eagle3(bad, target_cfg=target.cfg)
+    # An EAGLE-3 head passed as DFlash (and the reverse) names the kind to use.
+    from spec_jax.checkpoints.dflash import load_dflash
+
+    with pytest.raises(CheckpointError, match="--drafter eagle3=PATH"):
+        load_dflash(path)
     # Not an EAGLE-3 checkpoint at all.
     (bad / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(CheckpointError, match="neither a speculators EAGLE-3 config"):

@@ -1,8 +1,11 @@
-"""DFlash drafter checkpoints in the z-lab HF format (config.json + model.safetensors).
+"""DFlash drafter checkpoints in the z-lab HF format (config.json + model.safetensors), and in
+the `speculators` format vLLM serves (`speculators_model_type: "dflash"`, read and written for
+full-vocabulary, full-attention drafters; its aux layer ids are z-lab's + 1).
 
     drafter, params = load_dflash("path/to/dflash_dir")   # or a hub id
     check_compatible(drafter.cfg, target.cfg)
     save_dflash("out_dir", drafter.cfg, params)           # the reference `dflash` package loads it
+    save_dflash("out_dir", drafter.cfg, params, layout="speculators")  # speculators / vLLM load it
 
 Weight names: `layers.{i}.<decoder-layer weight>` (mapped by the shared table in `hf.py`),
 `fc.weight`, `hidden_norm.weight`, `norm.weight`. Seen variants are accepted on load: a `model.`
@@ -34,6 +37,7 @@ from spec_jax.checkpoints.hf import (
     write_checkpoint_dir,
 )
 from spec_jax.drafters.dflash import (
+    SLIDING_ATTENTION,
     DFlashConfig,
     DFlashDrafter,
     check_compatible,
@@ -74,6 +78,38 @@ def expected_dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _from_speculators_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """A speculators DFlash config.json (what vLLM serves) as the z-lab fields it maps to.
+
+    speculators names the target's features by HF hidden_states index (aux id i = output of
+    layer i - 1), z-lab by layer (id i = output of layer i); its drafter may also carry a
+    reduced draft vocabulary or draft from the anchor slot, which z-lab DFlash does not."""
+    problems = []
+    layer = dict(hf.get("transformer_layer_config") or {})
+    vocab = layer.get("vocab_size")
+    if hf.get("draft_vocab_size") not in (None, vocab):
+        problems.append(f"a reduced draft vocabulary ({hf['draft_vocab_size']} of {vocab} tokens)")
+    if hf.get("sample_from_anchor"):
+        problems.append("sample_from_anchor (drafts from the anchor slot too)")
+    if "sliding_attention" in (layer.get("layer_types") or ()):
+        problems.append("sliding-window layers (speculators windows the context differently from z-lab)")
+    aux = hf.get("aux_hidden_state_layer_ids")
+    if not aux or min(aux) < 1:
+        problems.append(f"aux_hidden_state_layer_ids {aux} (need ids >= 1: the embedding is not a feature)")
+    if problems:
+        raise CheckpointError(
+            f"{source}: speculators DFlash with {'; '.join(problems)} is not supported by spec_jax's "
+            "DFlash; convert a full-vocabulary, full-attention drafter."
+        )
+    return {
+        **layer,
+        "block_size": hf.get("block_size"),
+        "dflash_config": {"mask_token_id": hf.get("mask_token_id"),
+                          "target_layer_ids": [int(i) - 1 for i in aux]},
+        **({"is_causal": False} if hf.get("sliding_window_non_causal") else {}),
+    }
+
+
 def read_dflash_config(directory: Path, dtype: str = "float32") -> DFlashConfig:
     config_file = directory / "config.json"
     if not config_file.exists():
@@ -85,6 +121,14 @@ def read_dflash_config(directory: Path, dtype: str = "float32") -> DFlashConfig:
         hf = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file} is not valid JSON ({e}); fix or re-download it.") from e
+    kind = hf.get("speculators_model_type")
+    if kind is not None and kind != "dflash":
+        raise CheckpointError(
+            f"{config_file} is a speculators {kind!r} checkpoint, not DFlash; pass it as "
+            f"--drafter {kind}=PATH."
+        )
+    if kind == "dflash":
+        hf = _from_speculators_config(hf, str(config_file))
     try:
         return DFlashConfig.from_hf_config(hf, dtype=dtype)
     except KeyError as e:
@@ -122,7 +166,9 @@ def load_dflash(
             available,
             expected_dflash_shapes(cfg),
             f"{directory} (DFlash drafter)",
-            ignore=["rotary_emb.inv_freq"],
+            # speculators also keeps the target's embedding / head and an identity vocab map.
+            ignore=["rotary_emb.inv_freq", "embed_tokens.weight", "lm_head.weight", "d2t", "t2d",
+                    "verifier_lm_head.weight", "verifier_norm.weight"],
         )
 
         def get_tensor(canonical: str) -> np.ndarray:
@@ -144,15 +190,58 @@ def dflash_params_to_hf(cfg: DFlashConfig, params: Mapping[str, Any]) -> dict[st
     return out
 
 
+def speculators_config(cfg: DFlashConfig, verifier: str | None = None) -> dict[str, Any]:
+    """The speculators (vLLM) config.json of a full-vocabulary DFlash drafter."""
+    zlab = cfg.to_hf_config()
+    layer = {k: v for k, v in zlab.items()
+             if k not in ("architectures", "block_size", "dflash_config", "is_causal")}
+    if SLIDING_ATTENTION in cfg.layer_types or cfg.is_causal or cfg.input_embedding_scale is not None \
+            or cfg.output_multiplier is not None or cfg.final_logit_softcapping is not None:
+        raise ValueError(
+            "this DFlash drafter uses z-lab options the speculators format cannot express (sliding "
+            "layers, is_causal, input_embedding_scale, output_multiplier or final_logit_softcapping); "
+            "save it in the z-lab format."
+        )
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": cfg.is_causal is False,
+        "sample_from_anchor": False,
+        "target_hidden_size": None,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
+            "verifier": {"name_or_path": verifier, "architectures": []},
+        },
+        "dtype": cfg.dtype,
+    }
+
+
 def save_dflash(
-    path: str | os.PathLike, cfg: DFlashConfig, params: Mapping[str, Any], overwrite: bool = False
+    path: str | os.PathLike,
+    cfg: DFlashConfig,
+    params: Mapping[str, Any],
+    overwrite: bool = False,
+    layout: str = "z-lab",
 ) -> Path:
-    """Write config.json + model.safetensors in the z-lab format.
+    """Write config.json + model.safetensors in the z-lab format (default) or the speculators
+    format vLLM serves (`layout="speculators"`; full vocabulary, full-attention layers).
 
     Written to a temporary sibling dir and renamed into place, so `path` never holds half a
     checkpoint; an existing non-empty `path` is replaced only with overwrite=True.
     """
+    if layout not in ("z-lab", "speculators"):
+        raise ValueError(f"unknown DFlash layout {layout!r}; use 'z-lab' or 'speculators'.")
+    if layout == "speculators" and cfg.vocab_size is None:
+        raise ValueError("the speculators format needs the drafter's vocab_size; set it in its config.")
     path = Path(path).expanduser().absolute()
     refuse_to_clobber(path, overwrite)
+    config = cfg.to_hf_config() if layout == "z-lab" else speculators_config(cfg)
     tensors = dflash_params_to_hf(cfg, params)  # checks params against cfg before writing
-    return write_checkpoint_dir(path, cfg.to_hf_config(), tensors)
+    return write_checkpoint_dir(path, config, tensors)
