@@ -182,6 +182,21 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
     shipped = run_json(capsys, args + ["--drafter", "dflash"])
     assert shipped["drafter"].startswith("dflash") and shipped["k"] == 7
     assert shipped["results"][0]["generated_ids"] == row["generated_ids"]
+    eagle = run_json(capsys, args + ["--drafter", "eagle3"])  # the shipped EAGLE-3 head
+    assert eagle["drafter"].startswith("eagle3") and eagle["k"] == 4
+    assert eagle["results"][0]["generated_ids"] == row["generated_ids"]
+
+
+def test_default_drafter_is_per_batch_size():
+    """On CPU several prompts decode without a drafter (every drafter lost at batch 8), one
+    prompt with n-gram; a named target never gets a default drafter."""
+    from spec_jax.app.inputs import default_drafter_spec
+
+    one, several = default_drafter_spec(None, None, batch=1), default_drafter_spec(None, 4, batch=8)
+    if jax.default_backend() == "cpu":
+        assert one.kind == "ngram" and "1.57x" in one.reason
+        assert several.kind == "none" and "batch 8" in several.reason and several.k is None
+    assert default_drafter_spec("some/model", None, batch=1).kind == "none"
 
 
 def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):

@@ -115,19 +115,22 @@ def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
         "--drafter",
         default=None,
         metavar="KIND[=PATH]",
-        help="none | ngram | self | draft-model[=PATH] | dflash[=PATH] | eagle3=PATH (one word; a checkpoint "
+        help="none | ngram | self | draft-model[=PATH] | dflash[=PATH] | eagle3[=PATH] (one word; a checkpoint "
         f"follows '='). {default_help}",
     )
     p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
 
 
-def drafter_spec_from_args(args: argparse.Namespace, prompts: Sequence[str] = ()) -> DrafterSpec:
-    """`--drafter KIND` or `--drafter KIND=PATH`; without --drafter, `default_drafter_spec`.
+def drafter_spec_from_args(
+    args: argparse.Namespace, prompts: Sequence[str] = (), batch: int = 1
+) -> DrafterSpec:
+    """`--drafter KIND` or `--drafter KIND=PATH`; without --drafter, `default_drafter_spec` for
+    `batch` prompts decoded together.
 
     The old two-word form `--drafter dflash PATH` cannot be told apart from a prompt, so it is
     refused (naming the one-word form) when the word after it is an existing path."""
     if args.drafter is None:
-        return default_drafter_spec(args.target, args.k)
+        return default_drafter_spec(args.target, args.k, batch=batch)
     spec = parse_drafter_spec(args.drafter, args.k)
     if spec.kind in DRAFTER_KINDS_WITH_PATH and spec.path is None and prompts:
         if os.path.exists(prompts[0]):

@@ -42,10 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from spec_jax.decoding.generate import generate
 
-    spec = drafter_spec_from_args(args, args.prompts)
     prompts = collect_prompts(args, args.prompts)
     if not prompts:
         raise inputs.UsageError("no prompt given: pass PROMPT text, --prompt-file or --prompt-ids.")
+    spec = drafter_spec_from_args(args, args.prompts, batch=len(prompts))
     sampling = sampling_kwargs(args)
 
     t0 = time.perf_counter()

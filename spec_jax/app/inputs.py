@@ -206,7 +206,9 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
 
 # Drafters trained by spec_jax for the embedded default model, shipped inside the package
 # (how they were made: spec_jax/assets/README.md).
-SHIPPED_DRAFTERS = {"dflash": "smollm2_dflash", "draft-model": "smollm2_draft_model"}
+SHIPPED_DRAFTERS = {
+    "dflash": "smollm2_dflash", "draft-model": "smollm2_draft_model", "eagle3": "smollm2_eagle3",
+}
 
 
 def is_default_target(target: LoadedModel) -> bool:
@@ -226,35 +228,40 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
     return path
 
 
-# The drafter `spec-jax generate` uses for the default model when none is named, per backend: the
-# fastest in the recorded measurements (benchmarks/RESULTS.md, "Drafters on the default model").
-# Only the CPU has been measured; another backend gets n-gram, the one drafter that was never
-# slower than plain decoding in any measurement.
+# The drafter `spec-jax generate` uses for the default model when none is named, per backend and
+# batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, "Drafters on the default
+# model", 2026-11-23: HumanEval[:20], 128 tokens, greedy). Each entry: (batch 1, batch > 1), each
+# (kind, why). Only the CPU has been measured; another backend gets n-gram at batch 1, the one
+# drafter that never lost to plain decoding at batch 1 where measured, and plain decoding above.
 MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
-        "ngram",
-        "measured fastest for the default model on CPU (benchmarks/RESULTS.md: n-gram 1.36x plain "
-        "decoding at batch 1 and 1.00x at batch 8; the shipped DFlash 0.67x / 0.47x, the shipped "
-        "draft model 0.70x / 0.55x)",
+        ("ngram",
+         "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md: n-gram "
+         "1.57x plain decoding; the shipped EAGLE-3 1.05x, DFlash 0.93x, draft model 0.84x)"),
+        ("none",
+         "several prompts: on CPU at batch 8 every drafter was slower than plain decoding "
+         "(benchmarks/RESULTS.md: n-gram 0.93x, draft model 0.61x, EAGLE-3 0.55x, DFlash 0.50x)"),
     ),
 }
 UNMEASURED_DEFAULT_DRAFTER = (
-    "ngram",
-    "no drafter measured for the default model on this backend; n-gram never lost to plain "
-    "decoding where measured",
+    ("ngram", "no drafter measured for the default model on this backend; n-gram never lost to "
+              "plain decoding at batch 1 where measured"),
+    ("none", "several prompts and no drafter measured on this backend: drafters lost to plain "
+             "decoding at batch 8 where measured"),
 )
 
 
-def default_drafter_spec(target_arg: str | None, k: int | None) -> DrafterSpec:
+def default_drafter_spec(target_arg: str | None, k: int | None, batch: int = 1) -> DrafterSpec:
     """`generate` without --drafter: for the default model, the drafter measured fastest on the
-    running backend (with the reason in `DrafterSpec.reason`); plain decoding for other targets,
-    for which spec_jax ships no drafter."""
+    running backend at this batch size (with the reason in `DrafterSpec.reason`); plain decoding
+    for other targets, for which spec_jax ships no drafter."""
     if target_arg is not None:
         return DrafterSpec("none", None, k, reason="no drafter named and none shipped for this target")
     import jax
 
-    kind, why = MEASURED_DEFAULT_DRAFTER.get(jax.default_backend(), UNMEASURED_DEFAULT_DRAFTER)
-    return DrafterSpec(kind, None, k, reason=f"default for the default model: {why}")
+    single, batched = MEASURED_DEFAULT_DRAFTER.get(jax.default_backend(), UNMEASURED_DEFAULT_DRAFTER)
+    kind, why = single if batch <= 1 else batched
+    return DrafterSpec(kind, None, k if kind != "none" else None, reason=f"default for the default model: {why}")
 
 
 def drafter_k(drafter: Any) -> int:

@@ -7,6 +7,7 @@ z-lab format (`spec_jax.checkpoints.dflash.save_dflash`), a draft model as an HF
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -420,8 +421,10 @@ def train_eagle3(
     drafter = Eagle3Drafter(eagle_cfg, k=k)
     result = train(
         loss, init, target.params, batches, cfg, out_dir,
+        # The draft vocabulary comes from the data: a resume over other data must not reuse it.
         run_config={"kind": "eagle3", "drafter": dataclasses.asdict(eagle_cfg), "ttt_steps": ttt_steps,
-                    "data_tokens": data.num_tokens, "init_from": str(init_from) if init_from else None},
+                    "data_tokens": data.num_tokens, "init_from": str(init_from) if init_from else None,
+                    "draft_vocab_sha256": hashlib.sha256(np.asarray(draft_ids, np.int64).tobytes()).hexdigest()},
         evaluate=lambda params, step: held_out_tau(target, drafter, {**params, "d2t": d2t}, prompts, eval_tokens),
         progress=progress,
     )
