@@ -167,6 +167,8 @@ def test_checkpoints_both_directions_and_layouts(targets, tmp_path_factory, tmp_
     save_original_eagle3_layout(reference, tmp_path / "original", model.config)
     drafter2, params2 = load_eagle3(tmp_path / "original", k=K, target_cfg=target.cfg)
     assert drafter2.cfg.layer == drafter.cfg.layer and drafter2.cfg.draft_vocab_size == DRAFT_VOCAB
+    # That layout names no feature layers: EAGLE-3's default (2, L/2, L-3) for the 6-layer target.
+    assert drafter2.cfg.aux_layer_ids == (2, 3, 3)
     for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(host)):
         np.testing.assert_array_equal(a, b)
     save_eagle3(tmp_path / "ours_original", drafter.cfg, host, layout="eagle3")

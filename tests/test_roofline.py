@@ -4,6 +4,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from spec_jax.app import roofline
@@ -71,7 +72,9 @@ def test_roofline_report_is_consistent(tmp_path):
         assert row["ms"] > 0
         assert row["ms_per_token"] == pytest.approx(row["ms"] / row["tokens"])
         assert row["relative"] == pytest.approx(row["ms"] / first["ms"])
-    assert report["ar_loop_step_ms"] > 0
+    # The loop step is a difference of two timings (prefill + 4 steps minus prefill + 1 step):
+    # for this tiny model it is within timing noise, so only its consistency is checked.
+    assert np.isfinite(report["ar_loop_step_ms"])
     assert report["ar_step_over_floor"] == pytest.approx(report["ar_loop_step_ms"] / report["floor_ms"])
     paths = roofline.write_roofline(report, tmp_path)
     assert json.loads(paths[0].read_text())["verify"] == report["verify"]

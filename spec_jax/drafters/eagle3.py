@@ -50,11 +50,13 @@ from spec_jax.sampling import SamplingParams, sample, warp
 Params = Any
 
 
-def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default feature layers (speculators, vLLM): low, middle and high, (2, L/2, L-3);
-    distinct and within 1..L for targets too shallow for three."""
+def default_aux_layer_ids(num_target_layers: int, distinct: bool = False) -> tuple[int, ...]:
+    """EAGLE-3's default feature layers (vLLM, speculators): low, middle and high, (2, L/2, L-3),
+    within 1..L. Heads published without their ids were trained with exactly these (repeats
+    included for shallow targets); `distinct` drops repeats, for new heads."""
     n = num_target_layers
-    return tuple(sorted({min(max(i, 1), n) for i in (2, n // 2, n - 3)}))
+    ids = tuple(min(max(i, 1), n) for i in (2, n // 2, n - 3))
+    return tuple(sorted(set(ids))) if distinct else ids
 
 
 @dataclasses.dataclass(frozen=True)

@@ -368,7 +368,7 @@ def eagle3_config(
         layer=target_cfg.replace(num_layers=num_layers, layer_windows=(), bos_token_id=None,
                                  eos_token_ids=(), tie_embeddings=False, dtype="float32"),
         draft_vocab_size=draft_vocab_size or target_cfg.vocab_size,
-        aux_layer_ids=default_aux_layer_ids(target_cfg.num_layers),
+        aux_layer_ids=default_aux_layer_ids(target_cfg.num_layers, distinct=True),
         own_embedding=False,
         speculative_tokens=k,
     )
