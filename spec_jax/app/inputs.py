@@ -237,10 +237,10 @@ MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
         ("ngram",
          "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md: n-gram "
-         "1.57x plain decoding; the shipped EAGLE-3 1.05x, DFlash 0.93x, draft model 0.84x)"),
+         "1.57x plain decoding; the shipped EAGLE-3 1.04x, DFlash 0.93x, draft model 0.84x)"),
         ("none",
          "several prompts: on CPU at batch 8 every drafter was slower than plain decoding "
-         "(benchmarks/RESULTS.md: n-gram 0.93x, draft model 0.61x, EAGLE-3 0.55x, DFlash 0.50x)"),
+         "(benchmarks/RESULTS.md: n-gram 0.93x, draft model 0.61x, EAGLE-3 0.54x, DFlash 0.50x)"),
     ),
 }
 UNMEASURED_DEFAULT_DRAFTER = (
