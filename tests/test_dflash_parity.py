@@ -21,14 +21,12 @@ from dflash_testlib import (
     VOCAB,
     context_features,
     fit_drafter,
-    greedy_sequences,
     make_reference_drafter,
-    make_target,
     spec_jax_greedy_steps,
+    tiny_targets,
 )
 from spec_jax.checkpoints.dflash import load_dflash
 from spec_jax.decoding.generate import generate
-from spec_jax.drafters.base import Target
 from spec_jax.models.decoder import forward, init_cache
 
 PROMPT_LENGTHS = (5, 7, 10, 12, 9, 6, 11, 8)
@@ -69,14 +67,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     """kind -> (torch model, spec_jax Target, prompts, fitting sequences)."""
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, MASK_ID, n).tolist() for n in PROMPT_LENGTHS]
-    out = {}
-    for kind in ("qwen3", "llama"):
-        model, cfg, params = make_target(kind, tmp_path_factory.mktemp(kind))
-        target = Target(jax.tree.map(jnp.asarray, params), cfg)
-        out[kind] = (model, target, prompts, greedy_sequences(model, prompts, SEQ_LENGTH))
-    return out
+    return tiny_targets(tmp_path_factory, PROMPT_LENGTHS, SEQ_LENGTH)
 
 
 _FITTED: dict[str, tuple] = {}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_testlib import VOCAB, greedy_sequences, make_target, spec_jax_greedy_steps
+from dflash_testlib import VOCAB, spec_jax_greedy_steps, tiny_targets
 from eagle3_testlib import (
     draft_to_target_ids,
     load_reference_eagle3,
@@ -29,7 +29,6 @@ from eagle3_testlib import (
 from spec_jax.checkpoints import CheckpointError
 from spec_jax.checkpoints.eagle3 import load_eagle3, save_eagle3
 from spec_jax.decoding.generate import generate
-from spec_jax.drafters.base import Target
 from spec_jax.models.decoder import forward, init_cache
 
 AUX = (2, 3, 5)
@@ -50,14 +49,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     """kind -> (torch model, spec_jax Target, prompts, greedy sequences)."""
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB - 1, n).tolist() for n in PROMPT_LENGTHS]
-    out = {}
-    for kind in ("llama", "qwen3"):
-        model, cfg, params = make_target(kind, tmp_path_factory.mktemp(kind))
-        target = Target(jax.tree.map(jnp.asarray, params), cfg)
-        out[kind] = (model, target, prompts, greedy_sequences(model, prompts, SEQ_LENGTH))
-    return out
+    return tiny_targets(tmp_path_factory, PROMPT_LENGTHS, SEQ_LENGTH)
 
 
 _CASES: dict[str, tuple] = {}

@@ -152,15 +152,7 @@ def load_dflash(
     cfg = read_dflash_config(directory, dtype)
     np_dtype = jnp.dtype(dtype)
     with SafetensorsFiles(directory) as files:
-        original_of: dict[str, str] = {}
-        for name in files.shapes:
-            canonical = canonical_weight_name(name)
-            if canonical in original_of:
-                raise CheckpointError(
-                    f"DFlash checkpoint {directory} holds both {original_of[canonical]!r} and "
-                    f"{name!r}, two spellings of the weight {canonical!r}; keep one."
-                )
-            original_of[canonical] = name
+        original_of = files.canonical_names(canonical_weight_name, f"DFlash checkpoint {directory}")
         available = {c: files.shapes[n] for c, n in original_of.items()}
         check_hf_tensors(
             available,

@@ -184,15 +184,7 @@ def load_eagle3(
             f"(architectures {list(_ORIGINAL_ARCHITECTURES)}); pass an EAGLE-3 checkpoint."
         )
     with SafetensorsFiles(directory) as files:
-        original_of: dict[str, str] = {}
-        for name in files.shapes:
-            canonical = _canonical(name)
-            if canonical in original_of:
-                raise CheckpointError(
-                    f"{source} holds both {original_of[canonical]!r} and {name!r}, two spellings of "
-                    f"{canonical!r}; keep one."
-                )
-            original_of[canonical] = name
+        original_of = files.canonical_names(_canonical, source)
         available = {c: files.shapes[n] for c, n in original_of.items()}
         cfg = config_from_hf(hf, dtype=dtype, own_embedding="embed_tokens.weight" in available,
                              target_cfg=target_cfg, source=source)

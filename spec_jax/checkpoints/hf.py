@@ -310,6 +310,20 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
                 self.shapes[key] = tuple(handle.get_slice(key).get_shape())
                 self._file_of[key] = name
 
+    def canonical_names(self, canonical: Callable[[str], str], source: str) -> dict[str, str]:
+        """{canonical name: name in the file} for checkpoints that spell weights several ways;
+        two spellings of one weight are a CheckpointError."""
+        original_of: dict[str, str] = {}
+        for name in self.shapes:
+            key = canonical(name)
+            if key in original_of:
+                raise CheckpointError(
+                    f"{source} holds both {original_of[key]!r} and {name!r}, two spellings of the "
+                    f"weight {key!r}; keep one."
+                )
+            original_of[key] = name
+        return original_of
+
     def get_tensor(self, name: str, dtype: Any = None) -> np.ndarray:
         from safetensors import SafetensorError
 
