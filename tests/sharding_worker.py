@@ -7,7 +7,7 @@ JSON object (the last stdout line) that the test asserts on.
 usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@MESH
   MODEL: divisible (8 heads, 4 KV heads) | nondivisible (9 heads, 3 KV heads, like SmolLM2)
          | default (the real SmolLM2-135M-Instruct)
-  DRAFTER: ar | ngram | draft_model | dflash | eagle3 | table (a test-only drafter);  MESH: DxM (data x model), e.g. 2x4
+  DRAFTER: ar | ngram | draft_model | dflash | dflash_vocab | eagle3 | table (a test-only drafter);  MESH: DxM (data x model), e.g. 2x4
 """
 
 from __future__ import annotations
@@ -95,16 +95,20 @@ def make_drafter(name: str, cfg: ModelConfig, baseline=None):
     if name == "draft_model":
         draft_cfg = cfg.replace(num_layers=1, layer_windows=())
         return DraftModelDrafter(cfg=draft_cfg, k=K), init_params(draft_cfg, jax.random.key(7))
-    if name == "dflash":
+    if name in ("dflash", "dflash_vocab"):
         from spec_jax.drafters import dflash  # only asked for when the DFlash drafter exists
 
+        reduced = name == "dflash_vocab"  # its own head over the last V - 28 target tokens
         dflash_cfg = dflash.DFlashConfig(
             num_layers=1, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=128,
             block_size=K + 1, target_layer_ids=(0, 1), mask_token_id=cfg.vocab_size - 1,
             num_target_layers=cfg.num_layers, vocab_size=cfg.vocab_size,
+            draft_vocab_size=cfg.vocab_size - 28 if reduced else None,
         )
         params = dflash.init_dflash_params(dflash_cfg, jax.random.key(7))
+        if reduced:
+            params["d2t"] = params["d2t"] + 28
         return dflash.DFlashDrafter(cfg=dflash_cfg, k=K), params
     if name == "eagle3":
         from spec_jax.drafters import eagle3

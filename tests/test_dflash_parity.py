@@ -203,8 +203,9 @@ def test_sampled_dflash_runs(targets, tmp_path_factory):
 
 def _load_speculators_dflash(directory, target_model):
     """speculators' DFlashDraftModel from `directory` (eval, eager attention), with the weights
-    it takes from the verifier at load time (embedding, LM head) copied from `target_model`;
-    its verifier-loading step would read the verifier from the hub, so it is skipped."""
+    it takes from the verifier at load time (embedding, LM head unless the drafter has its own
+    reduced-vocabulary head) copied from `target_model`; its verifier-loading step would read
+    the verifier from the hub, so it is skipped."""
     from unittest import mock
 
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
@@ -215,27 +216,26 @@ def _load_speculators_dflash(directory, target_model):
         model = DFlashDraftModel.from_pretrained(str(directory), config=config)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        model.lm_head.weight.copy_(target_model.lm_head.weight)
-        model.verifier_lm_head.weight.copy_(target_model.lm_head.weight)
+        if not model.use_draft_vocab:
+            model.lm_head.weight.copy_(target_model.lm_head.weight)
+        verifier_head = target_model.lm_head.weight
+        # speculators restricts the verifier's head to the draft vocabulary for its training targets.
+        model.verifier_lm_head.weight.copy_(verifier_head[model.t2d] if model.use_draft_vocab else verifier_head)
         model.verifier_norm.weight.copy_(target_model.model.norm.weight)
     return model.float().eval()
 
 
-def test_speculators_dflash_format_both_directions(targets, tmp_path_factory, tmp_path):
-    """A drafter spec_jax saves in the speculators format (vLLM's) loads in speculators with the
-    same draft logits as spec_jax's, and loads back into spec_jax unchanged."""
-    name = "qwen3-1layer-mha-b4"
-    _, model, target, _, _, drafter, params = fitted_case(name, targets, tmp_path_factory)
-    seqs = targets["qwen3"][3]
-    from spec_jax.checkpoints.dflash import save_dflash
-
-    save_dflash(tmp_path / "speculators", drafter.cfg, jax.device_get(params), layout="speculators")
-    loaded, loaded_params = load_dflash(tmp_path / "speculators")
+def _check_speculators_round_trip(directory, model, target, drafter, params, seqs, tmp_path):
+    """`directory` (saved by spec_jax in the speculators format) loads back unchanged, loads in
+    speculators with the same draft logits at three anchors (on the draft vocabulary; -inf
+    elsewhere when it is reduced), and what speculators writes loads into spec_jax unchanged."""
+    loaded, loaded_params = load_dflash(directory)
     assert loaded.cfg == drafter.cfg
-    for a, b in zip(jax.tree.leaves(loaded_params), jax.tree.leaves(jax.device_get(params))):
+    host = jax.device_get(params)
+    for a, b in zip(jax.tree.leaves(loaded_params), jax.tree.leaves(host)):
         np.testing.assert_array_equal(a, b)
 
-    reference = _load_speculators_dflash(tmp_path / "speculators", model)
+    reference = _load_speculators_dflash(directory, model)
     b = drafter.cfg.block_size
     anchors = [9, 27, 40]
     seq = seqs[1:2]
@@ -254,14 +254,66 @@ def test_speculators_dflash_format_both_directions(targets, tmp_path_factory, tm
     again, again_params = load_dflash(tmp_path / "written_by_speculators")
     assert again.cfg.target_layer_ids == drafter.cfg.target_layer_ids
     assert again.cfg.block_size == b and again.cfg.mask_token_id == drafter.cfg.mask_token_id
-    for x, y in zip(jax.tree.leaves(again_params), jax.tree.leaves(jax.device_get(params))):
+    assert again.cfg.draft_vocab_size == drafter.cfg.draft_vocab_size
+    for x, y in zip(jax.tree.leaves(again_params), jax.tree.leaves(host)):
         np.testing.assert_allclose(x, y, rtol=0, atol=0)
     logits = logits[0].reshape(len(anchors), b, -1)[:, 1:].numpy()  # slot i predicts token a + i
+    vocab = target.cfg.vocab_size
+    draft_ids = np.arange(logits.shape[-1]) + np.asarray(host.get("d2t", np.zeros(vocab, np.int32)))
+    outside = np.setdiff1d(np.arange(vocab), draft_ids)
     tokens = jnp.asarray(seq.numpy(), jnp.int32)
     _, captured, _ = forward(target.params, target.cfg, tokens, jnp.arange(length)[None],
                              init_cache(target.cfg, 1, length), drafter.capture_layers)
     for j, anchor in enumerate(anchors):
         state = drafter.init(params, target, tokens, jnp.array([anchor]), captured, length)
-        ours = drafter.draft_logits(params, target, state, tokens, jnp.array([anchor + 1]))
-        np.testing.assert_allclose(np.asarray(ours[0]), logits[j], atol=1e-4, rtol=1e-4,
+        ours = np.asarray(drafter.draft_logits(params, target, state, tokens, jnp.array([anchor + 1]))[0])
+        np.testing.assert_allclose(ours[:, draft_ids], logits[j], atol=1e-4, rtol=1e-4,
                                    err_msg=f"anchor {anchor}")
+        assert np.all(np.isneginf(ours[:, outside])), "tokens outside the draft vocabulary must get -inf"
+
+
+def test_speculators_dflash_format_both_directions(targets, tmp_path_factory, tmp_path):
+    """A drafter spec_jax saves in the speculators format (vLLM's) loads in speculators with the
+    same draft logits as spec_jax's, and loads back into spec_jax unchanged."""
+    _, model, target, _, _, drafter, params = fitted_case("qwen3-1layer-mha-b4", targets, tmp_path_factory)
+    from spec_jax.checkpoints.dflash import save_dflash
+
+    save_dflash(tmp_path / "speculators", drafter.cfg, jax.device_get(params), layout="speculators")
+    _check_speculators_round_trip(tmp_path / "speculators", model, target, drafter, params,
+                                  targets["qwen3"][3], tmp_path)
+
+
+def test_speculators_dflash_reduced_draft_vocab(targets, tmp_path_factory, tmp_path):
+    """speculators' reduced draft vocabulary (the drafter's own lm_head over 40 of the 128
+    tokens, d2t/t2d maps): logits match speculators' on the draft ids (-inf elsewhere), the
+    checkpoint loads both ways, the z-lab format refuses it, and greedy decoding with it is
+    token-identical to AR at batch 1 and 8."""
+    import dataclasses
+
+    from eagle3_testlib import _draft_vocab
+    from spec_jax.checkpoints.dflash import save_dflash
+    from spec_jax.drafters.dflash import DFlashDrafter
+    from spec_jax.drafters.draft_vocab import head_rows
+
+    _, model, target, prompts, _, drafter, params = fitted_case("qwen3-1layer-mha-b4", targets, tmp_path_factory)
+    d2t, _ = _draft_vocab(40, seed=5)
+    draft_ids = np.arange(40) + d2t.numpy()
+    cfg = dataclasses.replace(drafter.cfg, draft_vocab_size=40)
+    noise = np.random.default_rng(0).normal(0, 0.05, (cfg.hidden_size, 40)).astype(np.float32)
+    reduced = DFlashDrafter(cfg)
+    reduced_params = {**jax.device_get(params), "d2t": d2t.numpy().astype(np.int32),
+                      "lm_head": head_rows(target.params, target.cfg, draft_ids) + noise}
+    with pytest.raises(ValueError, match="layout='speculators'"):
+        save_dflash(tmp_path / "zlab", cfg, reduced_params)
+    save_dflash(tmp_path / "speculators", cfg, reduced_params, layout="speculators")
+    reduced_params = jax.tree.map(jnp.asarray, reduced_params)
+    _check_speculators_round_trip(tmp_path / "speculators", model, target, reduced, reduced_params,
+                                  targets["qwen3"][3], tmp_path)
+    loaded = (target.cfg, target.params)
+    accepted = 0
+    for batch_prompts in (prompts[2:3], prompts):
+        ar = generate(loaded, batch_prompts, None, max_new_tokens=32, ignore_eos=True)
+        spec = generate(loaded, batch_prompts, reduced, reduced_params, max_new_tokens=32, ignore_eos=True)
+        assert spec.generated_ids == ar.generated_ids
+        accepted += spec.stats.accepted
+    assert accepted > 0

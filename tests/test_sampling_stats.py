@@ -9,6 +9,8 @@ probability 0 must get no samples at all (checked exactly, not statistically).
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 
 import jax
@@ -192,7 +194,7 @@ def exact_joint(logits, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING[:3])
-@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "dflash", "eagle3"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "dflash", "dflash_draft_vocab", "eagle3"])
 def test_generate_reproduces_target_joint_distribution(e2e, drafter_kind, temperature, top_k, top_p):
     """The first 3 generated tokens (prefill token + one or two verify steps with K = 2), over
     5 seeds x 2048 identical rows, against the exact warped joint from full forward passes."""
@@ -202,6 +204,11 @@ def test_generate_reproduces_target_joint_distribution(e2e, drafter_kind, temper
     elif drafter_kind == "dflash":  # sampled block drafts with their full distributions
         drafter = DFlashDrafter(E2E_DFLASH_CFG)
         dparams = init_dflash_params(E2E_DFLASH_CFG, jax.random.key(12), scale=1.5)
+    elif drafter_kind == "dflash_draft_vocab":  # its own head over 6 of the 8 tokens
+        cfg = dataclasses.replace(E2E_DFLASH_CFG, draft_vocab_size=6)
+        drafter = DFlashDrafter(cfg)
+        dparams = init_dflash_params(cfg, jax.random.key(14), scale=1.5)
+        dparams["d2t"] = jnp.asarray(E2E_EAGLE3_TARGET_IDS - np.arange(6), jnp.int32)
     elif drafter_kind == "eagle3":  # sampled chain drafts over a reduced vocabulary
         drafter = Eagle3Drafter(E2E_EAGLE3_CFG)
         dparams = init_eagle3_params(E2E_EAGLE3_CFG, jax.random.key(13), scale=1.5)

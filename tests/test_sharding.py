@@ -163,13 +163,13 @@ def test_distributed_single_process(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- sharded generate
-DRAFTERS = ["ar", "ngram", "draft_model", "dflash", "eagle3", "table"]
+DRAFTERS = ["ar", "ngram", "draft_model", "dflash", "dflash_vocab", "eagle3", "table"]
 MESHES = ["2x4", "4x2", "1x8"]
 
 
 # Default: each model meets every mesh and, between the two models, every drafter.
 DEFAULT_CASES = {
-    "divisible": ["ar@1x8", "ngram@4x2", "dflash@2x4", "table@2x4", "eagle3@4x2"],
+    "divisible": ["ar@1x8", "ngram@4x2", "dflash_vocab@2x4", "table@2x4", "eagle3@4x2"],
     "nondivisible": ["draft_model@2x4", "ngram@1x8", "dflash@4x2", "eagle3@2x4"],
 }
 
@@ -218,7 +218,7 @@ def test_sharded_generate_matches_unsharded(worker_results, model):
         assert case["cache_within_rule"], (name, case["cache_per_device"], case["cache_types_in_hlo"])
         # Drafter weights follow their own WeightSpec trees (same head counts as the target).
         drafter_name, mesh_name = name.split("@")
-        if drafter_name in ("draft_model", "dflash", "eagle3"):
+        if drafter_name in ("draft_model", "dflash", "dflash_vocab", "eagle3"):
             assert case["drafter_wq_spec"] == EXPECTED_SHARDS[(model, mesh_name)][0], name
         if drafter_name == "table":
             # A drafter the library has never heard of: its own weight_specs() split its
@@ -232,6 +232,7 @@ def test_sharded_generate_matches_unsharded(worker_results, model):
 def test_sharded_dflash_is_covered(worker_results):
     names = [n for r in worker_results.values() for n in r["cases"]]
     assert any(n.startswith("dflash@") for n in names)
+    assert any(n.startswith("dflash_vocab@") for n in names)  # a reduced draft vocabulary too
     assert any(n.startswith("eagle3@") for n in names)
     assert any(n.startswith("table@") for n in names)
 

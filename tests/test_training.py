@@ -13,9 +13,10 @@ import pytest
 from spec_jax.checkpoints.dflash import load_dflash
 from spec_jax.decoding import generate
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
+from spec_jax.drafters.draft_vocab import head_rows
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.models import ModelConfig, init_params
-from spec_jax.training.data import TokenDataset, iterate_batches
+from spec_jax.training.data import TokenDataset, frequent_draft_vocab, iterate_batches
 from spec_jax.training.dflash import DFlashLoss
 from spec_jax.training.draft_model import DraftModelLoss
 from spec_jax.training.eagle3 import Eagle3Loss
@@ -76,11 +77,18 @@ def _eagle3_float_params(key):
     return params
 
 
-@pytest.mark.parametrize("kind", ["dflash", "draft_model", "eagle3"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash_draft_vocab", "draft_model", "eagle3"])
 def test_a_few_steps_reduce_the_loss(setup, kind):
     target_params, data, features, _ = setup
     if kind == "dflash":
         loss, params = DFlashLoss(DFLASH, TARGET, num_anchors=4, kl_weight=0.5), init_dflash_params(DFLASH, jax.random.key(1))
+    elif kind == "dflash_draft_vocab":  # its own head over 60 of the 101 tokens, KL restricted to them
+        cfg = dataclasses.replace(DFLASH, draft_vocab_size=60)
+        ids = frequent_draft_vocab(data, 60)
+        loss = DFlashLoss(cfg, TARGET, num_anchors=4, kl_weight=0.5, draft_ids=tuple(int(i) for i in ids))
+        params = init_dflash_params(cfg, jax.random.key(1))
+        params.pop("d2t")  # the vocabulary map is the loss's, not a trained weight
+        params["lm_head"] = jnp.asarray(head_rows(target_params, TARGET, ids))  # as `train dflash` starts it
     elif kind == "eagle3":
         loss, params = Eagle3Loss(EAGLE3, TARGET, tuple(range(101))), _eagle3_float_params(jax.random.key(1))
     else:
@@ -274,6 +282,43 @@ def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsy
     assert not (tmp_path / "bad" / "drafter").exists()
     assert main(common + ["--out", str(tmp_path / "bad"), "--data-sequences", "1000"]) == 2
     assert f"holds {len(data)} sequences" in capsys.readouterr().err
+
+
+def test_cli_dflash_draft_vocab_from_a_full_vocabulary_drafter(tmp_path, setup, capsys):
+    """`train dflash --draft-vocab N --init-from FULL`: the full-vocabulary drafter's weights carry
+    over, its head becomes the target's rows of the data's N most frequent answer tokens, the export
+    is in the speculators format and generates AR-identically; continuing from it keeps its vocabulary."""
+    import json
+
+    from spec_jax.app.main import main
+    from spec_jax.checkpoints import save_hf_dir
+    from spec_jax.training.run import held_out_prompts
+
+    target_params, data, _, prompts = setup
+    save_hf_dir(tmp_path / "target", TARGET, jax.device_get(target_params))
+    data.save(tmp_path / "data.npz")
+    common = ["train", "dflash", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
+              "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--block-size", "4", "--layers", "1",
+              "--eval-every", "0", "--no-progress"]
+    full, reduced, again = tmp_path / "full", tmp_path / "reduced", tmp_path / "again"
+    assert main(common + ["--out", str(full), "--steps", "6"]) == 0
+    assert main(common + ["--out", str(reduced), "--steps", "1", "--draft-vocab", "40",
+                          "--init-from", str(full / "drafter")]) == 0
+    assert json.loads((reduced / "drafter" / "config.json").read_text())["speculators_model_type"] == "dflash"
+    full_drafter, full_params = load_dflash(full / "drafter")
+    drafter, params = load_dflash(reduced / "drafter")
+    assert drafter.cfg.draft_vocab_size == 40
+    ids = np.arange(40) + params["d2t"]
+    trained_on, _, _ = held_out_prompts(None, data, 40, 0, SEQ_LEN)  # the CLI's held-out split
+    np.testing.assert_array_equal(ids, frequent_draft_vocab(trained_on, 40))
+    np.testing.assert_array_equal(params["lm_head"], np.asarray(target_params["lm_head"])[:, ids])
+    assert _tree_equal({k: v for k, v in params.items() if k not in ("lm_head", "d2t")}, full_params)
+    ar = generate((TARGET, target_params), prompts[:8], max_new_tokens=16)
+    spec = generate((TARGET, target_params), prompts[:8], drafter, params, max_new_tokens=16)
+    assert spec.generated_ids == ar.generated_ids
+    assert main(common + ["--out", str(again), "--steps", "1", "--draft-vocab", "40",
+                          "--init-from", str(reduced / "drafter"), "--data-sequences", "20"]) == 0
+    assert _tree_equal(load_dflash(again / "drafter")[1], params)
 
 
 def test_per_step_target_features_equal_precomputed(setup):

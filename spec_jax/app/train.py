@@ -39,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--block-size", type=int, default=8, help="dflash: block size (K = block - 1)")
     p.add_argument("--layers", type=int, default=None, help="drafter layers (default: eagle3 1, others 2)")
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="eagle3: draft vocabulary size (the data's most frequent answer tokens)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="eagle3/dflash: draft vocabulary size, the data's most frequent answer tokens "
+                        "(default: eagle3 8192; dflash the target's whole vocabulary through its LM head)")
     p.add_argument("--ttt-steps", type=int, default=3,
                    help="eagle3: training steps per pair fed the drafter's own features")
     p.add_argument("--k", type=int, default=4, help="eagle3: drafts per verify step (eval and export)")
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     layers = args.layers or (1 if args.kind == "eagle3" else 2)
     if args.kind == "eagle3":
         _, _, result = training.train_eagle3(
-            target, dataset, args.out, cfg, num_layers=layers, draft_vocab_size=args.draft_vocab,
+            target, dataset, args.out, cfg, num_layers=layers, draft_vocab_size=args.draft_vocab or 8192,
             ttt_steps=args.ttt_steps, k=args.k, eval_prompts=args.eval_prompts,
             eval_tokens=args.eval_tokens, features=args.target_features, progress=progress,
             init_from=args.init_from,
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             kl_weight=args.kl_weight or 0.0, teacher_labels=args.teacher_labels,
             eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
             features=args.target_features, progress=progress, init_from=args.init_from,
+            draft_vocab_size=args.draft_vocab,
         )
     else:
         student = training.small_draft_config(target.cfg, args.hidden, layers)

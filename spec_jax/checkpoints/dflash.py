@@ -1,6 +1,7 @@
 """DFlash drafter checkpoints in the z-lab HF format (config.json + model.safetensors), and in
 the `speculators` format vLLM serves (`speculators_model_type: "dflash"`, read and written for
-full-vocabulary, full-attention drafters; its aux layer ids are z-lab's + 1).
+full-attention drafters, with the target's vocabulary or a reduced draft vocabulary; its aux
+layer ids are z-lab's + 1).
 
     drafter, params = load_dflash("path/to/dflash_dir")   # or a hub id
     check_compatible(drafter.cfg, target.cfg)
@@ -9,7 +10,8 @@ full-vocabulary, full-attention drafters; its aux layer ids are z-lab's + 1).
 
 Weight names: `layers.{i}.<decoder-layer weight>` (mapped by the shared table in `hf.py`),
 `fc.weight`, `hidden_norm.weight`, `norm.weight`. Seen variants are accepted on load: a `model.`
-prefix, `midlayer.` for `layers.0.`, `encoder.fc.` for `fc.`.
+prefix, `midlayer.` for `layers.0.`, `encoder.fc.` for `fc.`. A reduced draft vocabulary adds
+the drafter's own `lm_head.weight` [Vd, H] and the `d2t` / `t2d` maps (speculators format only).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from spec_jax.checkpoints.hf import (
     HFWeight,
     SafetensorsFiles,
     check_hf_tensors,
+    check_vocab_map,
     expected_hf_layer_shapes,
     from_hf,
     hf_shape,
@@ -34,6 +37,7 @@ from spec_jax.checkpoints.hf import (
     layers_from_hf,
     to_hf,
     layers_to_hf,
+    vocab_map_tensors,
     write_checkpoint_dir,
 )
 from spec_jax.drafters.dflash import (
@@ -55,6 +59,8 @@ DFLASH_WEIGHTS: tuple[HFWeight, ...] = (
     HFWeight("hidden_norm", "hidden_norm.weight", 0),
     HFWeight("norm", "norm.weight", 0),
 )
+# The drafter's own head over a reduced draft vocabulary: [Vd, H] -> [H, Vd].
+DRAFT_HEAD = HFWeight("lm_head", "lm_head.weight", 1)
 
 # Variant prefix -> canonical prefix, applied after stripping a leading "model.".
 _NAME_VARIANTS = (("midlayer.", "layers.0."), ("encoder.fc.", "fc."))
@@ -75,6 +81,10 @@ def expected_dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     out = expected_hf_layer_shapes(specs["layers"], LAYER_PREFIX)
     for w in DFLASH_WEIGHTS:
         out[w.hf_name] = hf_shape(specs[w.name].shape, w.in_axes)
+    if cfg.draft_vocab_size:
+        out[DRAFT_HEAD.hf_name] = hf_shape(specs["lm_head"].shape, DRAFT_HEAD.in_axes)
+        out["d2t"] = (cfg.draft_vocab_size,)
+        out["t2d"] = (cfg.vocab_size,)
     return out
 
 
@@ -83,12 +93,12 @@ def _from_speculators_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
     speculators names the target's features by HF hidden_states index (aux id i = output of
     layer i - 1), z-lab by layer (id i = output of layer i); its drafter may also carry a
-    reduced draft vocabulary or draft from the anchor slot, which z-lab DFlash does not."""
+    reduced draft vocabulary (kept as `draft_vocab_size`) or draft from the anchor slot, which
+    spec_jax's DFlash does not."""
     problems = []
     layer = dict(hf.get("transformer_layer_config") or {})
     vocab = layer.get("vocab_size")
-    if hf.get("draft_vocab_size") not in (None, vocab):
-        problems.append(f"a reduced draft vocabulary ({hf['draft_vocab_size']} of {vocab} tokens)")
+    draft_vocab = hf.get("draft_vocab_size")
     if hf.get("sample_from_anchor"):
         problems.append("sample_from_anchor (drafts from the anchor slot too)")
     if "sliding_attention" in (layer.get("layer_types") or ()):
@@ -103,6 +113,7 @@ def _from_speculators_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
         )
     return {
         **layer,
+        "draft_vocab_size": None if draft_vocab in (None, vocab) else int(draft_vocab),
         "block_size": hf.get("block_size"),
         "dflash_config": {"mask_token_id": hf.get("mask_token_id"),
                           "target_layer_ids": [int(i) - 1 for i in aux]},
@@ -154,13 +165,15 @@ def load_dflash(
     with SafetensorsFiles(directory) as files:
         original_of = files.canonical_names(canonical_weight_name, f"DFlash checkpoint {directory}")
         available = {c: files.shapes[n] for c, n in original_of.items()}
+        own_head = ["lm_head.weight", "d2t", "t2d"] if cfg.draft_vocab_size else []
         check_hf_tensors(
             available,
             expected_dflash_shapes(cfg),
             f"{directory} (DFlash drafter)",
             # speculators also keeps the target's embedding / head and an identity vocab map.
-            ignore=["rotary_emb.inv_freq", "embed_tokens.weight", "lm_head.weight", "d2t", "t2d",
-                    "verifier_lm_head.weight", "verifier_norm.weight"],
+            ignore=[n for n in ("rotary_emb.inv_freq", "embed_tokens.weight", "lm_head.weight", "d2t",
+                                "t2d", "verifier_lm_head.weight", "verifier_norm.weight")
+                    if n not in own_head],
         )
 
         def get_tensor(canonical: str) -> np.ndarray:
@@ -170,6 +183,13 @@ def load_dflash(
         params: dict[str, Any] = {"layers": layers_from_hf(get_tensor, LAYER_PREFIX, specs["layers"])}
         for w in DFLASH_WEIGHTS:
             params[w.name] = from_hf(get_tensor(w.hf_name), specs[w.name].shape, w.in_axes)
+        if cfg.draft_vocab_size:
+            w = DRAFT_HEAD
+            params[w.name] = from_hf(get_tensor(w.hf_name), specs[w.name].shape, w.in_axes)
+            d2t = files.get_tensor(original_of["d2t"], None).astype(np.int64)
+            t2d = files.get_tensor(original_of["t2d"], None).astype(bool) if "t2d" in original_of else None
+            check_vocab_map(d2t, t2d, cfg.vocab_size, f"{directory} (DFlash drafter)")
+            params["d2t"] = d2t.astype(np.int32)
     check_params_match_specs(params, specs, what=f"DFlash checkpoint {directory}")
     return DFlashDrafter(cfg, k=k), params
 
@@ -177,13 +197,15 @@ def load_dflash(
 def dflash_params_to_hf(cfg: DFlashConfig, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     check_params_match_specs(params, dflash_weight_specs(cfg), what="DFlash params")
     out = layers_to_hf(params["layers"], LAYER_PREFIX)
-    for w in DFLASH_WEIGHTS:
+    for w in DFLASH_WEIGHTS + ((DRAFT_HEAD,) if cfg.draft_vocab_size else ()):
         out[w.hf_name] = np.ascontiguousarray(to_hf(np.asarray(params[w.name]), w.in_axes))
+    if cfg.draft_vocab_size:
+        out.update(vocab_map_tensors(params["d2t"], cfg.vocab_size))
     return out
 
 
 def speculators_config(cfg: DFlashConfig, verifier: str | None = None) -> dict[str, Any]:
-    """The speculators (vLLM) config.json of a full-vocabulary DFlash drafter."""
+    """The speculators (vLLM) config.json of a DFlash drafter (full or reduced draft vocabulary)."""
     zlab = cfg.to_hf_config()
     layer = {k: v for k, v in zlab.items()
              if k not in ("architectures", "block_size", "dflash_config", "is_causal")}
@@ -198,7 +220,7 @@ def speculators_config(cfg: DFlashConfig, verifier: str | None = None) -> dict[s
         "architectures": ["DFlashDraftModel"],
         "speculators_model_type": "dflash",
         "transformer_layer_config": layer,
-        "draft_vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
         "block_size": cfg.block_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "mask_token_id": cfg.mask_token_id,
@@ -223,7 +245,8 @@ def save_dflash(
     layout: str = "z-lab",
 ) -> Path:
     """Write config.json + model.safetensors in the z-lab format (default) or the speculators
-    format vLLM serves (`layout="speculators"`; full vocabulary, full-attention layers).
+    format vLLM serves (`layout="speculators"`; full-attention layers; the only layout for a
+    reduced draft vocabulary).
 
     Written to a temporary sibling dir and renamed into place, so `path` never holds half a
     checkpoint; an existing non-empty `path` is replaced only with overwrite=True.
@@ -232,6 +255,11 @@ def save_dflash(
         raise ValueError(f"unknown DFlash layout {layout!r}; use 'z-lab' or 'speculators'.")
     if layout == "speculators" and cfg.vocab_size is None:
         raise ValueError("the speculators format needs the drafter's vocab_size; set it in its config.")
+    if layout == "z-lab" and cfg.draft_vocab_size:
+        raise ValueError(
+            "the z-lab DFlash format has no reduced draft vocabulary (z-lab drafts through the "
+            "target's LM head); save this drafter with layout='speculators'."
+        )
     path = Path(path).expanduser().absolute()
     refuse_to_clobber(path, overwrite)
     config = cfg.to_hf_config() if layout == "z-lab" else speculators_config(cfg)

@@ -31,6 +31,7 @@ from spec_jax.checkpoints.errors import CheckpointError
 from spec_jax.checkpoints.hf import (
     SafetensorsFiles,
     check_hf_tensors,
+    check_vocab_map,
     expected_hf_layer_shapes,
     from_hf,
     hf_shape,
@@ -39,6 +40,7 @@ from spec_jax.checkpoints.hf import (
     refuse_to_clobber,
     resolve_hf_dir,
     to_hf,
+    vocab_map_tensors,
     write_checkpoint_dir,
 )
 from spec_jax.drafters.eagle3 import (
@@ -152,19 +154,6 @@ def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_vocab_map(cfg: Eagle3Config, d2t: np.ndarray, t2d: np.ndarray | None, source: str) -> None:
-    target_ids = np.arange(cfg.draft_vocab_size) + d2t
-    problems = []
-    if target_ids.min() < 0 or target_ids.max() >= cfg.layer.vocab_size:
-        problems.append(f"d2t maps draft ids outside the target vocabulary [0, {cfg.layer.vocab_size})")
-    elif len(np.unique(target_ids)) != len(target_ids):
-        problems.append("d2t maps two draft ids to one target id")
-    elif t2d is not None and (t2d.sum() != cfg.draft_vocab_size or not t2d[target_ids].all()):
-        problems.append("t2d does not mark exactly the target ids that d2t maps to")
-    if problems:
-        raise CheckpointError(f"{source}: inconsistent vocabulary map ({'; '.join(problems)}); re-export it.")
-
-
 def load_eagle3(
     path_or_hub_id: str | os.PathLike,
     dtype: str = "float32",
@@ -208,7 +197,7 @@ def load_eagle3(
             params["fc_norms"] = [get(f"fc_norm.{i}.weight") for i in range(len(specs["fc_norms"]))]
         d2t = get("d2t", None).astype(np.int64) if "d2t" in available else np.zeros(cfg.draft_vocab_size, np.int64)
         t2d = get("t2d", None).astype(bool) if "t2d" in available else None
-        _check_vocab_map(cfg, d2t, t2d, source)
+        check_vocab_map(d2t, t2d, cfg.layer.vocab_size, source)
         params["d2t"] = d2t.astype(np.int32)
     check_params_match_specs(params, specs, what=source)
     return Eagle3Drafter(cfg, k=k), params
@@ -223,10 +212,7 @@ def params_to_hf(cfg: Eagle3Config, params: Mapping[str, Any]) -> dict[str, np.n
             out[name] = np.ascontiguousarray(to_hf(np.asarray(params[key]), in_axes))
     for i, w in enumerate(params.get("fc_norms", ())):
         out[f"fc_norm.{i}.weight"] = np.asarray(w)
-    d2t = np.asarray(params["d2t"]).astype(np.int64)
-    t2d = np.zeros(cfg.layer.vocab_size, bool)
-    t2d[np.arange(cfg.draft_vocab_size) + d2t] = True
-    out["d2t"], out["t2d"] = d2t, t2d
+    out.update(vocab_map_tensors(params["d2t"], cfg.layer.vocab_size))
     return out
 
 

@@ -396,6 +396,29 @@ def save_hf_dir(
     return write_checkpoint_dir(path, cfg.to_hf_config(), tensors, tokenizer)
 
 
+def check_vocab_map(d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int, source: str) -> None:
+    """A reduced draft vocabulary's map (speculators: target id = draft id + d2t[draft id]; t2d
+    marks those target ids) must be one-to-one into the target vocabulary, t2d agreeing."""
+    target_ids = np.arange(len(d2t)) + d2t
+    problems = []
+    if target_ids.min() < 0 or target_ids.max() >= vocab_size:
+        problems.append(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
+    elif len(np.unique(target_ids)) != len(target_ids):
+        problems.append("d2t maps two draft ids to one target id")
+    elif t2d is not None and (t2d.sum() != len(d2t) or not t2d[target_ids].all()):
+        problems.append("t2d does not mark exactly the target ids that d2t maps to")
+    if problems:
+        raise CheckpointError(f"{source}: inconsistent vocabulary map ({'; '.join(problems)}); re-export it.")
+
+
+def vocab_map_tensors(d2t: Any, vocab_size: int) -> dict[str, np.ndarray]:
+    """The `d2t` (int64 offsets) and `t2d` (bool mask) tensors speculators checkpoints carry."""
+    d2t = np.asarray(d2t).astype(np.int64)
+    t2d = np.zeros(vocab_size, bool)
+    t2d[np.arange(len(d2t)) + d2t] = True
+    return {"d2t": d2t, "t2d": t2d}
+
+
 def refuse_to_clobber(path: Path, overwrite: bool) -> None:
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
         raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or a new path.")

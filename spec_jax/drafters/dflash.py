@@ -6,7 +6,8 @@ target's own hidden states as context. Per step:
   context  = hidden_norm(fc(concat of the target's hidden states after `target_layer_ids`))
   block    = target_embed([last committed token, mask, ..., mask]) at positions start..start+b-1
   out      = draft layers: queries from the block; keys/values = [context (cached), block]
-  drafts   = target_lm_head(norm(out))[:, 1:1+K]
+  drafts   = target_lm_head(norm(out))[:, 1:1+K]   (or the drafter's own head over a reduced
+             draft vocabulary, mapped back with d2t: see `spec_jax.drafters.draft_vocab`)
 
 The drafter keeps a KV cache of context entries only, indexed by absolute position: slot p holds
 the k/v of the context feature of position p in every draft layer, so rejected tokens are rolled
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.drafters.base import Target
+from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling, kv_bytes_per_token
 from spec_jax.models.decoder import (
     KVCache,
@@ -65,7 +67,9 @@ class DFlashConfig:
     layer_types: per draft layer "full_attention" or "sliding_attention". A full layer attends
     to all context and non-causally within the block; a sliding layer is causal and limited to
     `sliding_window` tokens (no window when sliding_window is None). `is_causal`, when set,
-    overrides the causality of every layer.
+    overrides the causality of every layer. draft_vocab_size: None drafts through the target's
+    own LM head (z-lab); a size < the target's vocabulary gives the drafter its own head over that
+    many tokens plus a d2t map (speculators' reduced draft vocabulary).
     """
 
     num_layers: int
@@ -89,9 +93,15 @@ class DFlashConfig:
     num_target_layers: int | None = None
     vocab_size: int | None = None
     max_position_embeddings: int = 40960
+    draft_vocab_size: int | None = None
     dtype: str = "float32"
 
     def __post_init__(self):
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= (self.vocab_size or 0):
+            raise ValueError(
+                f"DFlash draft_vocab_size {self.draft_vocab_size} needs vocab_size (the target's) set "
+                f"and must be in 1..vocab_size (vocab_size={self.vocab_size})."
+            )
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_layers)
@@ -211,6 +221,7 @@ class DFlashConfig:
             num_target_layers=None if num_target_layers is None else int(num_target_layers),
             vocab_size=hf.get("vocab_size"),
             max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            draft_vocab_size=None if hf.get("draft_vocab_size") is None else int(hf["draft_vocab_size"]),
             dtype=dtype,
         )
 
@@ -263,7 +274,9 @@ def dflash_weight_specs(cfg: DFlashConfig) -> dict[str, Any]:
     """The drafter's weights; its layers are the decoder's layer weights (qk_norm on)."""
     H = cfg.hidden_size
     n = len(cfg.target_layer_ids)
+    own_head = draft_vocab_specs(H, cfg.draft_vocab_size) if cfg.draft_vocab_size else {}
     return {
+        **own_head,
         "fc": WeightSpec((n * H, H), (None, "embed")),
         "hidden_norm": WeightSpec((H,), (None,), "ones"),
         "norm": WeightSpec((H,), (None,), "ones"),
@@ -280,7 +293,10 @@ def dflash_weight_specs(cfg: DFlashConfig) -> dict[str, Any]:
 
 
 def init_dflash_params(cfg: DFlashConfig, key: jax.Array, scale: float = 1.0) -> Params:
-    return init_from_specs(dflash_weight_specs(cfg), key, jnp.dtype(cfg.dtype), scale)
+    params = init_from_specs(dflash_weight_specs(cfg), key, jnp.dtype(cfg.dtype), scale)
+    if cfg.draft_vocab_size:
+        params["d2t"] = jnp.zeros((cfg.draft_vocab_size,), jnp.int32)  # identity map onto the target
+    return params
 
 
 def check_compatible(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
@@ -309,6 +325,11 @@ def check_compatible(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
     if cfg.vocab_size is not None and cfg.vocab_size != target_cfg.vocab_size:
         problems.append(
             f"its vocab size {cfg.vocab_size} differs from the target's {target_cfg.vocab_size}"
+        )
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > target_cfg.vocab_size:
+        problems.append(
+            f"its draft vocabulary ({cfg.draft_vocab_size} tokens) is larger than the target's "
+            f"({target_cfg.vocab_size})"
         )
     if problems:
         raise ValueError(
@@ -379,15 +400,23 @@ def dflash_hidden(
         return rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 
-def dflash_logits(cfg: DFlashConfig, target: Target, hidden: jax.Array) -> jax.Array:
-    """Draft logits [B, T, V] f32 through the target's own LM head (plus the optional
-    output_multiplier and final-logit softcap)."""
-    logits = lm_head(target.params, target.cfg, hidden)
+def dflash_logits(
+    cfg: DFlashConfig, params: Params, target: Target, hidden: jax.Array, draft_vocab: bool = False
+) -> jax.Array:
+    """Draft logits [B, T, V] f32 through the target's own LM head, or through the drafter's
+    reduced head (then [B, T, Vd] with draft_vocab=True, else mapped onto the target's V with -inf
+    outside); plus the optional output_multiplier and final-logit softcap."""
+    if cfg.draft_vocab_size:
+        logits = draft_logits_of(params, hidden)
+    else:
+        logits = lm_head(target.params, target.cfg, hidden)
     if cfg.output_multiplier is not None:
         logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping:
         cap = cfg.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
+    if cfg.draft_vocab_size and not draft_vocab:
+        logits = to_target_vocab(logits, params["d2t"], target.cfg.vocab_size)
     return logits
 
 
@@ -500,7 +529,7 @@ class DFlashDrafter:
             cfg, params, x, positions, state.k, state.v, slots, ctx_visible, block_visible
         )
         # Block position i + 1 predicts draft i; the anchor's own output is unused.
-        return dflash_logits(cfg, target, x[:, 1 : 1 + self.k])  # [B, K, V]
+        return dflash_logits(cfg, params, target, x[:, 1 : 1 + self.k])  # [B, K, V]
 
     def propose(
         self,

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import Target
+from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig
 from spec_jax.models.decoder import (
     KVCache,
@@ -134,8 +135,7 @@ def eagle3_weight_specs(cfg: Eagle3Config) -> dict[str, Any]:
         "fc": WeightSpec((n * F, H), (None, "embed")),
         "layers": [first] + [layer_weight_specs(**layer_kwargs) for _ in range(c.num_layers - 1)],
         "norm": WeightSpec((H,), (None,), "ones"),
-        "lm_head": WeightSpec((H, cfg.draft_vocab_size), ("embed", "vocab")),
-        "d2t": WeightSpec((cfg.draft_vocab_size,), (None,), "zeros"),  # int32 offsets
+        **draft_vocab_specs(H, cfg.draft_vocab_size),
     }
     if cfg.norm_before_fc:
         specs["input_norm"] = WeightSpec((n * F,), (None,), "ones")
@@ -236,16 +236,7 @@ def eagle3_head(cfg: Eagle3Config, params: Params, out: jax.Array) -> tuple[jax.
     """Layer output [B, T, H] -> (draft-vocabulary logits [B, T, Vd] f32, the hidden state the
     next chain step reads: normed with norm_output, else the raw output)."""
     normed = rms_norm(out, params["norm"], cfg.layer.rms_norm_eps)
-    logits = einsum("bth,hv->btv", normed, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, normed if cfg.norm_output else out
-
-
-def to_target_vocab(cfg: Eagle3Config, params: Params, draft_logits: jax.Array) -> jax.Array:
-    """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf for target
-    tokens the drafter cannot propose, so they get zero draft probability)."""
-    ids = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) + params["d2t"].astype(jnp.int32)
-    full = jnp.full(draft_logits.shape[:-1] + (cfg.layer.vocab_size,), -jnp.inf, jnp.float32)
-    return full.at[..., ids].set(draft_logits)
+    return draft_logits_of(params, normed), normed if cfg.norm_output else out
 
 
 # ----------------------------------------------------------------------------- the drafter
@@ -374,7 +365,7 @@ class Eagle3Drafter:
         chain_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
         logits_out, drafts = [], []
         for step in range(self.k):
-            logits = to_target_vocab(cfg, params, step_logits[:, 0])  # [B, V]
+            logits = to_target_vocab(step_logits[:, 0], params["d2t"], cfg.layer.vocab_size)  # [B, V]
             draft = choose(step, logits)
             logits_out.append(logits)
             drafts.append(draft)

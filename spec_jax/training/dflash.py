@@ -9,6 +9,8 @@ Loss: cross-entropy against the target's continuation, weighted by exp(-i / posi
 draft position i (early drafts matter most: one miss ends the accepted run), optionally plus KL to
 the target's logits. On text the target did not write (`teacher_labels`), the labels are the target's
 own greedy predictions instead of the text's next tokens: acceptance is agreement with the target.
+With a reduced draft vocabulary (`draft_ids`), the drafter's own head is trained over those tokens
+(cross-entropy on labels inside it; KL to the target's logits restricted to it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.drafters.base import Target
+from spec_jax.drafters.draft_vocab import target_to_draft
 from spec_jax.drafters.dflash import DFlashConfig, context_kv, dflash_hidden, dflash_logits
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import embed, lm_head
@@ -37,6 +40,7 @@ class DFlashLoss:
     position_decay: float = 4.0
     kl_weight: float = 0.0
     teacher_labels: bool = False  # labels = the target's argmax (needs batch["final"])
+    draft_ids: tuple[int, ...] | None = None  # target id of draft id i (reduced draft vocabulary)
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         cfg = self.cfg
@@ -77,8 +81,9 @@ class DFlashLoss:
         # Step 4: block position i+1 predicts token a+i+1 (i = 0..b-2).
         hidden = hidden.reshape(b_size, anchors_n, block, -1)[:, :, 1:]  # [B, A, b-1, H]
         target = Target(target_params, self.target_cfg)
-        logits = dflash_logits(cfg, target, hidden.reshape(b_size, -1, hidden.shape[-1]))
-        logits = logits.reshape(b_size, anchors_n, block - 1, -1)  # [B, A, b-1, V]
+        reduced = self.draft_ids is not None
+        logits = dflash_logits(cfg, params, target, hidden.reshape(b_size, -1, hidden.shape[-1]), draft_vocab=reduced)
+        logits = logits.reshape(b_size, anchors_n, block - 1, -1)  # [B, A, b-1, V or Vd]
         label_pos = anchors[:, :, None] + offsets[None, None, 1:]  # [B, A, b-1]
         valid = label_pos < lengths[:, None, None]
         teacher = None
@@ -87,11 +92,17 @@ class DFlashLoss:
             teacher_pos = jnp.minimum(label_pos - 1, seq_len - 1)
             final = batch["final"][rows[:, :, None], teacher_pos]
             teacher = lm_head(target_params, self.target_cfg, final.reshape(b_size, -1, final.shape[-1]))
-            teacher = teacher.reshape(logits.shape)
+            teacher = teacher.reshape(logits.shape[:-1] + teacher.shape[-1:])
         if self.teacher_labels:
             labels = jnp.argmax(teacher, -1)
         else:
             labels = tokens[rows[:, :, None], jnp.minimum(label_pos, seq_len - 1)]
+        if reduced:  # labels outside the draft vocabulary cannot be drafted: left out
+            labels = target_to_draft(self.draft_ids, self.target_cfg.vocab_size)[labels]
+            valid = valid & (labels >= 0)
+            labels = jnp.maximum(labels, 0)
+            if teacher is not None:
+                teacher = teacher[..., jnp.asarray(self.draft_ids)]
         weight = jnp.exp(-jnp.arange(block - 1) / self.position_decay)[None, None, :] * valid
         ce = jnp.sum(cross_entropy(logits, labels) * weight) / jnp.maximum(jnp.sum(weight), 1e-6)
         correct = (jnp.argmax(logits, -1) == labels) & valid

@@ -19,25 +19,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from spec_jax.drafters.draft_vocab import target_to_draft
 from spec_jax.drafters.eagle3 import Eagle3Config, eagle3_head, eagle3_layers, fuse_features
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import embed
-from spec_jax.training.data import TokenDataset
 from spec_jax.training.trainer import cross_entropy
-
-
-def frequent_draft_vocab(data: TokenDataset, size: int, always: tuple[int, ...] = ()) -> np.ndarray:
-    """The `size` most frequent answer tokens of `data` (plus `always`, e.g. EOS), sorted: the
-    reduced draft vocabulary's target ids, as EAGLE-3 builds it."""
-    counts = np.zeros(int(max(int(data.tokens.max()) + 1, max(always, default=0) + 1)), np.int64)
-    for i in range(len(data)):
-        answer = data.sequence(i)[int(data.prompt_lengths[i]):]
-        np.add.at(counts, answer, 1)
-    counts[list(always)] = np.iinfo(np.int64).max  # kept whatever their count
-    ids = np.argsort(-counts, kind="stable")[:size]
-    return np.sort(ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +47,7 @@ class Eagle3Loss:
         pairs = jnp.broadcast_to(jnp.arange(n_pairs, dtype=jnp.int32), (b_size, n_pairs))
         causal = pairs[:, :, None] >= pairs[:, None, :]  # [B, T-1, T-1]
         own = jnp.broadcast_to(jnp.eye(n_pairs, dtype=bool), (b_size, n_pairs, n_pairs))
-        to_draft = jnp.full((self.target_cfg.vocab_size,), -1, jnp.int32).at[
-            jnp.asarray(self.draft_ids)].set(jnp.arange(len(self.draft_ids), dtype=jnp.int32))
+        to_draft = target_to_draft(self.draft_ids, self.target_cfg.vocab_size)
         table = params["embed"] if cfg.own_embedding else target_params["embed"]
 
         hidden = fuse_features(cfg, params, batch["captured"][:, :-1])

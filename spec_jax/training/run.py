@@ -248,26 +248,47 @@ def train_dflash(
     features: str = "auto",
     progress: bool = True,
     init_from: str | Path | None = None,
+    draft_vocab_size: int | None = None,
 ) -> tuple[Any, Any, TrainResult]:
-    """init_from: an exported DFlash drafter dir to continue from (same config) instead of random."""
-    from spec_jax.checkpoints.dflash import save_dflash
+    """init_from: an exported DFlash drafter dir to continue from (same config) instead of random.
+    draft_vocab_size: give the drafter its own head over the data's most frequent answer tokens
+    (rows start from the target's LM head; exported in the speculators format). A full-vocabulary
+    init_from drafter gets that head added; a reduced one keeps its own vocabulary."""
+    from spec_jax.checkpoints.dflash import read_dflash_config, save_dflash
     from spec_jax.drafters.dflash import DFlashDrafter, check_compatible, init_dflash_params
+    from spec_jax.drafters.draft_vocab import head_rows, offsets
+    from spec_jax.training.data import frequent_draft_vocab
     from spec_jax.training.dflash import DFlashLoss
 
     out_dir = Path(out_dir)
     dflash_cfg = dflash_cfg or smollm2_dflash_config(target.cfg)
+    size = draft_vocab_size if draft_vocab_size and draft_vocab_size < target.cfg.vocab_size else None
+    dflash_cfg = dataclasses.replace(dflash_cfg, draft_vocab_size=size, vocab_size=target.cfg.vocab_size)
     check_compatible(dflash_cfg, target.cfg)
     # Warm-start params first: a mismatched --init-from fails before the target feature pass.
     if init_from is not None:
-        init = warm_start_params("dflash", init_from, dflash_cfg)
+        saved_vocab = read_dflash_config(Path(init_from)).draft_vocab_size
+        # A full-vocabulary drafter may start a reduced-vocabulary run: its head is added below.
+        expected = dflash_cfg if saved_vocab or not size else dataclasses.replace(dflash_cfg, draft_vocab_size=None)
+        init = warm_start_params("dflash", init_from, expected)
     else:
-        init = init_dflash_params(dflash_cfg, jax.random.key(cfg.seed))
+        init = jax.device_get(init_dflash_params(dflash_cfg, jax.random.key(cfg.seed)))
     data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
+    draft_ids = None
+    if size:
+        if init_from is not None and "d2t" in init:
+            draft_ids = np.arange(size) + np.asarray(init.pop("d2t"))
+        else:
+            init.pop("d2t", None)
+            draft_ids = frequent_draft_vocab(data, size, tuple(target.cfg.eos_token_ids))
+            init["lm_head"] = head_rows(target.params, target.cfg, draft_ids)
     mode = feature_mode(features, data, dflash_cfg.target_layer_ids, target.cfg.hidden_size)
     drafter = DFlashDrafter(dflash_cfg)
+    vocab_map = {} if size is None else {"d2t": jnp.asarray(offsets(draft_ids))}
     loss, batches, feature_s = _loss_and_batches(
         DFlashLoss(dflash_cfg, target.cfg, num_anchors=num_anchors, kl_weight=kl_weight,
-                   teacher_labels=teacher_labels),
+                   teacher_labels=teacher_labels,
+                   draft_ids=None if size is None else tuple(int(i) for i in draft_ids)),
         target, data, dflash_cfg.target_layer_ids, cfg, mode, progress,
     )
     result = train(
@@ -279,19 +300,27 @@ def train_dflash(
         out_dir,
         run_config={"kind": "dflash", "drafter": dataclasses.asdict(dflash_cfg), "anchors": num_anchors,
                     "kl_weight": kl_weight, "teacher_labels": teacher_labels, "data_tokens": data.num_tokens,
-                    "init_from": str(init_from) if init_from else None},
-        evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
+                    "init_from": str(init_from) if init_from else None,
+                    # The draft vocabulary comes from the data: a resume over other data must not reuse it.
+                    **({} if size is None else {"draft_vocab_sha256": _sha256(draft_ids)})},
+        evaluate=lambda params, step: held_out_tau(target, drafter, {**params, **vocab_map}, prompts, eval_tokens),
         progress=progress,
     )
-    save_dflash(out_dir / "drafter", dflash_cfg, jax.device_get(result.state.params), overwrite=True)
+    params = {**jax.device_get(result.state.params), **jax.device_get(vocab_map)}
+    save_dflash(out_dir / "drafter", dflash_cfg, params, overwrite=True,
+                layout="z-lab" if size is None else "speculators")
     write_report(out_dir, "DFlash", result, {
         "kind": "dflash", "data_sequences": len(data), "data_tokens": data.num_tokens,
         "anchors": num_anchors, "kl_weight": kl_weight, "teacher_labels": teacher_labels,
-        "init_from": str(init_from) if init_from else None, "target_features": mode,
-        "feature_seconds": feature_s, "held_out": eval_source,
+        "draft_vocab_size": size, "init_from": str(init_from) if init_from else None,
+        "target_features": mode, "feature_seconds": feature_s, "held_out": eval_source,
         "eval_tokens": eval_tokens, "backend": jax.default_backend(), "train": dataclasses.asdict(cfg),
     })
-    return drafter, result.state.params, result
+    return drafter, params, result
+
+
+def _sha256(ids: Any) -> str:
+    return hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()
 
 
 def train_draft_model(
@@ -395,7 +424,8 @@ def train_eagle3(
     output embedding of those tokens. init_from: an exported EAGLE-3 head to continue from."""
     from spec_jax.checkpoints.eagle3 import save_eagle3
     from spec_jax.drafters.eagle3 import Eagle3Drafter, check_compatible, init_eagle3_params
-    from spec_jax.training.eagle3 import Eagle3Loss, frequent_draft_vocab
+    from spec_jax.training.data import frequent_draft_vocab
+    from spec_jax.training.eagle3 import Eagle3Loss
 
     out_dir = Path(out_dir)
     size = min(draft_vocab_size or target.cfg.vocab_size, target.cfg.vocab_size)
@@ -424,7 +454,7 @@ def train_eagle3(
         # The draft vocabulary comes from the data: a resume over other data must not reuse it.
         run_config={"kind": "eagle3", "drafter": dataclasses.asdict(eagle_cfg), "ttt_steps": ttt_steps,
                     "data_tokens": data.num_tokens, "init_from": str(init_from) if init_from else None,
-                    "draft_vocab_sha256": hashlib.sha256(np.asarray(draft_ids, np.int64).tobytes()).hexdigest()},
+                    "draft_vocab_sha256": _sha256(draft_ids)},
         evaluate=lambda params, step: held_out_tau(target, drafter, {**params, "d2t": d2t}, prompts, eval_tokens),
         progress=progress,
     )
