@@ -43,7 +43,9 @@ def main() -> None:
     target = load_target(None)
     if args.dflash:
         drafter, params = load_dflash(args.dflash)
-        save_dflash(ASSETS / SHIPPED_DRAFTERS["dflash"], drafter.cfg, to_bf16(params), overwrite=True)
+        # A reduced draft vocabulary only exists in the speculators format.
+        save_dflash(ASSETS / SHIPPED_DRAFTERS["dflash"], drafter.cfg, to_bf16(params), overwrite=True,
+                    layout="speculators" if drafter.cfg.draft_vocab_size else "z-lab")
     if args.draft_model:
         cfg, params = load_hf_dir(args.draft_model)
         save_hf_dir(ASSETS / SHIPPED_DRAFTERS["draft-model"], cfg, to_bf16(params),

@@ -337,6 +337,29 @@ def test_per_step_target_features_equal_precomputed(setup):
     np.testing.assert_allclose(float(now_metrics["kl"]), float(pre_metrics["kl"]), rtol=1e-5, atol=1e-7)
 
 
+def test_bfloat16_features_keep_the_first_seq_len_tokens_at_half_the_memory(setup):
+    """precompute-bf16: only each sequence's first seq_len tokens are stored (what training
+    reads), in bfloat16; batches come back float32, within bfloat16 rounding of the float32 ones,
+    and the loss barely moves."""
+    import ml_dtypes
+
+    target_params, data, features, _ = setup
+    short = 24  # shorter than most sequences: their tails are not stored
+    f32 = compute_features(target_params, TARGET, data, DFLASH.target_layer_ids, short, progress=False)
+    bf16 = compute_features(target_params, TARGET, data, DFLASH.target_layer_ids, short, progress=False,
+                            dtype=ml_dtypes.bfloat16)
+    assert bf16.captured.dtype == ml_dtypes.bfloat16 and bf16.captured.nbytes * 2 == f32.captured.nbytes
+    assert f32.captured.shape[0] == sum(min(len(data.sequence(i)), short) for i in range(len(data))) < data.num_tokens
+    picks = [0, 5, 9]
+    a, b = gather_features(data, f32, picks, short), gather_features(data, bf16, picks, short)
+    for x, y in zip(a, b):
+        assert y.dtype == np.float32
+        np.testing.assert_allclose(y, x, rtol=1e-2, atol=1e-2)
+    # The stored prefix equals the full-length features' first `short` positions.
+    full_cap, _ = gather_features(data, features, picks, SEQ_LEN)
+    np.testing.assert_allclose(a[0], full_cap[:, :short], rtol=1e-4, atol=1e-4)
+
+
 def test_teacher_labels_are_the_targets_own_greedy_tokens(setup):
     """On the target's own greedy answers, labels from its argmax are exactly the data's labels;
     on other text they differ (that is what they are for)."""

@@ -53,9 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight of KL to the target's logits (default: dflash 0, draft-model 1)")
     p.add_argument("--teacher-labels", action="store_true",
                    help="dflash: labels are the target's greedy predictions (for `train text` data)")
-    p.add_argument("--target-features", choices=["auto", "precompute", "per-step"], default="auto",
-                   help="precompute the frozen target's features once (host memory) or run it in every "
-                   "step; auto: precompute on CPU when under 4 GB")
+    p.add_argument("--target-features", choices=["auto", "precompute", "precompute-bf16", "per-step"],
+                   default="auto",
+                   help="precompute the frozen target's features once (host memory; precompute-bf16 stores "
+                   "them in bfloat16, half the memory) or run it in every step; auto: precompute on CPU "
+                   "when under 4 GB (float32, else bfloat16)")
     p.add_argument("--eval-prompts", type=int, default=40,
                    help="held-out tau on HumanEval[:N] (N <= 40; never trained on)")
     p.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per held-out prompt")

@@ -5,7 +5,9 @@ drafter reads) and the target's final-normed hidden state (its logits are `lm_he
 distillation losses recompute teacher logits for just the positions they need).
 
 Precomputing (`compute_features`) pays the target's forward pass once and reuses it every epoch,
-but holds `tokens x (layers + 1) x hidden` floats in host memory; `WithTargetFeatures` runs the
+but holds `tokens x (layers + 1) x hidden` values in host memory (only the first seq_len tokens of
+each sequence, the ones training reads; float32, or bfloat16 at half the memory, which is what an
+accelerator's bfloat16 target would hand the drafter anyway); `WithTargetFeatures` runs the
 target inside each jitted training step instead (the choice for accelerators and large data).
 """
 
@@ -25,11 +27,13 @@ from spec_jax.training.data import TokenDataset
 
 @dataclasses.dataclass
 class TargetFeatures:
-    """captured [num_tokens, n*H] and final [num_tokens, H], aligned with TokenDataset.tokens."""
+    """captured [rows, n*H] and final [rows, H]: sequence i's first min(len, seq_len) tokens are
+    rows offsets[i] .. offsets[i + 1]."""
 
     capture_layers: tuple[int, ...]
     captured: np.ndarray
     final: np.ndarray
+    offsets: np.ndarray
 
 
 def target_features(
@@ -59,9 +63,11 @@ class WithTargetFeatures:
         return self.loss(params, target_params, {**batch, "captured": captured, "final": final}, key)
 
 
-def precompute_fits(num_tokens: int, capture_layers: Sequence[int], hidden: int, limit_gb: float = 4.0) -> bool:
-    """Whether precomputed float32 features of a dataset stay under `limit_gb` of host memory."""
-    return num_tokens * (len(capture_layers) + 1) * hidden * 4 <= limit_gb * 2**30
+def precompute_fits(
+    num_tokens: int, capture_layers: Sequence[int], hidden: int, limit_gb: float = 4.0, bytes_per_value: int = 4
+) -> bool:
+    """Whether precomputed features of a dataset stay under `limit_gb` of host memory."""
+    return num_tokens * (len(capture_layers) + 1) * hidden * bytes_per_value <= limit_gb * 2**30
 
 
 def compute_features(
@@ -72,15 +78,19 @@ def compute_features(
     seq_len: int,
     batch_size: int = 8,
     progress: bool = True,
+    dtype: Any = np.float32,
 ) -> TargetFeatures:
+    """dtype: how they are stored (np.float32 or ml_dtypes.bfloat16); batches get float32."""
     from tqdm.auto import tqdm
 
     capture = tuple(capture_layers)
     run = jax.jit(lambda params, tokens: target_features(params, cfg, tokens, capture))
 
     n_cap = len(capture_layers) * cfg.hidden_size
-    captured = np.zeros((data.num_tokens, n_cap), np.float32)
-    final = np.zeros((data.num_tokens, cfg.hidden_size), np.float32)
+    kept = np.minimum(np.diff(data.offsets), seq_len)
+    offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+    captured = np.zeros((int(offsets[-1]), n_cap), dtype)
+    final = np.zeros((int(offsets[-1]), cfg.hidden_size), dtype)
     indices = list(range(len(data)))
     for start in tqdm(range(0, len(indices), batch_size), desc="target features", disable=not progress):
         rows = indices[start : start + batch_size]
@@ -90,11 +100,10 @@ def compute_features(
             tokens[r, : len(seq)] = seq
         cap, fin = jax.device_get(run(params, jnp.asarray(tokens)))
         for r, i in enumerate(rows):
-            lo, hi = data.offsets[i], data.offsets[i + 1]
-            n = min(hi - lo, seq_len)
-            captured[lo : lo + n] = cap[r, :n]
-            final[lo : lo + n] = fin[r, :n]
-    return TargetFeatures(tuple(capture_layers), captured, final)
+            lo, hi = offsets[i], offsets[i + 1]
+            captured[lo:hi] = cap[r, : hi - lo]
+            final[lo:hi] = fin[r, : hi - lo]
+    return TargetFeatures(tuple(capture_layers), captured, final, offsets)
 
 
 def gather_features(
@@ -104,7 +113,7 @@ def gather_features(
     cap = np.zeros((len(picks), seq_len, features.captured.shape[1]), np.float32)
     fin = np.zeros((len(picks), seq_len, features.final.shape[1]), np.float32)
     for r, i in enumerate(picks):
-        lo, hi = data.offsets[i], data.offsets[i + 1]
+        lo, hi = features.offsets[i], features.offsets[i + 1]
         n = min(hi - lo, seq_len)
         cap[r, :n] = features.captured[lo : lo + n]
         fin[r, :n] = features.final[lo : lo + n]

@@ -168,19 +168,23 @@ def held_out_prompts(
     return train_part, prompts[:eval_prompts], f"{len(prompts[:eval_prompts])} held-out data sequences"
 
 
-FEATURE_MODES = ("auto", "precompute", "per-step")
+FEATURE_MODES = ("auto", "precompute", "precompute-bf16", "per-step")
 
 
 def feature_mode(mode: str, data: TokenDataset, capture_layers: Sequence[int], hidden: int) -> str:
-    """auto: precompute on CPU when it fits in host memory (reused every epoch), else per step."""
+    """auto: precompute on CPU when it fits in host memory (reused every epoch; float32, else
+    bfloat16 at half the memory), else per step."""
     from spec_jax.training.features import precompute_fits
 
     if mode not in FEATURE_MODES:
         raise ValueError(f"target features mode must be one of {FEATURE_MODES}, got {mode!r}.")
     if mode != "auto":
         return mode
-    if jax.default_backend() == "cpu" and precompute_fits(data.num_tokens, capture_layers, hidden):
-        return "precompute"
+    if jax.default_backend() == "cpu":
+        if precompute_fits(data.num_tokens, capture_layers, hidden):
+            return "precompute"
+        if precompute_fits(data.num_tokens, capture_layers, hidden, bytes_per_value=2):
+            return "precompute-bf16"
     return "per-step"
 
 
@@ -191,7 +195,11 @@ def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode
     if mode == "per-step":
         return WithTargetFeatures(loss, target.cfg, tuple(capture_layers)), _batches(data, None, cfg), 0.0
     t0 = time.perf_counter()
-    features = compute_features(target.params, target.cfg, data, capture_layers, cfg.seq_len, progress=progress)
+    import ml_dtypes
+
+    dtype = ml_dtypes.bfloat16 if mode == "precompute-bf16" else np.float32
+    features = compute_features(target.params, target.cfg, data, capture_layers, cfg.seq_len,
+                                progress=progress, dtype=dtype)
     return loss, _batches(data, features, cfg), time.perf_counter() - t0
 
 

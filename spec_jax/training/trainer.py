@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -211,13 +212,21 @@ def train(
             checkpointer.save(state)
         if evaluate is not None and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
             evals.append({"step": done, **evaluate(state.params, done)})
+            if progress:  # the held-out numbers as they come, not only in the final log
+                bar.write(_eval_line(evals[-1]))
         bar.update(1)
     bar.close()
     if evaluate is not None and end == cfg.steps:
         evals.append({"step": end, **evaluate(state.params, end)})
+        if progress:
+            print(_eval_line(evals[-1]), file=sys.stderr)
     if checkpointer is not None:
         checkpointer.close()
     return TrainResult(state=state, history=history, evals=evals, seconds=time.perf_counter() - t0)
+
+
+def _eval_line(row: dict[str, float]) -> str:
+    return f"step {row['step']}: held-out " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "step")
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
