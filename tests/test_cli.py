@@ -222,3 +222,14 @@ def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):
     assert info["drafter"]["kind"] == "DFlashDrafter" and info["drafter"]["k"] == 3
     assert info["drafter"]["capture_layers"] == [1] and info["drafter"]["params"] > 0
     assert "devices" in run_error(capsys, gen_args(tiny_dir, "--mesh", "data=3"))
+
+
+def test_bench_names_two_runs_drafter_dirs_apart():
+    """Two runs' exports are both called `drafter/`: the bench table names them by run."""
+    from spec_jax.app.bench import _method_names
+    from spec_jax.app.inputs import parse_drafter_spec
+
+    specs = [parse_drafter_spec(t) for t in ("ngram", "dflash=runs/a/drafter", "dflash=runs/b/drafter",
+                                             "eagle3=assets/smollm2_eagle3")]
+    assert list(_method_names(specs).values()) == ["ngram", "dflash:a/drafter", "dflash:b/drafter",
+                                                   "eagle3:smollm2_eagle3"]

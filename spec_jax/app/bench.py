@@ -103,8 +103,9 @@ def run_bench(
     rows: list[dict[str, Any]] = []
     ar_outputs: list[list[int]] | None = None
     bar = tqdm(total=len(methods) * len(batches), desc="bench", file=sys.stderr, disable=not progress)
+    names = _method_names([m for m, drafter, _ in built if drafter is not None])
     for method, drafter, drafter_params in built:
-        name = "AR" if drafter is None else method.kind + (f":{Path(method.path).name}" if method.path else "")
+        name = "AR" if drafter is None else names[method]
         bar.set_postfix_str(f"{name} warm-up")
         warm = generate(target, [prompt_ids[i] for i in batches[0]], drafter, drafter_params, **kwargs)
         compile_s, warmup_s = warm.compile_s, warm.generate_s
@@ -163,6 +164,17 @@ def run_bench(
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "results": rows,
     }
+
+
+def _method_names(methods: list[Any]) -> dict[Any, str]:
+    """kind:dir-name per method; kind:parent/dir-name where dir names repeat (two runs' `drafter/`)."""
+    def name(method: Any, parts: int) -> str:
+        if not method.path:
+            return method.kind
+        return f"{method.kind}:" + "/".join(Path(method.path).parts[-parts:])
+
+    short = [name(m, 1) for m in methods]
+    return {m: name(m, 2) if short.count(n) > 1 else n for m, n in zip(methods, short)}
 
 
 def _add_stats(acc: dict[str, Any] | None, stats: dict[str, Any]) -> dict[str, Any]:
