@@ -41,8 +41,9 @@ DEFAULT_SHAPES = preset_config("smollm2-135m")  # the default model's config, te
 
 
 def shipped_dflash_config(dtype: str = "float32") -> DFlashConfig:
-    hf = json.loads((ASSETS / "smollm2_dflash" / "config.json").read_text())
-    return DFlashConfig.from_hf_config(hf, dtype=dtype)
+    from spec_jax.checkpoints.dflash import read_dflash_config  # either checkpoint format
+
+    return read_dflash_config(ASSETS / "smollm2_dflash", dtype=dtype)
 
 
 def shipped_draft_config(dtype: str = "float32") -> ModelConfig:
