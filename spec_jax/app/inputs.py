@@ -237,10 +237,10 @@ MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
         ("ngram",
          "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md: n-gram "
-         "1.57x plain decoding; the shipped EAGLE-3 1.04x, DFlash 0.93x, draft model 0.84x)"),
+         "1.65x plain decoding; the shipped DFlash 1.28x, draft model 1.15x, EAGLE-3 1.12x)"),
         ("none",
          "several prompts: on CPU at batch 8 every drafter was slower than plain decoding "
-         "(benchmarks/RESULTS.md: n-gram 0.93x, draft model 0.61x, EAGLE-3 0.54x, DFlash 0.50x)"),
+         "(benchmarks/RESULTS.md: n-gram 0.98x, draft model 0.68x, DFlash 0.52x, EAGLE-3 0.51x)"),
     ),
 }
 UNMEASURED_DEFAULT_DRAFTER = (
