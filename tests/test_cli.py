@@ -233,3 +233,16 @@ def test_bench_names_two_runs_drafter_dirs_apart():
                                              "eagle3=assets/smollm2_eagle3")]
     assert list(_method_names(specs).values()) == ["ngram", "dflash:a/drafter", "dflash:b/drafter",
                                                    "eagle3:smollm2_eagle3"]
+
+
+def test_info_shows_a_reduced_draft_vocabulary():
+    from spec_jax.app.info import drafter_info
+    from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter
+    from spec_jax.drafters.ngram import NGramDrafter
+
+    cfg = DFlashConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                       intermediate_size=64, block_size=4, target_layer_ids=(0,), mask_token_id=3,
+                       vocab_size=100, draft_vocab_size=40)
+    info = drafter_info(DFlashDrafter(cfg))
+    assert info["draft_vocab_size"] == 40 and info["params"] > 32 * 40  # its own head is counted
+    assert drafter_info(NGramDrafter(k=3))["draft_vocab_size"] is None

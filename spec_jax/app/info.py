@@ -69,4 +69,7 @@ def drafter_info(drafter: Any) -> dict[str, Any]:
         "capture_layers": list(drafter.capture_layers),
         # Per-token cache of drafters that keep one (draft model, DFlash context); n-gram keeps none.
         "kv_bytes_per_token": int(getattr(cfg, "kv_bytes_per_token", 0)),
+        # Rows of a drafter's own LM head over a reduced draft vocabulary (EAGLE-3, DFlash); none
+        # for drafters that draft through the target's head or their own full one.
+        "draft_vocab_size": getattr(cfg, "draft_vocab_size", None),
     }
