@@ -62,6 +62,7 @@ def drafter_info(drafter: Any) -> dict[str, Any]:
 
     specs = drafter.weight_specs()
     cfg = getattr(drafter, "cfg", None)
+    draft_vocab = getattr(cfg, "draft_vocab_size", None)
     return {
         "kind": type(drafter).__name__,
         "k": int(drafter.k),
@@ -69,7 +70,7 @@ def drafter_info(drafter: Any) -> dict[str, Any]:
         "capture_layers": list(drafter.capture_layers),
         # Per-token cache of drafters that keep one (draft model, DFlash context); n-gram keeps none.
         "kv_bytes_per_token": int(getattr(cfg, "kv_bytes_per_token", 0)),
-        # Rows of a drafter's own LM head over a reduced draft vocabulary (EAGLE-3, DFlash); none
-        # for drafters that draft through the target's head or their own full one.
-        "draft_vocab_size": getattr(cfg, "draft_vocab_size", None),
+        # Rows of a drafter's own draft-vocabulary LM head (EAGLE-3; DFlash with a reduced
+        # vocabulary), shown only for drafters that have one.
+        **({"draft_vocab_size": int(draft_vocab)} if draft_vocab else {}),
     }
