@@ -187,7 +187,7 @@ def load_dflash(
             w = DRAFT_HEAD
             params[w.name] = from_hf(get_tensor(w.hf_name), specs[w.name].shape, w.in_axes)
             d2t = files.get_tensor(original_of["d2t"], None).astype(np.int64)
-            t2d = files.get_tensor(original_of["t2d"], None).astype(bool) if "t2d" in original_of else None
+            t2d = files.get_tensor(original_of["t2d"], None).astype(bool)  # required by check_hf_tensors
             check_vocab_map(d2t, t2d, cfg.vocab_size, f"{directory} (DFlash drafter)")
             params["d2t"] = d2t.astype(np.int32)
     check_params_match_specs(params, specs, what=f"DFlash checkpoint {directory}")

@@ -264,8 +264,7 @@ def train_dflash(
     init_from drafter gets that head added; a reduced one keeps its own vocabulary."""
     from spec_jax.checkpoints.dflash import read_dflash_config, save_dflash
     from spec_jax.drafters.dflash import DFlashDrafter, check_compatible, init_dflash_params
-    from spec_jax.drafters.draft_vocab import head_rows, offsets
-    from spec_jax.training.data import frequent_draft_vocab
+    from spec_jax.drafters.draft_vocab import offsets
     from spec_jax.training.dflash import DFlashLoss
 
     out_dir = Path(out_dir)
@@ -282,14 +281,7 @@ def train_dflash(
     else:
         init = jax.device_get(init_dflash_params(dflash_cfg, jax.random.key(cfg.seed)))
     data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
-    draft_ids = None
-    if size:
-        if init_from is not None and "d2t" in init:
-            draft_ids = np.arange(size) + np.asarray(init.pop("d2t"))
-        else:
-            init.pop("d2t", None)
-            draft_ids = frequent_draft_vocab(data, size, tuple(target.cfg.eos_token_ids))
-            init["lm_head"] = head_rows(target.params, target.cfg, draft_ids)
+    draft_ids = take_draft_vocabulary(init, init_from is not None, size, data, target) if size else None
     mode = feature_mode(features, data, dflash_cfg.target_layer_ids, target.cfg.hidden_size)
     drafter = DFlashDrafter(dflash_cfg)
     vocab_map = {} if size is None else {"d2t": jnp.asarray(offsets(draft_ids))}
@@ -325,6 +317,22 @@ def train_dflash(
         "eval_tokens": eval_tokens, "backend": jax.default_backend(), "train": dataclasses.asdict(cfg),
     })
     return drafter, params, result
+
+
+def take_draft_vocabulary(init: dict, warm: bool, size: int, data: TokenDataset, target: Any) -> np.ndarray:
+    """Target ids of a reduced draft vocabulary, with `init` made ready to train its head (its
+    `d2t` popped: the map belongs to the loss, it is not a trained weight). A warm-started head
+    keeps its own map; a new one takes the data's `size` most frequent answer tokens (plus the
+    target's EOS ids), its lm_head rows starting from the target's output embedding of them."""
+    from spec_jax.drafters.draft_vocab import head_rows
+    from spec_jax.training.data import frequent_draft_vocab
+
+    d2t = init.pop("d2t", None)
+    if warm and d2t is not None:
+        return np.arange(size) + np.asarray(d2t)
+    draft_ids = frequent_draft_vocab(data, size, tuple(target.cfg.eos_token_ids))
+    init["lm_head"] = head_rows(target.params, target.cfg, draft_ids)
+    return draft_ids
 
 
 def _sha256(ids: Any) -> str:
@@ -432,7 +440,7 @@ def train_eagle3(
     output embedding of those tokens. init_from: an exported EAGLE-3 head to continue from."""
     from spec_jax.checkpoints.eagle3 import save_eagle3
     from spec_jax.drafters.eagle3 import Eagle3Drafter, check_compatible, init_eagle3_params
-    from spec_jax.training.data import frequent_draft_vocab
+    from spec_jax.drafters.draft_vocab import offsets
     from spec_jax.training.eagle3 import Eagle3Loss
 
     out_dir = Path(out_dir)
@@ -441,21 +449,16 @@ def train_eagle3(
     check_compatible(eagle_cfg, target.cfg)
     if init_from is not None:
         init = warm_start_params("eagle3", init_from, eagle_cfg)
-        draft_ids = np.arange(size) + np.asarray(init.pop("d2t"))
     else:
-        draft_ids = frequent_draft_vocab(data, size, tuple(target.cfg.eos_token_ids))
         init = jax.device_get(init_eagle3_params(eagle_cfg, jax.random.key(cfg.seed)))
-        init.pop("d2t")
-        # The target's own output embedding of the draft tokens: [H, V] -> [H, Vd].
-        head = target.params["embed"].T if target.cfg.tie_embeddings else target.params["lm_head"]
-        init["lm_head"] = np.asarray(head, np.float32)[:, draft_ids]
+    draft_ids = take_draft_vocabulary(init, init_from is not None, size, data, target)
     data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
     mode = feature_mode(features, data, eagle_cfg.capture_layers, target.cfg.hidden_size)
     loss, batches, feature_s = _loss_and_batches(
         Eagle3Loss(eagle_cfg, target.cfg, tuple(int(i) for i in draft_ids), ttt_steps=ttt_steps),
         target, data, eagle_cfg.capture_layers, cfg, mode, progress,
     )
-    d2t = jnp.asarray(draft_ids - np.arange(size), jnp.int32)
+    d2t = jnp.asarray(offsets(draft_ids))
     drafter = Eagle3Drafter(eagle_cfg, k=k)
     result = train(
         loss, init, target.params, batches, cfg, out_dir,
