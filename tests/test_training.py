@@ -360,6 +360,68 @@ def test_bfloat16_features_keep_the_first_seq_len_tokens_at_half_the_memory(setu
     np.testing.assert_allclose(a[0], full_cap[:, :short], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_feature_store_resumes_an_interrupted_pass_and_refuses_another(setup, tmp_path, monkeypatch, dtype):
+    """On disk (memory-mapped): the stored features equal the in-memory ones; a pass interrupted
+    after some sequences redoes only the rest; a finished store is reused without running the
+    target; another target or dataset is refused rather than overwritten."""
+    import json
+
+    import ml_dtypes
+
+    import spec_jax.training.features as features_lib
+
+    target_params, data, _, _ = setup
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    layers, store = DFLASH.target_layer_ids, tmp_path / "features"
+    kwargs = dict(progress=False, dtype=np_dtype, batch_size=4)
+    memory = compute_features(target_params, TARGET, data, layers, SEQ_LEN, **kwargs)
+    monkeypatch.setattr(features_lib, "STORE_FLUSH_EVERY", 8)  # a save every 2 batches of 4
+
+    # Interrupt the target pass during its 5th batch: 16 sequences were saved, the 17th.. were not.
+    calls = {"n": 0}
+    real = features_lib.jitted_target_features
+
+    def interrupted(*args):
+        run = real(*args)
+
+        def counted(*inputs):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise KeyboardInterrupt
+            return run(*inputs)
+
+        return counted
+
+    monkeypatch.setattr(features_lib, "jitted_target_features", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        compute_features(target_params, TARGET, data, layers, SEQ_LEN, store=store, **kwargs)
+    manifest = json.loads((store / features_lib.STORE_MANIFEST).read_text())
+    assert manifest["sequences_done"] == 16 and not manifest["complete"]
+
+    calls["n"] = -100  # the resumed pass runs the remaining 16 sequences only
+    resumed = compute_features(target_params, TARGET, data, layers, SEQ_LEN, store=store, **kwargs)
+    assert calls["n"] == -100 + 4
+    assert isinstance(resumed.captured, np.memmap) and resumed.captured.dtype == np_dtype
+    np.testing.assert_array_equal(resumed.offsets, memory.offsets)
+    np.testing.assert_array_equal(resumed.captured, memory.captured)
+    np.testing.assert_array_equal(resumed.final, memory.final)
+    assert json.loads((store / features_lib.STORE_MANIFEST).read_text())["complete"]
+
+    def must_not_run(*args):
+        raise AssertionError("a finished store must be reused, not recomputed")
+
+    monkeypatch.setattr(features_lib, "jitted_target_features", must_not_run)
+    again = compute_features(target_params, TARGET, data, layers, SEQ_LEN, store=store, **kwargs)
+    np.testing.assert_array_equal(again.final, memory.final)
+
+    other = jax.tree_util.tree_map(lambda x: x * 1.01, target_params)
+    with pytest.raises(ValueError, match="another pass.*target_sha256"):
+        compute_features(other, TARGET, data, layers, SEQ_LEN, store=store, **kwargs)
+    with pytest.raises(ValueError, match="data_sha256.*delete it"):
+        compute_features(target_params, TARGET, data.subset(range(8)), layers, SEQ_LEN, store=store, **kwargs)
+
+
 def test_teacher_labels_are_the_targets_own_greedy_tokens(setup):
     """On the target's own greedy answers, labels from its argmax are exactly the data's labels;
     on other text they differ (that is what they are for)."""

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precompute the frozen target's features once (host memory; precompute-bf16 stores "
                    "them in bfloat16, half the memory) or run it in every step; auto: precompute on CPU "
                    "when under 4 GB (float32, else bfloat16)")
+    p.add_argument("--feature-cache", default=None,
+                   help="where precomputed target features are kept, memory-mapped (default OUT/target_features): "
+                   "an interrupted pass resumes there and a later run over the same target, data, --seq-len "
+                   "and layers reuses it")
     p.add_argument("--eval-prompts", type=int, default=40,
                    help="held-out tau on HumanEval[:N] (N <= 40; never trained on)")
     p.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per held-out prompt")
@@ -126,7 +130,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         _, _, result = training.train_eagle3(
             target, dataset, args.out, cfg, num_layers=layers, draft_vocab_size=args.draft_vocab or 8192,
             ttt_steps=args.ttt_steps, k=args.k, eval_prompts=args.eval_prompts,
-            eval_tokens=args.eval_tokens, features=args.target_features, progress=progress,
+            eval_tokens=args.eval_tokens, features=args.target_features,
+            feature_cache=args.feature_cache, progress=progress,
             init_from=args.init_from,
         )
     elif args.kind == "dflash":
@@ -135,7 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             target, dataset, args.out, cfg, dflash_cfg, num_anchors=args.anchors,
             kl_weight=args.kl_weight or 0.0, teacher_labels=args.teacher_labels,
             eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
-            features=args.target_features, progress=progress, init_from=args.init_from,
+            features=args.target_features, feature_cache=args.feature_cache, progress=progress,
+            init_from=args.init_from,
             draft_vocab_size=args.draft_vocab,
         )
     else:
@@ -144,7 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             target, dataset, args.out, cfg, student,
             kl_weight=1.0 if args.kl_weight is None else args.kl_weight,
             positions=args.answer_positions, eval_prompts=args.eval_prompts,
-            eval_tokens=args.eval_tokens, features=args.target_features, progress=progress,
+            eval_tokens=args.eval_tokens, features=args.target_features,
+            feature_cache=args.feature_cache, progress=progress,
             init_from=args.init_from,
         )
     log(f"trained {result.state.step} steps in {result.seconds:.0f}s; held-out {result.evals[-1:]}; "

@@ -9,11 +9,19 @@ but holds `tokens x (layers + 1) x hidden` values in host memory (only the first
 each sequence, the ones training reads; float32, or bfloat16 at half the memory, which is what an
 accelerator's bfloat16 target would hand the drafter anyway); `WithTargetFeatures` runs the
 target inside each jitted training step instead (the choice for accelerators and large data).
+
+With a `store` directory the precomputed features live on disk as memory-mapped .npy files: the
+pass (half an hour for 2M tokens on a 2-core CPU) resumes where an interrupted one stopped, a
+later run over the same target, data and settings reuses it, and host memory only caches them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -50,6 +58,11 @@ def target_features(
     return jax.lax.stop_gradient(captured), jax.lax.stop_gradient(final)
 
 
+def jitted_target_features(cfg: ModelConfig, capture_layers: tuple[int, ...]):
+    """`target_features` compiled for (params, tokens)."""
+    return jax.jit(lambda params, tokens: target_features(params, cfg, tokens, capture_layers))
+
+
 @dataclasses.dataclass(frozen=True)
 class WithTargetFeatures:
     """A loss whose batch gets `captured` and `final` from the frozen target inside the step."""
@@ -70,6 +83,63 @@ def precompute_fits(
     return num_tokens * (len(capture_layers) + 1) * hidden * bytes_per_value <= limit_gb * 2**30
 
 
+STORE_MANIFEST = "features.json"
+# Sequences between two saves of an on-disk pass: what an interruption can cost.
+STORE_FLUSH_EVERY = 256
+
+
+def store_key(params: Any, data: TokenDataset, capture_layers: Sequence[int], seq_len: int, dtype: Any) -> dict:
+    """What a stored feature pass depends on: the target's weights, the token data, the layers,
+    seq_len and the storage dtype (hashes, so a changed target or dataset never reuses features)."""
+    weights = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(params)):
+        weights.update(jax.tree_util.keystr(path).encode())
+        weights.update(np.ascontiguousarray(leaf).tobytes())
+    tokens = hashlib.sha256(np.ascontiguousarray(data.tokens, np.int32).tobytes())
+    tokens.update(np.ascontiguousarray(data.offsets, np.int64).tobytes())
+    return {
+        "target_sha256": weights.hexdigest(),
+        "data_sha256": tokens.hexdigest(),
+        "capture_layers": [int(i) for i in capture_layers],
+        "seq_len": int(seq_len),
+        "dtype": np.dtype(dtype).name,
+    }
+
+
+def _write_manifest(store: Path, manifest: dict) -> None:
+    tmp = store / (STORE_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, store / STORE_MANIFEST)
+
+
+def _open_store(store: Path, key: dict, shapes: dict[str, tuple[int, int]], dtype: Any):
+    """(memmaps by name, viewed as dtype; sequences already done). A new store is created; one
+    holding another pass's features is refused rather than overwritten."""
+    # .npy has no bfloat16: it is stored as its uint16 bits and viewed back.
+    disk_dtype = np.uint16 if np.dtype(dtype).itemsize == 2 else np.dtype(dtype)
+    manifest_path = store / STORE_MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        differs = sorted(k for k in key if manifest.get(k) != key[k])
+        if differs:
+            raise ValueError(
+                f"{store} holds target features of another pass (differs in {', '.join(differs)}); "
+                "delete it or point the feature cache at another directory."
+            )
+        done = int(manifest["sequences_done"])
+        mode = "r" if manifest.get("complete") else "r+"
+        arrays = {name: np.load(store / f"{name}.npy", mmap_mode=mode) for name in shapes}
+    else:
+        store.mkdir(parents=True, exist_ok=True)
+        arrays = {
+            name: np.lib.format.open_memmap(store / f"{name}.npy", mode="w+", dtype=disk_dtype, shape=shape)
+            for name, shape in shapes.items()
+        }
+        done = 0
+        _write_manifest(store, {**key, "sequences_done": 0, "complete": False})
+    return {name: a.view(dtype) for name, a in arrays.items()}, done
+
+
 def compute_features(
     params: Any,
     cfg: ModelConfig,
@@ -79,31 +149,48 @@ def compute_features(
     batch_size: int = 8,
     progress: bool = True,
     dtype: Any = np.float32,
+    store: str | os.PathLike | None = None,
 ) -> TargetFeatures:
-    """dtype: how they are stored (np.float32 or ml_dtypes.bfloat16); batches get float32."""
+    """dtype: how they are stored (np.float32 or ml_dtypes.bfloat16); batches get float32.
+    store: a directory to keep them in on disk (resumed and reused; see the module docstring)."""
     from tqdm.auto import tqdm
 
     capture = tuple(capture_layers)
-    run = jax.jit(lambda params, tokens: target_features(params, cfg, tokens, capture))
-
     n_cap = len(capture_layers) * cfg.hidden_size
     kept = np.minimum(np.diff(data.offsets), seq_len)
     offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
-    captured = np.zeros((int(offsets[-1]), n_cap), dtype)
-    final = np.zeros((int(offsets[-1]), cfg.hidden_size), dtype)
-    indices = list(range(len(data)))
-    for start in tqdm(range(0, len(indices), batch_size), desc="target features", disable=not progress):
-        rows = indices[start : start + batch_size]
-        tokens = np.zeros((batch_size, seq_len), np.int32)
-        for r, i in enumerate(rows):
-            seq = data.sequence(i)[:seq_len]
-            tokens[r, : len(seq)] = seq
-        cap, fin = jax.device_get(run(params, jnp.asarray(tokens)))
-        for r, i in enumerate(rows):
-            lo, hi = offsets[i], offsets[i + 1]
-            captured[lo:hi] = cap[r, : hi - lo]
-            final[lo:hi] = fin[r, : hi - lo]
-    return TargetFeatures(tuple(capture_layers), captured, final, offsets)
+    shapes = {"captured": (int(offsets[-1]), n_cap), "final": (int(offsets[-1]), cfg.hidden_size)}
+    if store is None:
+        arrays, done = {name: np.zeros(shape, dtype) for name, shape in shapes.items()}, 0
+    else:
+        store = Path(store)
+        key = store_key(params, data, capture, seq_len, dtype)
+        arrays, done = _open_store(store, key, shapes, dtype)
+    captured, final = arrays["captured"], arrays["final"]
+    if done < len(data):
+        run = jitted_target_features(cfg, capture)
+        starts = range(done, len(data), batch_size)
+        flush_every = max(1, STORE_FLUSH_EVERY // batch_size)
+        for n, start in enumerate(tqdm(starts, desc="target features", unit="batch", disable=not progress)):
+            rows = range(start, min(start + batch_size, len(data)))
+            tokens = np.zeros((batch_size, seq_len), np.int32)
+            for r, i in enumerate(rows):
+                seq = data.sequence(i)[:seq_len]
+                tokens[r, : len(seq)] = seq
+            cap, fin = jax.device_get(run(params, jnp.asarray(tokens)))
+            for r, i in enumerate(rows):
+                lo, hi = offsets[i], offsets[i + 1]
+                captured[lo:hi] = cap[r, : hi - lo]
+                final[lo:hi] = fin[r, : hi - lo]
+            finished = rows.stop == len(data)
+            if store is not None and (finished or (n + 1) % flush_every == 0):
+                for a in (captured, final):
+                    a.flush()  # the rows on disk before the manifest says they are done
+                _write_manifest(store, {**key, "sequences_done": rows.stop, "complete": finished})
+        if store is not None:
+            arrays, _ = _open_store(store, key, shapes, dtype)  # read-only from here on
+            captured, final = arrays["captured"], arrays["final"]
+    return TargetFeatures(capture, captured, final, offsets)
 
 
 def gather_features(

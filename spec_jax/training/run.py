@@ -188,8 +188,11 @@ def feature_mode(mode: str, data: TokenDataset, capture_layers: Sequence[int], h
     return "per-step"
 
 
-def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode: str, progress: bool):
-    """The loss and batch stream for a feature mode, and the seconds spent precomputing."""
+def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode: str, progress: bool,
+                      out_dir: Path, feature_cache: str | Path | None):
+    """The loss and batch stream for a feature mode, and the seconds spent precomputing.
+    Precomputed features live in feature_cache (default out_dir/target_features), memory-mapped:
+    a resumed run or a later one over the same target and data skips the pass."""
     from spec_jax.training.features import WithTargetFeatures
 
     if mode == "per-step":
@@ -198,8 +201,9 @@ def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode
     import ml_dtypes
 
     dtype = ml_dtypes.bfloat16 if mode == "precompute-bf16" else np.float32
+    store = Path(feature_cache) if feature_cache else out_dir / "target_features"
     features = compute_features(target.params, target.cfg, data, capture_layers, cfg.seq_len,
-                                progress=progress, dtype=dtype)
+                                progress=progress, dtype=dtype, store=store)
     return loss, _batches(data, features, cfg), time.perf_counter() - t0
 
 
@@ -254,6 +258,7 @@ def train_dflash(
     eval_prompts: int = 4,
     eval_tokens: int = 64,
     features: str = "auto",
+    feature_cache: str | Path | None = None,
     progress: bool = True,
     init_from: str | Path | None = None,
     draft_vocab_size: int | None = None,
@@ -289,7 +294,7 @@ def train_dflash(
         DFlashLoss(dflash_cfg, target.cfg, num_anchors=num_anchors, kl_weight=kl_weight,
                    teacher_labels=teacher_labels,
                    draft_ids=None if size is None else tuple(int(i) for i in draft_ids)),
-        target, data, dflash_cfg.target_layer_ids, cfg, mode, progress,
+        target, data, dflash_cfg.target_layer_ids, cfg, mode, progress, out_dir, feature_cache,
     )
     result = train(
         loss,
@@ -351,6 +356,7 @@ def train_draft_model(
     k: int = 4,
     positions: int = 64,
     features: str = "auto",
+    feature_cache: str | Path | None = None,
     progress: bool = True,
     init_from: str | Path | None = None,
 ) -> tuple[Any, Any, TrainResult]:
@@ -370,7 +376,9 @@ def train_draft_model(
     loss = DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight, positions=positions)
     if kl_weight > 0:  # the teacher's final hidden states, for its logits
         mode = feature_mode(features, data, (), target.cfg.hidden_size)
-        loss, batches, feature_s = _loss_and_batches(loss, target, data, (), cfg, mode, progress)
+        loss, batches, feature_s = _loss_and_batches(
+            loss, target, data, (), cfg, mode, progress, out_dir, feature_cache
+        )
     else:  # cross-entropy on the target's own answers needs no target pass
         mode, batches, feature_s = "none", _batches(data, None, cfg), 0.0
     drafter = DraftModelDrafter(student_cfg, k=k)
@@ -431,6 +439,7 @@ def train_eagle3(
     eval_prompts: int = 4,
     eval_tokens: int = 64,
     features: str = "auto",
+    feature_cache: str | Path | None = None,
     progress: bool = True,
     init_from: str | Path | None = None,
 ) -> tuple[Any, Any, TrainResult]:
@@ -456,7 +465,7 @@ def train_eagle3(
     mode = feature_mode(features, data, eagle_cfg.capture_layers, target.cfg.hidden_size)
     loss, batches, feature_s = _loss_and_batches(
         Eagle3Loss(eagle_cfg, target.cfg, tuple(int(i) for i in draft_ids), ttt_steps=ttt_steps),
-        target, data, eagle_cfg.capture_layers, cfg, mode, progress,
+        target, data, eagle_cfg.capture_layers, cfg, mode, progress, out_dir, feature_cache,
     )
     d2t = jnp.asarray(offsets(draft_ids))
     drafter = Eagle3Drafter(eagle_cfg, k=k)
