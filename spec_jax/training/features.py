@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -166,6 +167,9 @@ def compute_features(
         store = Path(store)
         key = store_key(params, data, capture, seq_len, dtype)
         arrays, done = _open_store(store, key, shapes, dtype)
+        if progress and done:
+            state = "reusing" if done == len(data) else f"resuming at sequence {done} of {len(data)} in"
+            print(f"target features: {state} {store}", file=sys.stderr)
     captured, final = arrays["captured"], arrays["final"]
     if done < len(data):
         run = jitted_target_features(cfg, capture)
