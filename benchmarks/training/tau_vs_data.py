@@ -2,9 +2,11 @@
 
     python benchmarks/training/tau_vs_data.py   # prints the table, writes tau_vs_data.png
 
-Each run named below continued from the one before it (`--init-from`), so the curve is the shipped
+Each run named below continued from the one before it (`--init-from`), so the curves are the shipped
 DFlash drafter's history: the data each run trained on, its steps, and the held-out tau of its
-evaluations (HumanEval[:40], 64 tokens, greedy; the evaluation `spec-jax train` runs).
+evaluations (HumanEval[:40], 64 tokens, greedy; the evaluation `spec-jax train` runs). The left
+panel is tau against each run's data; the right one every evaluation against the steps trained so
+far (later runs on the same data add steps, not data).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).parent
-RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full")  # in the order they continued each other
+RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2")  # in the order they continued each other
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['run']} | {r['data_tokens']:,} | {r['sequences']} | {r['steps']} | {r['draft_vocab']} | {r['tau']:.2f} |")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, by_step) = plt.subplots(1, 2, figsize=(11, 4))
     ax.plot([r["data_tokens"] for r in rows], [r["tau"] for r in rows], marker="o")
     for r in rows:
         ax.annotate(f"{r['run']}\n{r['steps']} steps", (r["data_tokens"], r["tau"]), fontsize=7,
@@ -50,6 +52,15 @@ def main() -> None:
     ax.set_ylabel("held-out tau (HumanEval[:40], K=7)")
     ax.set_title("DFlash (SmolLM2-135M): held-out tau against data")
     ax.grid(alpha=0.3)
+    done = 0
+    for r in rows:
+        by_step.plot([done + e["step"] for e in r["evals"]], [e["tau"] for e in r["evals"]], "o-",
+                     label=f"{r['run']} ({r['data_tokens'] / 1e6:.2f}M tokens)")
+        done += r["steps"]
+    by_step.set_xlabel("steps since dflash_finetune began (batch 8 x 8 anchors)")
+    by_step.set_title("every held-out evaluation")
+    by_step.legend(fontsize=7)
+    by_step.grid(alpha=0.3)
     fig.tight_layout()
     out = HERE / "tau_vs_data.png"
     fig.savefig(out, dpi=120)
