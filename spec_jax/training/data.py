@@ -329,6 +329,25 @@ def build_dataset(
 MANIFEST = "manifest.json"
 
 
+def write_json_atomic(path: Path, value: dict) -> None:
+    """Written to a temporary file, then renamed: a reader never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def matching_manifest(path: Path, expected: dict, holds: str, fix: str) -> dict | None:
+    """The manifest of resumable work at `path` (None when there is none yet); one whose
+    `expected` fields differ is refused: the directory `holds` other work, `fix` says what to do."""
+    if not path.is_file():
+        return None
+    existing = json.loads(path.read_text())
+    differs = sorted(k for k in expected if existing.get(k) != expected[k])
+    if differs:
+        raise ValueError(f"{path.parent} holds {holds} (differs in {', '.join(differs)}); {fix}")
+    return existing
+
+
 def _check_manifest(shard_dir: Path, encoded, sources, settings: dict, shard_prompts: int) -> None:
     """Write the manifest of a new shard dir, or refuse to resume one made for another request."""
     digest = hashlib.sha256(json.dumps([list(map(int, e)) for e in encoded] + [list(sources)]).encode())
@@ -340,19 +359,10 @@ def _check_manifest(shard_dir: Path, encoded, sources, settings: dict, shard_pro
         **settings,
     }
     path = shard_dir / MANIFEST
-    if path.is_file():
-        existing = json.loads(path.read_text())
-        differs = sorted(k for k in manifest if existing.get(k) != manifest[k])
-        if differs:
-            raise ValueError(
-                f"{shard_dir} holds shards of another request (differs in {', '.join(differs)}); "
-                "resume with the same prompts and settings, or write to a new directory."
-            )
-        return
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, path)
+    fix = "resume with the same prompts and settings, or write to a new directory."
+    if matching_manifest(path, manifest, "shards of another request", fix) is None:
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, manifest)
 
 
 @dataclasses.dataclass

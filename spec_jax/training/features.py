@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import forward_hidden, init_cache
-from spec_jax.training.data import TokenDataset
+from spec_jax.training.data import TokenDataset, matching_manifest, write_json_atomic
 
 
 @dataclasses.dataclass
@@ -107,26 +106,16 @@ def store_key(params: Any, data: TokenDataset, capture_layers: Sequence[int], se
     }
 
 
-def _write_manifest(store: Path, manifest: dict) -> None:
-    tmp = store / (STORE_MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, store / STORE_MANIFEST)
-
-
 def _open_store(store: Path, key: dict, shapes: dict[str, tuple[int, int]], dtype: Any):
     """(memmaps by name, viewed as dtype; sequences already done). A new store is created; one
     holding another pass's features is refused rather than overwritten."""
     # .npy has no bfloat16: it is stored as its uint16 bits and viewed back.
     disk_dtype = np.uint16 if np.dtype(dtype).itemsize == 2 else np.dtype(dtype)
-    manifest_path = store / STORE_MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        differs = sorted(k for k in key if manifest.get(k) != key[k])
-        if differs:
-            raise ValueError(
-                f"{store} holds target features of another pass (differs in {', '.join(differs)}); "
-                "delete it or point the feature cache at another directory."
-            )
+    manifest = matching_manifest(
+        store / STORE_MANIFEST, key, "target features of another pass",
+        "delete it or point the feature cache at another directory.",
+    )
+    if manifest is not None:
         done = int(manifest["sequences_done"])
         mode = "r" if manifest.get("complete") else "r+"
         arrays = {name: np.load(store / f"{name}.npy", mmap_mode=mode) for name in shapes}
@@ -137,7 +126,7 @@ def _open_store(store: Path, key: dict, shapes: dict[str, tuple[int, int]], dtyp
             for name, shape in shapes.items()
         }
         done = 0
-        _write_manifest(store, {**key, "sequences_done": 0, "complete": False})
+        write_json_atomic(store / STORE_MANIFEST, {**key, "sequences_done": 0, "complete": False})
     return {name: a.view(dtype) for name, a in arrays.items()}, done
 
 
@@ -190,7 +179,8 @@ def compute_features(
             if store is not None and (finished or (n + 1) % flush_every == 0):
                 for a in (captured, final):
                     a.flush()  # the rows on disk before the manifest says they are done
-                _write_manifest(store, {**key, "sequences_done": rows.stop, "complete": finished})
+                progress_now = {"sequences_done": rows.stop, "complete": finished}
+                write_json_atomic(store / STORE_MANIFEST, {**key, **progress_now})
         if store is not None:
             arrays, _ = _open_store(store, key, shapes, dtype)  # read-only from here on
             captured, final = arrays["captured"], arrays["final"]
