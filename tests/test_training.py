@@ -106,6 +106,34 @@ def test_a_few_steps_reduce_the_loss(setup, kind):
     assert after > before, (before, after)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "draft_model"])
+def test_grown_drafter_starts_as_the_saved_one(setup, kind):
+    """identity_layers_appended: a 1-layer drafter grown to 3 layers gives the same loss and
+    accuracy on the same batch (the new layers add nothing to the residual stream), and training
+    moves the zeroed projections at once."""
+    from spec_jax.training.run import identity_layers_appended
+
+    target_params, data, features, _ = setup
+    if kind == "dflash":
+        deep_cfg = dataclasses.replace(DFLASH, num_layers=3, layer_types=())
+        shallow, deep_loss = init_dflash_params(DFLASH, jax.random.key(1)), DFlashLoss(deep_cfg, TARGET, num_anchors=4)
+        shallow_loss, fresh = DFlashLoss(DFLASH, TARGET, num_anchors=4), init_dflash_params(deep_cfg, jax.random.key(2))
+    else:
+        deep_cfg = STUDENT.replace(num_layers=3, layer_windows=())
+        shallow, deep_loss = init_params(STUDENT, jax.random.key(1)), DraftModelLoss(deep_cfg, TARGET)
+        shallow_loss, fresh = DraftModelLoss(STUDENT, TARGET), init_params(deep_cfg, jax.random.key(2))
+    grown = identity_layers_appended(jax.device_get(shallow), fresh["layers"][1:])
+    assert len(grown["layers"]) == 3 and _tree_equal(grown["layers"][0], shallow["layers"][0])
+    batch = next(_batches(data, features, CFG)(0))
+    key = jax.random.key(5)
+    before = shallow_loss(shallow, target_params, batch, key)
+    after = deep_loss(jax.tree_util.tree_map(jnp.asarray, grown), target_params, batch, key)
+    np.testing.assert_allclose(float(after[0]), float(before[0]), rtol=1e-6)
+    np.testing.assert_allclose(float(after[1]["accuracy"]), float(before[1]["accuracy"]))
+    grads = jax.grad(lambda p: deep_loss(p, target_params, batch, key)[0])(jax.tree_util.tree_map(jnp.asarray, grown))
+    assert float(jnp.abs(grads["layers"][2]["w_down"]).max()) > 0
+
+
 def test_save_restore_is_exact(tmp_path, setup):
     params = init_dflash_params(DFLASH, jax.random.key(3))
     opt = make_optimizer(CFG)
@@ -273,12 +301,21 @@ def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsy
     meta = json.loads((second / "training_log.json").read_text())
     assert meta["init_from"] == str(first / "drafter") and meta["data_sequences"] < len(data)
 
+    # A larger --layers grows the saved drafter: its layer carries over, the new one starts as
+    # the identity (zero output projections; unchanged by the lr-0 first step).
+    deeper = common + ["--out", str(tmp_path / "deeper"), "--steps", "1", "--init-from", str(first / "drafter")]
+    deeper[deeper.index("--layers") + 1] = "2"
+    assert main(deeper) == 0
+    grown = exported(tmp_path / "deeper")
+    assert len(grown["layers"]) == 2 and _tree_equal(grown["layers"][0], exported(first)["layers"][0])
+    assert not np.any(grown["layers"][1]["wo"]) and not np.any(grown["layers"][1]["w_down"])
+    assert np.any(grown["layers"][1]["wq"])
+
     capsys.readouterr()
-    wider = common + ["--out", str(tmp_path / "bad"), "--steps", "1", "--init-from", str(first / "drafter")]
-    wider[wider.index("--layers") + 1] = "2"
-    assert main(wider) == 2
+    other = common + ["--out", str(tmp_path / "bad"), "--steps", "1", "--init-from", str(tmp_path / "deeper" / "drafter")]
+    assert main(other) == 2  # fewer layers than the saved drafter: not a growth
     err = capsys.readouterr().err
-    assert "--init-from" in err and "num_layers: 1 there, 2 here" in err, err
+    assert "--init-from" in err and "num_layers: 2 there, 1 here" in err, err
     assert not (tmp_path / "bad" / "drafter").exists()
     assert main(common + ["--out", str(tmp_path / "bad"), "--data-sequences", "1000"]) == 2
     assert f"holds {len(data)} sequences" in capsys.readouterr().err

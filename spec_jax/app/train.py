@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(bounds host memory for precomputed features; tau against data amount)")
     p.add_argument("--init-from", metavar="DIR", default=None,
                    help="dflash/draft-model/eagle3: continue from an exported drafter dir (same shape), e.g. "
-                   "an earlier run's drafter/ or the shipped one, instead of a fresh init")
+                   "an earlier run's drafter/ or the shipped one, instead of a fresh init; with a larger "
+                   "--layers (dflash/draft-model) the extra layers start as the identity")
     p.add_argument("--shard-prompts", type=int, default=256, help="data: prompts per shard")
     p.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
     p.add_argument("--num-prompts", type=int, default=384, help="data: prompts to answer")

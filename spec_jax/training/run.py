@@ -82,9 +82,15 @@ def init_draft_from_target(student_cfg: ModelConfig, target_params: Any, key: ja
     return params
 
 
-def warm_start_params(kind: str, path: str | Path, expected_cfg: Any) -> Any:
+# Config fields that follow the layer count: a deeper run may differ from its --init-from in these.
+PER_LAYER_FIELDS = ("num_layers", "layer_types", "layer_windows")
+
+
+def warm_start_params(kind: str, path: str | Path, expected_cfg: Any, fresh: Any = None) -> Any:
     """Params of an exported drafter (`drafter/` of an earlier run, or a shipped one) to continue
-    training from; its config must equal the one this run trains, else a clear error."""
+    training from; its config must equal the one this run trains, else a clear error. With `fresh`
+    (this run's own initial params), a run with more layers than the saved drafter grows it: the
+    saved layers carry over and the extra ones come from `fresh`, starting as the identity."""
     from spec_jax.checkpoints import CheckpointError
 
     if kind == "dflash":
@@ -103,16 +109,39 @@ def warm_start_params(kind: str, path: str | Path, expected_cfg: Any) -> Any:
         found, params = load_hf_dir(Path(path), "float32")
     keys = [f.name for f in dataclasses.fields(expected_cfg) if f.name != "dtype"]
     differ = [k for k in keys if getattr(found, k, None) != getattr(expected_cfg, k)]
-    if differ:
+    saved_layers = found.num_layers
+    deeper = (
+        fresh is not None and saved_layers < expected_cfg.num_layers
+        and set(differ) <= set(PER_LAYER_FIELDS)
+        and all(tuple(getattr(expected_cfg, k))[:saved_layers] == tuple(getattr(found, k))
+                for k in PER_LAYER_FIELDS[1:] if hasattr(expected_cfg, k))
+    )
+    if deeper:
+        params = identity_layers_appended(params, fresh["layers"][saved_layers:])
+    elif differ:
         detail = ", ".join(f"{k}: {getattr(found, k, None)} there, {getattr(expected_cfg, k)} here" for k in differ)
         raise CheckpointError(
             f"--init-from {path}: that {kind} drafter differs from the one this run trains ({detail}); "
-            "pass matching --block-size/--layers/--hidden or drop --init-from."
+            "pass matching --block-size/--layers/--hidden (a larger --layers grows a dflash or "
+            "draft-model drafter) or drop --init-from."
         )
     return jax.tree_util.tree_map(
         lambda x: np.asarray(x, np.float32 if np.issubdtype(np.asarray(x).dtype, np.floating) else np.int32),
         params,
     )
+
+
+def identity_layers_appended(params: Any, extra_layers: Sequence[Any]) -> Any:
+    """params with `extra_layers` after its own, each with its attention-output and MLP-down
+    projections zeroed: both residual branches add nothing, so the deeper drafter predicts exactly
+    what the saved one did, and training starts from there (the gradient reaches the zeroed
+    projections at once, and through them the rest of each new layer)."""
+    grown = []
+    for lp in extra_layers:
+        lp = dict(jax.device_get(lp))
+        lp["wo"], lp["w_down"] = np.zeros_like(lp["wo"]), np.zeros_like(lp["w_down"])
+        grown.append(lp)
+    return {**params, "layers": [*params["layers"], *grown]}
 
 
 def held_out_tau(
@@ -282,7 +311,8 @@ def train_dflash(
         saved_vocab = read_dflash_config(Path(init_from)).draft_vocab_size
         # A full-vocabulary drafter may start a reduced-vocabulary run: its head is added below.
         expected = dflash_cfg if saved_vocab or not size else dataclasses.replace(dflash_cfg, draft_vocab_size=None)
-        init = warm_start_params("dflash", init_from, expected)
+        fresh = jax.device_get(init_dflash_params(expected, jax.random.key(cfg.seed)))
+        init = warm_start_params("dflash", init_from, expected, fresh)
     else:
         init = jax.device_get(init_dflash_params(dflash_cfg, jax.random.key(cfg.seed)))
     data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
@@ -369,7 +399,8 @@ def train_draft_model(
     out_dir = Path(out_dir)
     student_cfg = student_cfg or small_draft_config(target.cfg)
     if init_from is not None:
-        init = warm_start_params("draft-model", init_from, student_cfg)
+        fresh = jax.device_get(init_params(student_cfg, jax.random.key(cfg.seed)))
+        init = warm_start_params("draft-model", init_from, student_cfg, fresh)
     else:
         init = init_draft_from_target(student_cfg, target.params, jax.random.key(cfg.seed))
     data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
