@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).parent
-RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2")  # in the order they continued each other
+RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2", "dflash_3l")  # in the order they continued each other
 
 
 def main() -> None:

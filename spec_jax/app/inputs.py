@@ -237,12 +237,12 @@ MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
         ("ngram",
          "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md: n-gram "
-         "1.54x plain decoding; the shipped DFlash 1.30x at K=7 and 1.45x at K=3, draft model "
+         "1.54x plain decoding; the shipped DFlash 1.33x at K=7 and 1.48x at K=3, draft model "
          "1.07x, EAGLE-3 1.02x)"),
         ("none",
          "several prompts: on CPU at batch 8 no drafter reliably beats plain decoding "
-         "(benchmarks/RESULTS.md: n-gram 1.04x and 0.98x in two sessions, draft model 0.72x, "
-         "DFlash 0.56x, EAGLE-3 0.56x)"),
+         "(benchmarks/RESULTS.md: n-gram 1.04x, 0.98x and 0.99x in three sessions, draft model "
+         "0.72x, DFlash 0.61x, EAGLE-3 0.56x)"),
     ),
 }
 UNMEASURED_DEFAULT_DRAFTER = (
