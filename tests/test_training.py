@@ -270,7 +270,7 @@ def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kin
     assert json.loads(spec)["results"][0]["generated_ids"] == json.loads(ar)["results"][0]["generated_ids"]
 
 
-@pytest.mark.parametrize("kind", ["dflash", "draft-model"])
+@pytest.mark.parametrize("kind", ["dflash", "draft-model", "eagle3"])
 def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsys, kind):
     """--init-from starts from the exported drafter's exact weights (the schedule's first step has
     learning rate 0, so a 1-step run exports them unchanged); a drafter of another shape and a bad
@@ -295,11 +295,17 @@ def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsy
     def exported(run):
         if kind == "dflash":
             return load_dflash(run / "drafter")[1]
+        if kind == "eagle3":
+            from spec_jax.checkpoints.eagle3 import load_eagle3
+
+            return load_eagle3(run / "drafter")[1]
         return load_hf_dir(run / "drafter", "float32")[1]
 
     assert _tree_equal(exported(first), exported(second))
     meta = json.loads((second / "training_log.json").read_text())
     assert meta["init_from"] == str(first / "drafter") and meta["data_sequences"] < len(data)
+    if kind == "eagle3":  # one fixed layer: nothing to grow
+        return
 
     # A larger --layers grows the saved drafter: its layer carries over, the new one starts as
     # the identity (zero output projections; unchanged by the lr-0 first step).

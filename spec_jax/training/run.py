@@ -109,15 +109,8 @@ def warm_start_params(kind: str, path: str | Path, expected_cfg: Any, fresh: Any
         found, params = load_hf_dir(Path(path), "float32")
     keys = [f.name for f in dataclasses.fields(expected_cfg) if f.name != "dtype"]
     differ = [k for k in keys if getattr(found, k, None) != getattr(expected_cfg, k)]
-    saved_layers = found.num_layers
-    deeper = (
-        fresh is not None and saved_layers < expected_cfg.num_layers
-        and set(differ) <= set(PER_LAYER_FIELDS)
-        and all(tuple(getattr(expected_cfg, k))[:saved_layers] == tuple(getattr(found, k))
-                for k in PER_LAYER_FIELDS[1:] if hasattr(expected_cfg, k))
-    )
-    if deeper:
-        params = identity_layers_appended(params, fresh["layers"][saved_layers:])
+    if fresh is not None and _only_deeper(found, expected_cfg, differ):
+        params = identity_layers_appended(params, fresh["layers"][found.num_layers:])
     elif differ:
         detail = ", ".join(f"{k}: {getattr(found, k, None)} there, {getattr(expected_cfg, k)} here" for k in differ)
         raise CheckpointError(
@@ -128,6 +121,14 @@ def warm_start_params(kind: str, path: str | Path, expected_cfg: Any, fresh: Any
     return jax.tree_util.tree_map(
         lambda x: np.asarray(x, np.float32 if np.issubdtype(np.asarray(x).dtype, np.floating) else np.int32),
         params,
+    )
+
+
+def _only_deeper(found: Any, expected: Any, differ: Sequence[str]) -> bool:
+    """The run's config is the saved one with layers added after its own."""
+    n = found.num_layers
+    return n < expected.num_layers and set(differ) <= set(PER_LAYER_FIELDS) and all(
+        tuple(getattr(expected, k))[:n] == tuple(getattr(found, k)) for k in differ if k != "num_layers"
     )
 
 
