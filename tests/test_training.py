@@ -465,6 +465,63 @@ def test_feature_store_resumes_an_interrupted_pass_and_refuses_another(setup, tm
         compute_features(target_params, TARGET, data.subset(range(8)), layers, SEQ_LEN, store=store, **kwargs)
 
 
+def test_dataset_parts_survive_joins_and_ordered_subsets(setup):
+    """`parts` remembers the files/shards a dataset was joined from; ordered subsets keep them
+    (empty parts dropped), an unordered pick is one part, and a bad count is refused."""
+    _, data, _, _ = setup
+    a, b = data.subset(range(0, 10)), data.subset(range(10, 32))
+    joined = TokenDataset.concatenate([a, TokenDataset.concatenate([b.subset(range(0, 5)), b.subset(range(5, 22))])])
+    assert joined.parts == (10, 5, 17)
+    assert [len(p) for p in joined.part_datasets()] == [10, 5, 17]
+    np.testing.assert_array_equal(joined.part_datasets()[1].tokens, b.subset(range(0, 5)).tokens)
+    assert joined.subset([1, 2, 20, 31]).parts == (2, 2)
+    assert joined.subset(range(10, 15)).parts == (5,)
+    train_part, held = joined.split(0.25, seed=0)
+    assert sum(train_part.parts) == len(train_part) and len(train_part.parts) == 3
+    assert joined.subset([20, 1]).parts == (2,)
+    with pytest.raises(ValueError, match="do not add up"):
+        TokenDataset(data.tokens, data.offsets, data.prompt_lengths, data.sources, (3, 4))
+
+
+def test_feature_pool_computes_only_the_parts_it_has_not_seen(setup, tmp_path, monkeypatch):
+    """A pool keeps each data part's features in its own store: adding a part to a mix runs the
+    target over the new part only, and the joined features equal a single in-memory pass."""
+    import spec_jax.training.features as features_lib
+
+    target_params, data, _, _ = setup
+    layers, pool = DFLASH.target_layer_ids, tmp_path / "pool"
+    first, second = data.subset(range(0, 12)), data.subset(range(12, 32))
+    mixed = TokenDataset.concatenate([first, second])
+    seen = {"sequences": 0}
+    real = features_lib.jitted_target_features
+
+    def counted(*args):
+        run = real(*args)
+
+        def wrapped(params, tokens):
+            seen["sequences"] += int(np.sum(np.any(np.asarray(tokens) != 0, axis=1)))
+            return run(params, tokens)
+
+        return wrapped
+
+    monkeypatch.setattr(features_lib, "jitted_target_features", counted)
+    features_lib.pooled_features(target_params, TARGET, first, layers, SEQ_LEN, pool, progress=False)
+    assert seen["sequences"] == 12
+    pooled = features_lib.pooled_features(target_params, TARGET, mixed, layers, SEQ_LEN, pool, progress=False)
+    assert seen["sequences"] == 32  # only the 20 new ones
+    assert len(list(pool.iterdir())) == 2
+    memory = compute_features(target_params, TARGET, mixed, layers, SEQ_LEN, progress=False)
+    np.testing.assert_array_equal(pooled.offsets, memory.offsets)
+    picks = [0, 11, 12, 31, 5]
+    for got, want in zip(gather_features(mixed, pooled, picks, SEQ_LEN), gather_features(mixed, memory, picks, SEQ_LEN)):
+        np.testing.assert_array_equal(got, want)
+    # An ordered subset keeps its parts: the stored ones are reused, only changed parts rerun.
+    seen["sequences"] = 0
+    features_lib.pooled_features(target_params, TARGET, mixed.subset(range(0, 20)), layers, SEQ_LEN, pool,
+                                 progress=False)
+    assert seen["sequences"] == 8 and len(list(pool.iterdir())) == 3
+
+
 def test_teacher_labels_are_the_targets_own_greedy_tokens(setup):
     """On the target's own greedy answers, labels from its argmax are exactly the data's labels;
     on other text they differ (that is what they are for)."""

@@ -60,9 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "them in bfloat16, half the memory) or run it in every step; auto: precompute on CPU "
                    "when under 4 GB (float32, else bfloat16)")
     p.add_argument("--feature-cache", default=None,
-                   help="where precomputed target features are kept, memory-mapped (default OUT/target_features): "
-                   "an interrupted pass resumes there and a later run over the same target, data, --seq-len "
-                   "and layers reuses it")
+                   help="where precomputed target features are kept, memory-mapped, one store per data file or "
+                   "shard (default OUT/target_features): an interrupted pass resumes there, and a later run "
+                   "with the same target, --seq-len and layers reuses every data part it shares (runs can "
+                   "share one directory)")
     p.add_argument("--eval-prompts", type=int, default=40,
                    help="held-out tau on HumanEval[:N] (N <= 40; never trained on)")
     p.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per held-out prompt")

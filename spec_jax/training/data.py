@@ -152,12 +152,27 @@ class TokenDataset:
 
     tokens: flat int32 array; offsets [N+1]: sequence i is tokens[offsets[i]:offsets[i+1]];
     prompt_lengths [N]: how many of its tokens are the (chat-formatted) prompt.
+    parts: sequence counts of the files (dataset files, shards) it was joined from, in order;
+    kept through `subset`, so precomputed target features can be stored per part and a part
+    shared by two runs is computed once.
     """
 
     tokens: np.ndarray
     offsets: np.ndarray
     prompt_lengths: np.ndarray
     sources: list[str]
+    parts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            self.parts = (len(self.prompt_lengths),)
+        if sum(self.parts) != len(self.prompt_lengths):
+            raise ValueError(f"parts {self.parts} do not add up to {len(self.prompt_lengths)} sequences.")
+
+    def part_datasets(self) -> list["TokenDataset"]:
+        """One dataset per part, in order."""
+        ends = np.cumsum(self.parts)
+        return [self.subset(range(end - n, end)) for n, end in zip(self.parts, ends)]
 
     def __len__(self) -> int:
         return len(self.prompt_lengths)
@@ -175,17 +190,24 @@ class TokenDataset:
         return self.subset(sorted(order[n_eval:])), self.subset(sorted(order[:n_eval]))
 
     def subset(self, indices: Sequence[int]) -> "TokenDataset":
+        """The sequences `indices`; in increasing order they keep their parts (empty ones dropped)."""
+        indices = [int(i) for i in indices]
         seqs = [self.sequence(i) for i in indices]
+        parts: tuple[int, ...] = ()
+        if indices == sorted(indices):
+            counts = np.bincount(np.searchsorted(np.cumsum(self.parts), indices, side="right"),
+                                 minlength=len(self.parts))
+            parts = tuple(int(c) for c in counts if c)
         return TokenDataset.from_sequences(
-            seqs, [int(self.prompt_lengths[i]) for i in indices], [self.sources[i] for i in indices]
+            seqs, [int(self.prompt_lengths[i]) for i in indices], [self.sources[i] for i in indices], parts
         )
 
     @classmethod
-    def from_sequences(cls, seqs, prompt_lengths, sources) -> "TokenDataset":
+    def from_sequences(cls, seqs, prompt_lengths, sources, parts: Sequence[int] = ()) -> "TokenDataset":
         offsets = np.zeros(len(seqs) + 1, np.int64)
         offsets[1:] = np.cumsum([len(s) for s in seqs])
         tokens = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
-        return cls(tokens, offsets, np.asarray(prompt_lengths, np.int32), list(sources))
+        return cls(tokens, offsets, np.asarray(prompt_lengths, np.int32), list(sources), tuple(parts))
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic: written to a temporary file, then renamed."""
@@ -202,7 +224,8 @@ class TokenDataset:
     def concatenate(cls, parts: Sequence["TokenDataset"]) -> "TokenDataset":
         seqs = [part.sequence(i) for part in parts for i in range(len(part))]
         prompt_lengths = [int(x) for part in parts for x in part.prompt_lengths]
-        return cls.from_sequences(seqs, prompt_lengths, [s for part in parts for s in part.sources])
+        pieces = [n for part in parts for n in part.parts if n]
+        return cls.from_sequences(seqs, prompt_lengths, [s for part in parts for s in part.sources], pieces)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TokenDataset":

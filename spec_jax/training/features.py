@@ -13,12 +13,16 @@ target inside each jitted training step instead (the choice for accelerators and
 With a `store` directory the precomputed features live on disk as memory-mapped .npy files: the
 pass (half an hour for 2M tokens on a 2-core CPU) resumes where an interrupted one stopped, a
 later run over the same target, data and settings reuses it, and host memory only caches them.
+`pooled_features` keeps one such store per data part (each dataset file or shard) in a pool
+directory, so a run that adds data to an earlier mix computes the new parts only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -58,8 +62,9 @@ def target_features(
     return jax.lax.stop_gradient(captured), jax.lax.stop_gradient(final)
 
 
+@functools.lru_cache(maxsize=8)
 def jitted_target_features(cfg: ModelConfig, capture_layers: tuple[int, ...]):
-    """`target_features` compiled for (params, tokens)."""
+    """`target_features` compiled for (params, tokens), once per config (every part of a pool reuses it)."""
     return jax.jit(lambda params, tokens: target_features(params, cfg, tokens, capture_layers))
 
 
@@ -88,17 +93,23 @@ STORE_MANIFEST = "features.json"
 STORE_FLUSH_EVERY = 256
 
 
-def store_key(params: Any, data: TokenDataset, capture_layers: Sequence[int], seq_len: int, dtype: Any) -> dict:
-    """What a stored feature pass depends on: the target's weights, the token data, the layers,
-    seq_len and the storage dtype (hashes, so a changed target or dataset never reuses features)."""
+def weights_sha256(params: Any) -> str:
     weights = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(params)):
         weights.update(jax.tree_util.keystr(path).encode())
         weights.update(np.ascontiguousarray(leaf).tobytes())
+    return weights.hexdigest()
+
+
+def store_key(params: Any, data: TokenDataset, capture_layers: Sequence[int], seq_len: int, dtype: Any,
+              target_sha256: str | None = None) -> dict:
+    """What a stored feature pass depends on: the target's weights, the token data, the layers,
+    seq_len and the storage dtype (hashes, so a changed target or dataset never reuses features).
+    target_sha256: `weights_sha256(params)` when already known."""
     tokens = hashlib.sha256(np.ascontiguousarray(data.tokens, np.int32).tobytes())
     tokens.update(np.ascontiguousarray(data.offsets, np.int64).tobytes())
     return {
-        "target_sha256": weights.hexdigest(),
+        "target_sha256": target_sha256 or weights_sha256(params),
         "data_sha256": tokens.hexdigest(),
         "capture_layers": [int(i) for i in capture_layers],
         "seq_len": int(seq_len),
@@ -130,6 +141,11 @@ def _open_store(store: Path, key: dict, shapes: dict[str, tuple[int, int]], dtyp
     return {name: a.view(dtype) for name, a in arrays.items()}, done
 
 
+def _complete(store: Path) -> bool:
+    manifest = store / STORE_MANIFEST
+    return manifest.is_file() and bool(json.loads(manifest.read_text()).get("complete"))
+
+
 def compute_features(
     params: Any,
     cfg: ModelConfig,
@@ -140,6 +156,7 @@ def compute_features(
     progress: bool = True,
     dtype: Any = np.float32,
     store: str | os.PathLike | None = None,
+    target_sha256: str | None = None,
 ) -> TargetFeatures:
     """dtype: how they are stored (np.float32 or ml_dtypes.bfloat16); batches get float32.
     store: a directory to keep them in on disk (resumed and reused; see the module docstring)."""
@@ -154,11 +171,10 @@ def compute_features(
         arrays, done = {name: np.zeros(shape, dtype) for name, shape in shapes.items()}, 0
     else:
         store = Path(store)
-        key = store_key(params, data, capture, seq_len, dtype)
+        key = store_key(params, data, capture, seq_len, dtype, target_sha256)
         arrays, done = _open_store(store, key, shapes, dtype)
-        if progress and done:
-            state = "reusing" if done == len(data) else f"resuming at sequence {done} of {len(data)} in"
-            print(f"target features: {state} {store}", file=sys.stderr)
+        if progress and 0 < done < len(data):
+            print(f"target features: resuming at sequence {done} of {len(data)} in {store}", file=sys.stderr)
     captured, final = arrays["captured"], arrays["final"]
     if done < len(data):
         run = jitted_target_features(cfg, capture)
@@ -185,6 +201,65 @@ def compute_features(
             arrays, _ = _open_store(store, key, shapes, dtype)  # read-only from here on
             captured, final = arrays["captured"], arrays["final"]
     return TargetFeatures(capture, captured, final, offsets)
+
+
+class StackedRows:
+    """Row-wise concatenation of 2-D arrays (memory-mapped stores), read by row ranges that lie
+    inside one of them, without copying them into one array."""
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        self.arrays = list(arrays)
+        self.ends = np.cumsum([a.shape[0] for a in self.arrays])
+        self.shape = (int(self.ends[-1]) if self.arrays else 0, self.arrays[0].shape[1])
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        k = int(np.searchsorted(self.ends, rows.start, side="right"))
+        base = int(self.ends[k - 1]) if k else 0
+        if rows.stop > self.ends[k]:
+            raise IndexError(f"rows {rows.start}:{rows.stop} span two stacked arrays")
+        return self.arrays[k][rows.start - base : rows.stop - base]
+
+
+def part_store(pool: str | os.PathLike, key: dict) -> Path:
+    """The store of one data part's features in a pool: named by its `store_key`."""
+    return Path(pool) / f"part-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
+
+
+def pooled_features(
+    params: Any,
+    cfg: ModelConfig,
+    data: TokenDataset,
+    capture_layers: Sequence[int],
+    seq_len: int,
+    pool: str | os.PathLike,
+    dtype: Any = np.float32,
+    progress: bool = True,
+) -> TargetFeatures:
+    """Features of `data` with each of its parts (`data.parts`: its files and shards) in its own
+    store under `pool`, named by a hash of what the part's features depend on. A run whose data
+    shares parts with an earlier one (more shards, another file added to the mix) computes only
+    the new parts; two runs can share one pool."""
+    capture = tuple(capture_layers)
+    target_sha = weights_sha256(params)
+    parts = data.part_datasets()
+    stores = []
+    for part in parts:
+        key = store_key(params, part, capture, seq_len, dtype, target_sha)
+        stores.append(part_store(pool, key))
+    if progress:
+        complete = sum(_complete(s) for s in stores)
+        print(f"target features: {complete} of {len(parts)} data parts already in {pool}", file=sys.stderr)
+    pieces = [
+        compute_features(params, cfg, part, capture, seq_len, progress=progress, dtype=dtype,
+                         store=store, target_sha256=target_sha)
+        for part, store in zip(parts, stores)
+    ]
+    if len(pieces) == 1:
+        return pieces[0]
+    rows = [p.offsets[-1] for p in pieces]
+    offsets = np.concatenate([[0]] + [p.offsets[1:] + base for p, base in zip(pieces, np.cumsum([0] + rows[:-1]))])
+    return TargetFeatures(capture, StackedRows([p.captured for p in pieces]),
+                          StackedRows([p.final for p in pieces]), offsets.astype(np.int64))
 
 
 def gather_features(

@@ -20,7 +20,7 @@ import numpy as np
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import init_params
 from spec_jax.training.data import TokenDataset, iterate_batches
-from spec_jax.training.features import compute_features, gather_features
+from spec_jax.training.features import gather_features, pooled_features
 from spec_jax.training.trainer import TrainConfig, TrainResult, train
 
 
@@ -221,8 +221,9 @@ def feature_mode(mode: str, data: TokenDataset, capture_layers: Sequence[int], h
 def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode: str, progress: bool,
                       out_dir: Path, feature_cache: str | Path | None):
     """The loss and batch stream for a feature mode, and the seconds spent precomputing.
-    Precomputed features live in feature_cache (default out_dir/target_features), memory-mapped:
-    a resumed run or a later one over the same target and data skips the pass."""
+    Precomputed features live in feature_cache (default out_dir/target_features), memory-mapped,
+    one store per data file or shard: a resumed run or a later one sharing parts of the data
+    skips their pass."""
     from spec_jax.training.features import WithTargetFeatures
 
     if mode == "per-step":
@@ -231,9 +232,9 @@ def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode
     import ml_dtypes
 
     dtype = ml_dtypes.bfloat16 if mode == "precompute-bf16" else np.float32
-    store = Path(feature_cache) if feature_cache else out_dir / "target_features"
-    features = compute_features(target.params, target.cfg, data, capture_layers, cfg.seq_len,
-                                progress=progress, dtype=dtype, store=store)
+    pool = Path(feature_cache) if feature_cache else out_dir / "target_features"
+    features = pooled_features(target.params, target.cfg, data, capture_layers, cfg.seq_len, pool,
+                               dtype=dtype, progress=progress)
     return loss, _batches(data, features, cfg), time.perf_counter() - t0
 
 
