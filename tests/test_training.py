@@ -520,6 +520,15 @@ def test_feature_pool_computes_only_the_parts_it_has_not_seen(setup, tmp_path, m
     features_lib.pooled_features(target_params, TARGET, mixed.subset(range(0, 20)), layers, SEQ_LEN, pool,
                                  progress=False)
     assert seen["sequences"] == 8 and len(list(pool.iterdir())) == 3
+    # Fewer layers (a draft model's KL needs the final states only) read the stores made for more.
+    seen["sequences"] = 0
+    for fewer in [(), (layers[1],)]:
+        part = features_lib.pooled_features(target_params, TARGET, mixed, fewer, SEQ_LEN, pool, progress=False)
+        cap, fin = gather_features(mixed, part, picks, SEQ_LEN)
+        want_cap, want_fin = gather_features(mixed, memory, picks, SEQ_LEN)
+        np.testing.assert_array_equal(fin, want_fin)
+        np.testing.assert_array_equal(cap, want_cap[..., TARGET.hidden_size * len(layers[:1]) :][..., : TARGET.hidden_size * len(fewer)])
+    assert seen["sequences"] == 0 and len(list(pool.iterdir())) == 3
 
 
 def test_teacher_labels_are_the_targets_own_greedy_tokens(setup):

@@ -225,6 +225,33 @@ def part_store(pool: str | os.PathLike, key: dict) -> Path:
     return Path(pool) / f"part-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
 
 
+def _pooled_store(pool: str | os.PathLike, key: dict) -> tuple[Path, tuple[int, ...]]:
+    """(store, its capture layers) for one part: its own store, or else a finished one of the same
+    target, tokens, seq_len and dtype that captured more layers (a DFlash pass serves a draft
+    model's KL, which needs the final states only)."""
+    own = part_store(pool, key)
+    if own.is_dir() or not Path(pool).is_dir():
+        return own, tuple(key["capture_layers"])
+    wanted = set(key["capture_layers"])
+    for manifest in sorted(Path(pool).glob(f"part-*/{STORE_MANIFEST}")):
+        other = json.loads(manifest.read_text())
+        same = all(other.get(k) == v for k, v in key.items() if k != "capture_layers")
+        if same and other.get("complete") and wanted <= set(other["capture_layers"]):
+            return manifest.parent, tuple(other["capture_layers"])
+    return own, tuple(key["capture_layers"])
+
+
+class ColumnsOf:
+    """Some columns of a 2-D array (a memory-mapped store), read by row ranges."""
+
+    def __init__(self, array: Any, columns: np.ndarray):
+        self.array, self.columns = array, columns
+        self.shape = (array.shape[0], len(columns))
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return np.asarray(self.array[rows])[:, self.columns]
+
+
 def pooled_features(
     params: Any,
     cfg: ModelConfig,
@@ -238,22 +265,24 @@ def pooled_features(
     """Features of `data` with each of its parts (`data.parts`: its files and shards) in its own
     store under `pool`, named by a hash of what the part's features depend on. A run whose data
     shares parts with an earlier one (more shards, another file added to the mix) computes only
-    the new parts; two runs can share one pool."""
+    the new parts; two runs can share one pool, and a run that needs fewer layers reads the
+    stores of one that captured more."""
     capture = tuple(capture_layers)
     target_sha = weights_sha256(params)
     parts = data.part_datasets()
-    stores = []
-    for part in parts:
-        key = store_key(params, part, capture, seq_len, dtype, target_sha)
-        stores.append(part_store(pool, key))
+    found = [_pooled_store(pool, store_key(params, part, capture, seq_len, dtype, target_sha)) for part in parts]
     if progress:
-        complete = sum(_complete(s) for s in stores)
+        complete = sum(_complete(store) for store, _ in found)
         print(f"target features: {complete} of {len(parts)} data parts already in {pool}", file=sys.stderr)
-    pieces = [
-        compute_features(params, cfg, part, capture, seq_len, progress=progress, dtype=dtype,
-                         store=store, target_sha256=target_sha)
-        for part, store in zip(parts, stores)
-    ]
+    pieces = []
+    for part, (store, layers) in zip(parts, found):
+        piece = compute_features(params, cfg, part, layers, seq_len, progress=progress, dtype=dtype,
+                                 store=store, target_sha256=target_sha)
+        if layers != capture:  # a store of more layers: read the requested ones' columns
+            h = cfg.hidden_size
+            cols = np.asarray([layers.index(i) * h + c for i in capture for c in range(h)], np.int64)
+            piece = TargetFeatures(capture, ColumnsOf(piece.captured, cols), piece.final, piece.offsets)
+        pieces.append(piece)
     if len(pieces) == 1:
         return pieces[0]
     rows = [p.offsets[-1] for p in pieces]
