@@ -6,7 +6,8 @@ Each run named below continued from the one before it (`--init-from`), so the cu
 DFlash drafter's history: the data each run trained on, its steps, and the held-out tau of its
 evaluations (HumanEval[:40], 64 tokens, greedy; the evaluation `spec-jax train` runs). The left
 panel is tau against each run's data; the right one every evaluation against the steps trained so
-far (later runs on the same data add steps, not data).
+far (later runs on the same data add steps, not data). Branches (crosses, dashed) started from a
+run of the chain and were not kept: they record what other data did from the same starting point.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2", "dflash_3l")  # in the order they continued each other
+# Runs that continued a run above and were not kept: run -> the run they started from.
+BRANCHES = {"dflash_text": "dflash_3l"}  # standard-library source, teacher labels, no generation
 
 
 def main() -> None:
@@ -25,7 +28,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     rows = []
-    for run in RUNS:
+    for run in RUNS + tuple(BRANCHES):
         log_file = HERE / run / "training_log.json"
         if not log_file.exists():
             print(f"{run}: no training_log.json (not recorded)")
@@ -35,16 +38,22 @@ def main() -> None:
         rows.append({
             "run": run, "data_tokens": log["data_tokens"], "sequences": log["data_sequences"],
             "steps": log["train"]["steps"], "draft_vocab": log.get("draft_vocab_size") or "full",
-            "tau": last["tau"], "evals": log["evals"],
+            "tau": last["tau"], "evals": log["evals"], "branch_of": BRANCHES.get(run),
+            "labels": "target argmax" if log.get("teacher_labels") else "data",
         })
-    print("| run | data tokens | sequences | steps | draft vocab | held-out tau (last eval) |")
-    print("|---|---:|---:|---:|---|---:|")
-    for r in rows:
-        print(f"| {r['run']} | {r['data_tokens']:,} | {r['sequences']} | {r['steps']} | {r['draft_vocab']} | {r['tau']:.2f} |")
+    print("| run | continues | data tokens | sequences | labels | steps | draft vocab | held-out tau (last eval) |")
+    print("|---|---|---:|---:|---|---:|---|---:|")
+    for i, r in enumerate(rows):
+        parent = r["branch_of"] or (rows[i - 1]["run"] if i and not rows[i - 1]["branch_of"] else "-")
+        print(f"| {r['run']} | {parent} | {r['data_tokens']:,} | {r['sequences']} | {r['labels']} | {r['steps']} "
+              f"| {r['draft_vocab']} | {r['tau']:.2f} |")
 
+    chain = [r for r in rows if not r["branch_of"]]
     fig, (ax, by_step) = plt.subplots(1, 2, figsize=(11, 4))
-    ax.plot([r["data_tokens"] for r in rows], [r["tau"] for r in rows], marker="o")
+    ax.plot([r["data_tokens"] for r in chain], [r["tau"] for r in chain], marker="o")
     for r in rows:
+        if r["branch_of"]:
+            ax.plot([r["data_tokens"]], [r["tau"]], "x", color="C3")
         ax.annotate(f"{r['run']}\n{r['steps']} steps", (r["data_tokens"], r["tau"]), fontsize=7,
                     textcoords="offset points", xytext=(4, -14))
     ax.set_xscale("log")
@@ -52,11 +61,17 @@ def main() -> None:
     ax.set_ylabel("held-out tau (HumanEval[:40], K=7)")
     ax.set_title("DFlash (SmolLM2-135M): held-out tau against data")
     ax.grid(alpha=0.3)
-    done = 0
-    for r in rows:
+    done, ends = 0, {}
+    for r in chain:
         by_step.plot([done + e["step"] for e in r["evals"]], [e["tau"] for e in r["evals"]], "o-",
                      label=f"{r['run']} ({r['data_tokens'] / 1e6:.2f}M tokens)")
         done += r["steps"]
+        ends[r["run"]] = (done, r["tau"])
+    for r in rows:
+        if r["branch_of"] in ends:  # dashed, from the point it started at
+            start, tau0 = ends[r["branch_of"]]
+            by_step.plot([start] + [start + e["step"] for e in r["evals"]], [tau0] + [e["tau"] for e in r["evals"]],
+                         "x--", label=f"{r['run']} ({r['data_tokens'] / 1e6:.2f}M tokens, {r['labels']} labels; not kept)")
     by_step.set_xlabel("steps since dflash_finetune began (batch 8 x 8 anchors)")
     by_step.set_title("every held-out evaluation")
     by_step.legend(fontsize=7)
