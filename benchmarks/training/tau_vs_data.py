@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).parent
-RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2", "dflash_3l")  # in the order they continued each other
+# In the order they continued each other:
+RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2", "dflash_3l", "dflash_kl")
 # Runs that continued a run above and were not kept: run -> the run they started from.
 BRANCHES = {"dflash_text": "dflash_3l"}  # standard-library source, teacher labels, no generation
 
@@ -39,7 +40,8 @@ def main() -> None:
             "run": run, "data_tokens": log["data_tokens"], "sequences": log["data_sequences"],
             "steps": log["train"]["steps"], "draft_vocab": log.get("draft_vocab_size") or "full",
             "tau": last["tau"], "evals": log["evals"], "branch_of": BRANCHES.get(run),
-            "labels": "target argmax" if log.get("teacher_labels") else "data",
+            "labels": ("target argmax" if log.get("teacher_labels") else "data")
+            + (f" + KL x{log['kl_weight']:g}" if log.get("kl_weight") else ""),
         })
     print("| run | continues | data tokens | sequences | labels | steps | draft vocab | held-out tau (last eval) |")
     print("|---|---|---:|---:|---|---:|---|---:|")
