@@ -237,7 +237,8 @@ MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
         ("ngram",
          "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md: n-gram "
-         "1.58x plain decoding; the shipped DFlash 1.42x at K=7, draft model 1.19x, EAGLE-3 1.02x)"),
+         "1.58x plain decoding; the shipped DFlash 1.42x at K=7 and 1.52x at K=3, draft model 1.19x, "
+         "EAGLE-3 1.02x)"),
         ("none",
          "several prompts: on CPU at batch 8 no drafter reliably beats plain decoding "
          "(benchmarks/RESULTS.md: n-gram 1.04x, 0.98x, 0.99x and 1.00x in four sessions, draft model "
