@@ -529,6 +529,13 @@ def test_feature_pool_computes_only_the_parts_it_has_not_seen(setup, tmp_path, m
         np.testing.assert_array_equal(fin, want_fin)
         np.testing.assert_array_equal(cap, want_cap[..., TARGET.hidden_size * len(layers[:1]) :][..., : TARGET.hidden_size * len(fewer)])
     assert seen["sequences"] == 0 and len(list(pool.iterdir())) == 3
+    # A directory holding one store of the whole dataset (written before pools) is reused as is.
+    whole = tmp_path / "whole"
+    compute_features(target_params, TARGET, mixed, layers, SEQ_LEN, store=whole, progress=False)
+    seen["sequences"] = 0
+    again = features_lib.pooled_features(target_params, TARGET, mixed, layers, SEQ_LEN, whole, progress=False)
+    assert seen["sequences"] == 0 and not list(whole.glob("part-*"))
+    np.testing.assert_array_equal(again.final, memory.final)
 
 
 def test_teacher_labels_are_the_targets_own_greedy_tokens(setup):

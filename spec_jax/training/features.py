@@ -210,7 +210,7 @@ class StackedRows:
     def __init__(self, arrays: Sequence[np.ndarray]):
         self.arrays = list(arrays)
         self.ends = np.cumsum([a.shape[0] for a in self.arrays])
-        self.shape = (int(self.ends[-1]) if self.arrays else 0, self.arrays[0].shape[1])
+        self.shape = (int(self.ends[-1]), self.arrays[0].shape[1])
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         k = int(np.searchsorted(self.ends, rows.start, side="right"))
@@ -266,9 +266,16 @@ def pooled_features(
     store under `pool`, named by a hash of what the part's features depend on. A run whose data
     shares parts with an earlier one (more shards, another file added to the mix) computes only
     the new parts; two runs can share one pool, and a run that needs fewer layers reads the
-    stores of one that captured more."""
+    stores of one that captured more. A pool directory that is itself one store of the whole
+    dataset (as runs wrote before pools) is resumed or reused when it matches."""
     capture = tuple(capture_layers)
     target_sha = weights_sha256(params)
+    whole = Path(pool) / STORE_MANIFEST
+    if whole.is_file():
+        key = store_key(params, data, capture, seq_len, dtype, target_sha)
+        if all(v == json.loads(whole.read_text()).get(k) for k, v in key.items()):
+            return compute_features(params, cfg, data, capture, seq_len, progress=progress, dtype=dtype,
+                                    store=pool, target_sha256=target_sha)
     parts = data.part_datasets()
     found = [_pooled_store(pool, store_key(params, part, capture, seq_len, dtype, target_sha)) for part in parts]
     if progress:
