@@ -85,15 +85,53 @@ def warp(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     return jax.lax.cond(sampling.greedy, greedy, sampled, None)
 
 
+CDF_BLOCK = 128  # vocabulary entries per block of the two-level CDF in `sample`
+
+
+def _inverse_cdf_draw(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row of probs [..., V] from a single uniform per row (inverse CDF).
+
+    Gumbel-max needs a random number per vocabulary entry; at batch 64 over 49k tokens that
+    noise was most of a sampled decode step's sampling cost on CPU (126 vs 21 ms). The CDF is
+    two-level (cumulative sums within blocks of CDF_BLOCK, then over block totals), which keeps
+    float32 rounding to about 500 additions instead of V. A token of probability 0 is never
+    drawn: only blocks and entries with mass are chosen.
+    """
+    vocab = probs.shape[-1]
+    pad = -vocab % CDF_BLOCK
+    if pad:
+        probs = jnp.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, pad)])
+    blocks = probs.reshape(probs.shape[:-1] + (-1, CDF_BLOCK))  # [..., nb, CDF_BLOCK]
+    within = jnp.cumsum(blocks, axis=-1)  # CDF inside each block
+    block_mass = within[..., -1]  # [..., nb]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    u = jax.random.uniform(key, probs.shape[:-1]) * block_cdf[..., -1]  # in [0, total mass)
+
+    def first_above(cdf: jax.Array, mass: jax.Array, threshold: jax.Array) -> jax.Array:
+        # The first entry with mass whose CDF passes the threshold (the inverse CDF). XLA's
+        # cumsum need not be monotone to the last bit, so "count the entries below" could
+        # land on an entry without mass; rounding past the total takes the last entry with mass.
+        hit = (cdf > threshold[..., None]) & (mass > 0)
+        last = mass.shape[-1] - 1 - jnp.argmax(jnp.flip(mass > 0, axis=-1), axis=-1)
+        return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last)
+
+    b = first_above(block_cdf, block_mass, u)
+    mass_before = jnp.take_along_axis(block_cdf, jnp.maximum(b - 1, 0)[..., None], -1)[..., 0]
+    rest = u - jnp.where(b > 0, mass_before, 0.0)
+    within_b = jnp.take_along_axis(within, b[..., None, None], axis=-2)[..., 0, :]  # [..., CDF_BLOCK]
+    probs_b = jnp.take_along_axis(blocks, b[..., None, None], axis=-2)[..., 0, :]
+    i = first_above(within_b, probs_b, rest)
+    return (b * CDF_BLOCK + i).astype(jnp.int32)
+
+
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     """Draw one token per row from probs [..., V] (one-hot probs give their argmax exactly).
 
     When every row has a single nonzero entry (greedy), the draw is that entry whatever the
-    noise, so the Gumbel noise over the whole vocabulary (the bulk of a greedy step's sampling
-    cost on CPU) is skipped; the result is the same token either way."""
+    random number, so it is skipped; the result is the same token either way."""
 
     def draw(_):
-        return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+        return _inverse_cdf_draw(key, probs)
 
     def only_entry(_):
         return jnp.argmax(probs, axis=-1).astype(jnp.int32)

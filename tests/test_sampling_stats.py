@@ -90,6 +90,27 @@ def test_warp_matches_numpy_reference(temperature, top_k, top_p):
     np.testing.assert_allclose(got, ref_warp(logits, temperature, top_k, top_p), atol=1e-5)
 
 
+# --------------------------------------------------------------------------- sample
+@pytest.mark.parametrize("vocab", [300, 49152])
+def test_sample_draws_from_probs_and_never_a_zero_probability_token(vocab):
+    """`sample` (inverse CDF over blocks of CDF_BLOCK entries) against its probabilities: mass at
+    block edges, a whole block without mass, zeros between tokens, a vocabulary that does not
+    fill its last block (300), and rows given unnormalised."""
+    rng = np.random.default_rng(0)
+    probs = np.zeros((2, vocab))
+    support = [0, 1, 127, 128, 130, 255, vocab - 1] if vocab == 300 else [5, 127, 128, 4096, 49151]
+    probs[0, support] = rng.uniform(0.2, 1.0, len(support))  # block 1 of 300 (256..383) sparse
+    probs[1, rng.choice(vocab, 40, replace=False)] = rng.uniform(0.0, 1.0, 40)
+    probs[1, 200:256] = 0.0  # a block with no mass at all, for vocab 300
+    probs[1] = 3.0 * probs[1] / probs[1].sum()  # unnormalised: the draw scales by the total
+    draws = jax.jit(jax.vmap(lambda key: sample(key, jnp.asarray(probs, jnp.float32))))(
+        jax.random.split(jax.random.key(3), 60_000)
+    )
+    for row in range(2):
+        counts = np.bincount(np.asarray(draws[:, row]), minlength=vocab)
+        chi_square_ok(counts, probs[row], f"sample, vocab {vocab}, row {row}")
+
+
 # ------------------------------------------------------------ accept, vmapped over keys
 V_ACC, K_ACC, N_ACC = 8, 3, 100_000
 
@@ -125,7 +146,7 @@ def test_accept_reproduces_target_distribution(draft_kind, temperature, top_k, t
     """Context-free target p_1..p_{K+1}: the token in emitted slot j, over the runs that reach
     slot j (n >= j), is distributed as p_{j+1} -- whatever q is."""
     sampling = SamplingParams.create(temperature, top_k, top_p)
-    key_t, key_q, key_run = jax.random.split(jax.random.key(hash((temperature, top_k, top_p)) % 2**31), 3)
+    key_t, key_q, key_run = jax.random.split(jax.random.key(hash((draft_kind == "full", temperature, top_k, top_p)) % 2**31), 3)
     target_logits = 1.5 * jax.random.normal(key_t, (K_ACC + 1, V_ACC))
     p = warp(target_logits, sampling)
     keys = jax.random.split(key_run, N_ACC)
