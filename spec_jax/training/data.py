@@ -267,7 +267,7 @@ def _answer(
     on_batch: Any = None,
 ) -> TokenDataset:
     """The target's answers to chat-formatted prompt ids through spec_jax `generate`, in order."""
-    from spec_jax.decoding.generate import generate
+    from spec_jax.decoding.generate import generate, prompt_bucket
 
     # Similar lengths per batch: less padding, fewer prompt buckets to compile.
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
@@ -275,9 +275,13 @@ def _answer(
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = [list(encoded[i]) for i in idx]
+        # A cache just long enough (multiples of 64, one per prompt bucket): generate's default
+        # rounds up to 256, and at batch 64 decode time on CPU grows with the cache it attends to.
+        need = prompt_bucket(max(map(len, batch))) + max_new_tokens + 1
         # Stops at EOS and the chat template's end-of-turn (the model's own stop ids).
         result = generate(
-            model, batch, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + start
+            model, batch, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + start,
+            capacity=-(-need // 64) * 64,
         )
         for i, prompt_ids, out in zip(idx, batch, result.generated_ids):
             seqs[i] = np.asarray(prompt_ids + list(out), np.int32)
