@@ -35,9 +35,9 @@ def prompt_bucket(length: int) -> int:
     return bucket
 
 
-def default_capacity(bucket: int, max_new_tokens: int, k: int) -> int:
+def default_capacity(bucket: int, max_new_tokens: int, k: int, multiple: int = CAPACITY_BUCKET) -> int:
     need = bucket + max_new_tokens + k + 1
-    return -(-need // CAPACITY_BUCKET) * CAPACITY_BUCKET
+    return -(-need // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)

@@ -267,7 +267,7 @@ def _answer(
     on_batch: Any = None,
 ) -> TokenDataset:
     """The target's answers to chat-formatted prompt ids through spec_jax `generate`, in order."""
-    from spec_jax.decoding.generate import generate, prompt_bucket
+    from spec_jax.decoding.generate import default_capacity, generate, prompt_bucket
 
     # Similar lengths per batch: less padding, fewer prompt buckets to compile.
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
@@ -277,11 +277,11 @@ def _answer(
         batch = [list(encoded[i]) for i in idx]
         # A cache just long enough (multiples of 64, one per prompt bucket): generate's default
         # rounds up to 256, and at batch 64 decode time on CPU grows with the cache it attends to.
-        need = prompt_bucket(max(map(len, batch))) + max_new_tokens + 1
+        capacity = default_capacity(prompt_bucket(max(map(len, batch))), max_new_tokens, 0, multiple=64)
         # Stops at EOS and the chat template's end-of-turn (the model's own stop ids).
         result = generate(
             model, batch, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + start,
-            capacity=-(-need // 64) * 64,
+            capacity=capacity,
         )
         for i, prompt_ids, out in zip(idx, batch, result.generated_ids):
             seqs[i] = np.asarray(prompt_ids + list(out), np.int32)
