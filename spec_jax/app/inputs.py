@@ -230,19 +230,20 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
 
 # The drafter `spec-jax generate` uses for the default model when none is named, per backend and
 # batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, "Drafters on the default
-# model", 2026-11-23: HumanEval[:20], 128 tokens, greedy). Each entry: (batch 1, batch > 1), each
-# (kind, why). Only the CPU has been measured; another backend gets n-gram at batch 1, the one
+# model" sections up to 2026-11-24: HumanEval[:20], 128 tokens, greedy). Each entry: (batch 1,
+# batch > 1), each (kind, why). Only the CPU has been measured; another backend gets n-gram at batch 1, the one
 # drafter that never lost to plain decoding at batch 1 where measured, and plain decoding above.
 MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
         ("ngram",
          "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md: n-gram "
-         "1.58x plain decoding; the shipped DFlash 1.42x at K=7 and 1.52x at K=3, draft model 1.19x, "
-         "EAGLE-3 1.02x)"),
+         "1.37x and 1.61x plain decoding in the two runs of 2026-11-24's eleventh session, never below "
+         "a learned drafter in the same run; the shipped DFlash 1.44x at K=3 and 1.36x at K=7, draft "
+         "model 1.10x, EAGLE-3 1.02x)"),
         ("none",
          "several prompts: on CPU at batch 8 no drafter reliably beats plain decoding "
-         "(benchmarks/RESULTS.md: n-gram 1.04x, 0.98x, 0.99x and 1.00x in four sessions, draft model "
-         "0.73x, DFlash 0.61x, EAGLE-3 0.57x)"),
+         "(benchmarks/RESULTS.md: n-gram 1.04x, 0.98x, 0.99x, 1.00x and 0.98x in five sessions, "
+         "draft model 0.73-0.77x, DFlash 0.61-0.66x, EAGLE-3 0.57x)"),
     ),
 }
 UNMEASURED_DEFAULT_DRAFTER = (
