@@ -17,7 +17,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # In the order they continued each other:
-RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2", "dflash_3l", "dflash_kl", "dflash_kl3", "dflash_kl4")
+RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2", "dflash_3l", "dflash_kl", "dflash_kl3",
+        "dflash_kl4")
 # Runs that continued a run above and were not kept: run -> the run they started from.
 BRANCHES = {
     "dflash_text": "dflash_3l",  # standard-library source, teacher labels, no generation

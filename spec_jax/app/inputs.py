@@ -229,16 +229,16 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
 
 
 # The drafter `spec-jax generate` uses for the default model when none is named, per backend and
-# batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, "Drafters on the default
-# model" sections up to 2026-11-24: HumanEval[:20], 128 tokens, greedy). Each entry: (batch 1,
-# batch > 1), each (kind, why). Only the CPU has been measured; another backend gets n-gram at batch 1, the one
-# drafter that never lost to plain decoding at batch 1 where measured, and plain decoding above.
+# batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, 2026-11-23 and -24:
+# HumanEval[:20], 128 tokens, greedy). Each entry: (batch 1, batch > 1), each (kind, why). Only the
+# CPU has been measured; another backend gets n-gram at batch 1, the one drafter that never lost to
+# plain decoding at batch 1 where measured, and plain decoding above.
 MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
         ("ngram",
          "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md: n-gram "
-         "1.37x and 1.61x plain decoding in the two runs of 2026-11-24's eleventh session, never below "
-         "a learned drafter in the same run; the shipped DFlash 1.44x at K=3 and 1.36x at K=7, draft "
+         "1.37x and 1.61x plain decoding in the latest two runs, never below a learned drafter in "
+         "the same run; the shipped DFlash 1.44x at K=3 and 1.36x at K=7, draft "
          "model 1.10x, EAGLE-3 1.02x)"),
         ("none",
          "several prompts: on CPU at batch 8 no drafter reliably beats plain decoding "
