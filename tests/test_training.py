@@ -273,8 +273,8 @@ def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kin
 @pytest.mark.parametrize("kind", ["dflash", "draft-model", "eagle3"])
 def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsys, kind):
     """--init-from starts from the exported drafter's exact weights (the schedule's first step has
-    learning rate 0, so a 1-step run exports them unchanged); a drafter of another shape and a bad
-    --data-sequences are clear errors."""
+    learning rate 0, so a 1-step run exports them unchanged), a DFlash one also into another block
+    size; a drafter of another shape and a bad --data-sequences are clear errors."""
     import json
 
     from spec_jax.app.main import main
@@ -304,6 +304,12 @@ def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsy
     assert _tree_equal(exported(first), exported(second))
     meta = json.loads((second / "training_log.json").read_text())
     assert meta["init_from"] == str(first / "drafter") and meta["data_sequences"] < len(data)
+    if kind == "dflash":  # no DFlash weight depends on the block size: block 4 warm-starts block 8
+        wider = common + ["--out", str(tmp_path / "wider"), "--steps", "1", "--init-from", str(first / "drafter")]
+        wider[wider.index("--block-size") + 1] = "8"
+        assert main(wider) == 0
+        drafter, params = load_dflash(tmp_path / "wider" / "drafter")
+        assert drafter.cfg.block_size == 8 and _tree_equal(params, exported(first))
     if kind == "eagle3":  # one fixed layer: nothing to grow
         return
 

@@ -88,9 +88,10 @@ PER_LAYER_FIELDS = ("num_layers", "layer_types", "layer_windows")
 
 def warm_start_params(kind: str, path: str | Path, expected_cfg: Any, fresh: Any = None) -> Any:
     """Params of an exported drafter (`drafter/` of an earlier run, or a shipped one) to continue
-    training from; its config must equal the one this run trains, else a clear error. With `fresh`
-    (this run's own initial params), a run with more layers than the saved drafter grows it: the
-    saved layers carry over and the extra ones come from `fresh`, starting as the identity."""
+    training from; its config must equal the one this run trains (a DFlash block size may differ),
+    else a clear error. With `fresh` (this run's own initial params), a run with more layers than
+    the saved drafter grows it: the saved layers carry over and the extra ones come from `fresh`,
+    starting as the identity."""
     from spec_jax.checkpoints import CheckpointError
 
     if kind == "dflash":
@@ -107,7 +108,10 @@ def warm_start_params(kind: str, path: str | Path, expected_cfg: Any, fresh: Any
         from spec_jax.checkpoints.hf import load_hf_dir
 
         found, params = load_hf_dir(Path(path), "float32")
-    keys = [f.name for f in dataclasses.fields(expected_cfg) if f.name != "dtype"]
+    # No DFlash weight depends on the block size (drafts are positions of one block, told apart by
+    # RoPE), so a block-8 drafter warm-starts a block-16 run and the reverse.
+    free = ("dtype", "block_size") if kind == "dflash" else ("dtype",)
+    keys = [f.name for f in dataclasses.fields(expected_cfg) if f.name not in free]
     differ = [k for k in keys if getattr(found, k, None) != getattr(expected_cfg, k)]
     if fresh is not None and _only_deeper(found, expected_cfg, differ):
         params = identity_layers_appended(params, fresh["layers"][found.num_layers:])
@@ -115,7 +119,7 @@ def warm_start_params(kind: str, path: str | Path, expected_cfg: Any, fresh: Any
         detail = ", ".join(f"{k}: {getattr(found, k, None)} there, {getattr(expected_cfg, k)} here" for k in differ)
         raise CheckpointError(
             f"--init-from {path}: that {kind} drafter differs from the one this run trains ({detail}); "
-            "pass matching --block-size/--layers/--hidden (a larger --layers grows a dflash or "
+            "pass matching --layers/--hidden (a larger --layers grows a dflash or "
             "draft-model drafter) or drop --init-from."
         )
     return jax.tree_util.tree_map(
