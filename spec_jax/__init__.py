@@ -12,6 +12,7 @@ from spec_jax.decoding import GenerationResult, generate
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
+from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "Drafter",
     "GenerationResult",
     "LoadedModel",
+    "LookupFirstDrafter",
     "NGramDrafter",
     "apply_chat_template",
     "generate",

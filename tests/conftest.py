@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
+from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import ModelConfig, init_params
 
@@ -76,6 +77,10 @@ def drafters(models):
         "self": (lambda k: self_drafter(models.cfg, k), models.params),
         "near": (lambda k: self_drafter(models.cfg, k), models.near_params),
         "draft": (lambda k: DraftModelDrafter(models.draft_cfg, k), models.draft_params),
+        # Prompt lookup in front of the random draft model: the lookup's drafts are what get accepted
+        # (one-token matches: the random target's outputs repeat no longer n-grams).
+        "lookup": (lambda k: LookupFirstDrafter(DraftModelDrafter(models.draft_cfg, k), min_match=1),
+                   models.draft_params),
     }
 
 

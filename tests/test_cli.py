@@ -106,6 +106,7 @@ def test_generate_stops_at_eos_unless_ignored(tiny_dir, capsys):
         (["--max-new-tokens", "400"], "too long"),
         (["--drafter", "nonsense"], "unknown drafter"),
         (["--drafter", "draft-model"], "needs a checkpoint"),
+        (["--drafter", "ngram+ngram"], "in front of a model drafter"),
     ],
 )
 def test_generate_user_errors(tiny_dir, capsys, argv, needle):
@@ -212,6 +213,9 @@ def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):
     spec = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--drafter", f"dflash={dflash_dir}"))
     assert spec["k"] == 3 and spec["stats"]["drafted"] > 0
     assert [r["generated_ids"] for r in spec["results"]] == ids
+    looked_up = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--drafter", f"dflash+ngram={dflash_dir}"))
+    assert looked_up["drafter"].startswith("dflash+ngram:") and looked_up["k"] == 3
+    assert [r["generated_ids"] for r in looked_up["results"]] == ids
     sharded = run_json(capsys, gen_args(tiny_dir, "--ignore-eos", "--mesh", "data=1,model=1"))
     assert [r["generated_ids"] for r in sharded["results"]] == ids
     info = run_json(capsys, ["info", "--target", tiny_dir, "--drafter", f"dflash={dflash_dir}", "--json"])

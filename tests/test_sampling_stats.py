@@ -2,8 +2,8 @@
 matches a numpy reference of temperature -> top-k -> top-p (HF order).
 
 False-failure rate: every chi-square test fails only at p < 1e-4; the file runs <= 32 (vmapped
-`accept`) + 6 (end to end) such tests, so a correct implementation fails one with probability
-< 4e-3 -- and the seeds are fixed, so a given run is deterministic. Cells the target gives
+`accept`) + 18 (end to end) such tests, so a correct implementation fails one with probability
+< 5e-3 -- and the seeds are fixed, so a given run is deterministic. Cells the target gives
 probability 0 must get no samples at all (checked exactly, not statistically).
 """
 
@@ -25,6 +25,7 @@ from spec_jax.decoding.acceptance import accept
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
+from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import ModelConfig, forward, init_cache, init_params
 
@@ -215,7 +216,9 @@ def exact_joint(logits, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING[:3])
-@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "dflash", "dflash_draft_vocab", "eagle3"])
+@pytest.mark.parametrize(
+    "drafter_kind", ["ngram", "draft_model", "dflash", "dflash_draft_vocab", "eagle3", "dflash_lookup"]
+)
 def test_generate_reproduces_target_joint_distribution(e2e, drafter_kind, temperature, top_k, top_p):
     """The first 3 generated tokens (prefill token + one or two verify steps with K = 2), over
     5 seeds x 2048 identical rows, against the exact warped joint from full forward passes."""
@@ -224,6 +227,10 @@ def test_generate_reproduces_target_joint_distribution(e2e, drafter_kind, temper
         drafter, dparams = NGramDrafter(k=K_E2E, max_ngram=2), None
     elif drafter_kind == "dflash":  # sampled block drafts with their full distributions
         drafter = DFlashDrafter(E2E_DFLASH_CFG)
+        dparams = init_dflash_params(E2E_DFLASH_CFG, jax.random.key(12), scale=1.5)
+    elif drafter_kind == "dflash_lookup":  # point-mass lookup drafts where the first token recurs
+        # in the prompt (t1 in 1, 2, 3), sampled DFlash drafts in the other rows
+        drafter = LookupFirstDrafter(DFlashDrafter(E2E_DFLASH_CFG), min_match=1, max_ngram=2)
         dparams = init_dflash_params(E2E_DFLASH_CFG, jax.random.key(12), scale=1.5)
     elif drafter_kind == "dflash_draft_vocab":  # its own head over 6 of the 8 tokens
         cfg = dataclasses.replace(E2E_DFLASH_CFG, draft_vocab_size=6)

@@ -27,6 +27,7 @@ CASES = [  # (drafter, K, batch)
     ("ngram", 1, 1), ("ngram", 4, 3), ("ngram", 8, 8),
     ("self", 1, 3), ("self", 4, 8), ("self", 8, 1),
     ("draft", 1, 8), ("draft", 4, 1), ("draft", 8, 3),
+    ("lookup", 4, 8), ("lookup", 8, 3),
 ]
 
 
@@ -68,6 +69,38 @@ def test_greedy_speculative_equals_ar(models, drafters, ar, name, k, batch):
             assert s.emitted >= (k + 1) * (s.steps - 1) + 1
     if name == "draft":  # a random 101-token draft model: almost nothing accepted
         assert r.stats.accepted <= 0.2 * r.stats.drafted
+    if name == "lookup":  # the same draft model behind prompt lookup: the repeating rows accept
+        plain = generate(models.target, PROMPTS[batch], drafters["draft"][0](k), params, max_new_tokens=NEW)
+        assert r.stats.accepted > plain.stats.accepted
+
+
+def test_lookup_first_takes_the_lookup_where_the_suffix_recurs(models, drafters):
+    """Rows whose last 2+ tokens occurred earlier get what followed them, as point masses; the
+    other rows get the model drafter's drafts and probabilities unchanged."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.drafters.base import Target
+    from spec_jax.sampling import SamplingParams
+
+    make, params = drafters["lookup"]
+    drafter = dataclasses.replace(make(3), min_match=2)
+    target = Target(models.params, models.cfg)
+    tokens = jnp.asarray([[1, 2, 3, 9, 4, 1, 2, 0, 0], [1, 2, 3, 9, 4, 5, 2, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([7, 7], jnp.int32)  # row 0 ends in [1, 2], seen at 0; row 1 ends in [5, 2]
+    state = drafter.init(params, target, tokens, lengths, None, 16)
+    sampling = SamplingParams.create(1.0, 0, 1.0)
+    key = jax.random.key(0)
+    drafts, probs, _ = drafter.propose(params, target, state, tokens, lengths, key, sampling)
+    m_drafts, m_probs, _ = drafter.model.propose(params, target, state, tokens, lengths, key, sampling)
+    assert drafts[0].tolist() == [3, 9, 4]
+    np.testing.assert_array_equal(np.asarray(probs[0]), np.eye(probs.shape[-1])[[3, 9, 4]])
+    assert drafts[1].tolist() == m_drafts[1].tolist()
+    np.testing.assert_array_equal(np.asarray(probs[1]), np.asarray(m_probs[1]))
+    # generate's k= override reaches the model drafter too.
+    assert dataclasses.replace(drafter, k=5).model.k == 5
 
 
 def test_near_draft_model_accepts_some_and_equals_ar(models, drafters, ar):

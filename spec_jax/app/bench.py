@@ -314,7 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafters",
         default="ngram",
-        help="comma list of ngram, self, draft-model=PATH, dflash=PATH, eagle3=PATH (default ngram)",
+        help="comma list of ngram, self, draft-model=PATH, dflash=PATH, eagle3=PATH; KIND+ngram puts prompt "
+        "lookup in front of a model drafter, e.g. dflash+ngram (default ngram)",
     )
     p.add_argument("--k", default=None, help="comma list of K values to sweep, e.g. 2,4,8")
     p.add_argument("--batch-size", type=int, default=1)

@@ -16,8 +16,11 @@ from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # spec_jax/assets
 
-DRAFTER_KINDS = ("none", "ngram", "self", "draft-model", "dflash", "eagle3")
-DRAFTER_KINDS_WITH_PATH = ("draft-model", "dflash", "eagle3")
+MODEL_DRAFTERS = ("draft-model", "dflash", "eagle3")
+# "KIND+ngram": prompt lookup in front of a model drafter (spec_jax/drafters/lookup.py).
+LOOKUP = "+ngram"
+DRAFTER_KINDS = ("none", "ngram", "self", *MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
+DRAFTER_KINDS_WITH_PATH = (*MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
 
 
 class UsageError(ValueError):
@@ -139,7 +142,8 @@ class DrafterSpec:
 
 
 def parse_drafter_spec(text: str, k: int | None = None) -> DrafterSpec:
-    """ "ngram", "self", "draft-model=PATH" / "draft-model:PATH", "dflash=PATH", "eagle3=PATH"."""
+    """ "ngram", "self", "draft-model=PATH" / "draft-model:PATH", "dflash=PATH", "eagle3=PATH", and
+    any model drafter with prompt lookup in front: "dflash+ngram", "draft-model+ngram=PATH", ..."""
     kind, path = text, None
     for sep in ("=", ":"):
         if sep in text:
@@ -149,6 +153,11 @@ def parse_drafter_spec(text: str, k: int | None = None) -> DrafterSpec:
 
 
 def make_drafter_spec(kind: str, path: str | None, k: int | None) -> DrafterSpec:
+    if kind.endswith(LOOKUP) and kind not in DRAFTER_KINDS:
+        raise UsageError(
+            f"drafter {kind!r}: prompt lookup ({LOOKUP}) goes in front of a model drafter: "
+            f"{', '.join(m + LOOKUP for m in MODEL_DRAFTERS)}; plain n-gram drafting is 'ngram'."
+        )
     if kind not in DRAFTER_KINDS:
         raise UsageError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}.")
     if kind not in DRAFTER_KINDS_WITH_PATH and path:
@@ -163,6 +172,11 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
     if spec is None or spec.kind == "none":
         return None, None
     k = spec.k
+    if spec.kind.endswith(LOOKUP):
+        from spec_jax.drafters.lookup import LookupFirstDrafter
+
+        model, params = build_drafter(dataclasses.replace(spec, kind=spec.kind[: -len(LOOKUP)]), target)
+        return LookupFirstDrafter(model), params
     if spec.kind == "ngram":
         from spec_jax.drafters.ngram import NGramDrafter
 

@@ -39,7 +39,8 @@ class NGramDrafter:
     def init(self, params, target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
         return ()
 
-    def propose(self, params, target, state, tokens, lengths, key, sampling):
+    def lookup(self, tokens, lengths):
+        """(drafts [B, K] int32, matched n [B]: the n-gram length found, 0 for none)."""
         batch, size = tokens.shape
         rows = jnp.arange(batch)[:, None]
         starts = jnp.arange(size)[None, :]  # candidate match starts j  [1, S]
@@ -61,8 +62,11 @@ class NGramDrafter:
         follow = best_start[:, None] + best_n[:, None] + jnp.arange(self.k)  # [B, K]
         follow = jnp.minimum(follow, lengths[:, None] - 1)
         follow = jnp.where(best_start[:, None] >= 0, follow, lengths[:, None] - 1)
-        drafts = tokens[rows, follow]
-        return drafts.astype(jnp.int32), None, state
+        return tokens[rows, follow].astype(jnp.int32), best_n
+
+    def propose(self, params, target, state, tokens, lengths, key, sampling):
+        drafts, _ = self.lookup(tokens, lengths)
+        return drafts, None, state
 
     def commit(self, params, target, state, start, num_accepted, verify_captured):
         return state
