@@ -29,6 +29,38 @@ from spec_jax.models.decoder import embed, lm_head
 from spec_jax.training.trainer import cross_entropy, kl_to_teacher
 
 
+def block_hidden(
+    cfg: DFlashConfig, params: Any, target_params: Any, tokens: jax.Array, captured: jax.Array,
+    anchors: jax.Array,
+) -> jax.Array:
+    """The drafter's final hidden states [B, A*b, H] for the blocks [token a, mask, ...] at
+    positions a..a+b-1 of every anchor a in `anchors` [B, A], all in one pass: each block sees the
+    target's context features of positions < a (what it sees at inference, where the context is
+    every committed token but the anchor) and, non-causally, its own block."""
+    b_size, seq_len = tokens.shape
+    block, anchors_n = cfg.block_size, anchors.shape[1]
+    rows = jnp.arange(b_size)[:, None]
+
+    # Blocks [anchor token, mask, ...] at positions a..a+b-1, flattened to [B, A*b].
+    positions = (anchors[:, :, None] + jnp.arange(block)).reshape(b_size, anchors_n * block)
+    block_tokens = jnp.full((b_size, anchors_n, block), cfg.mask_token_id, jnp.int32)
+    block_tokens = block_tokens.at[:, :, 0].set(tokens[rows, anchors])
+    x = embed(target_params, block_tokens.reshape(b_size, -1)).astype(params["fc"].dtype)
+    if cfg.input_embedding_scale is not None:
+        x = x * cfg.input_embedding_scale
+
+    # What each query may see: context before its anchor; its own block only.
+    anchor_of_query = jnp.repeat(anchors, block, axis=1)  # [B, A*b]
+    ctx_positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b_size, seq_len))
+    ctx_visible = ctx_positions[:, None, :] < anchor_of_query[:, :, None]  # [B, A*b, T]
+    block_id = jnp.repeat(jnp.arange(anchors_n), block)
+    block_visible = jnp.broadcast_to(
+        block_id[:, None] == block_id[None, :], (b_size, anchors_n * block, anchors_n * block)
+    )
+    ctx_k, ctx_v = context_kv(cfg, params, captured, ctx_positions)
+    return dflash_hidden(cfg, params, x, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_visible)
+
+
 @dataclasses.dataclass(frozen=True)
 class DFlashLoss:
     """loss(params, target_params, batch, key); batch = dict(tokens [B, T], lengths [B],
@@ -48,6 +80,7 @@ class DFlashLoss:
         b_size, seq_len = tokens.shape
         block, anchors_n = cfg.block_size, self.num_anchors
         rows = jnp.arange(b_size)[:, None]
+        offsets = jnp.arange(block)
 
         # Step 1: anchors inside the answer, each with at least one label: a in [P-1, len-2].
         t = jnp.arange(seq_len)[None, :]
@@ -55,30 +88,9 @@ class DFlashLoss:
         anchors = jax.random.categorical(
             key, jnp.where(can_anchor, 0.0, -jnp.inf)[:, None, :], axis=-1, shape=(b_size, anchors_n)
         )  # [B, A]
+        hidden = block_hidden(cfg, params, target_params, tokens, batch["captured"], anchors)  # [B, A*b, H]
 
-        # Step 2: blocks [anchor token, mask, ...] at positions a..a+b-1, flattened to [B, A*b].
-        offsets = jnp.arange(block)
-        positions = (anchors[:, :, None] + offsets).reshape(b_size, anchors_n * block)
-        block_tokens = jnp.full((b_size, anchors_n, block), cfg.mask_token_id, jnp.int32)
-        block_tokens = block_tokens.at[:, :, 0].set(tokens[rows, anchors])
-        x = embed(target_params, block_tokens.reshape(b_size, -1)).astype(params["fc"].dtype)
-        if cfg.input_embedding_scale is not None:
-            x = x * cfg.input_embedding_scale
-
-        # Step 3: what each query may see: context before its anchor; its own block only.
-        anchor_of_query = jnp.repeat(anchors, block, axis=1)  # [B, A*b]
-        ctx_positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b_size, seq_len))
-        ctx_visible = ctx_positions[:, None, :] < anchor_of_query[:, :, None]  # [B, A*b, T]
-        block_id = jnp.repeat(jnp.arange(anchors_n), block)
-        block_visible = jnp.broadcast_to(
-            block_id[:, None] == block_id[None, :], (b_size, anchors_n * block, anchors_n * block)
-        )
-        ctx_k, ctx_v = context_kv(cfg, params, batch["captured"], ctx_positions)
-        hidden = dflash_hidden(
-            cfg, params, x, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_visible
-        )  # [B, A*b, H]
-
-        # Step 4: block position i+1 predicts token a+i+1 (i = 0..b-2).
+        # Step 2: block position i+1 predicts token a+i+1 (i = 0..b-2).
         hidden = hidden.reshape(b_size, anchors_n, block, -1)[:, :, 1:]  # [B, A, b-1, H]
         target = Target(target_params, self.target_cfg)
         reduced = self.draft_ids is not None
