@@ -167,8 +167,8 @@ def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
 
 
 def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, default_model_installed):
-    """No --target, no --drafter: the drafter measured fastest on this backend (n-gram on CPU),
-    with the reason in the JSON, and the AR baseline's output; the shipped DFlash too."""
+    """No --target, no --drafter: the drafter measured fastest on this backend (DFlash with prompt
+    lookup on CPU), with the reason in the JSON, and the AR baseline's output; the shipped DFlash too."""
     args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json",
             "--dtype", "float32"]
     out = run_json(capsys, args)
@@ -176,7 +176,8 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
     assert 1 <= len(row["generated_ids"]) <= 8
     assert isinstance(row["text"], str)
     assert out["target"].startswith("default:")
-    assert out["drafter"] == "ngram" and "default" in out["drafter_reason"]
+    measured = "dflash+ngram" if jax.default_backend() == "cpu" else "ngram"
+    assert out["drafter"].startswith(measured) and "default" in out["drafter_reason"]
     ar = run_json(capsys, args + ["--drafter", "none"])
     assert ar["drafter"] == "none"
     assert ar["results"][0]["generated_ids"] == row["generated_ids"]
@@ -189,14 +190,17 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
 
 
 def test_default_drafter_is_per_batch_size():
-    """On CPU several prompts decode without a drafter (every drafter lost at batch 8), one
-    prompt with n-gram; a named target never gets a default drafter."""
+    """On CPU one prompt decodes with DFlash + prompt lookup, up to 8 (the largest batch measured)
+    with the draft model + prompt lookup, more without a drafter; each with its measured reason.
+    A named target never gets a default drafter."""
     from spec_jax.app.inputs import default_drafter_spec
 
     one, several = default_drafter_spec(None, None, batch=1), default_drafter_spec(None, 4, batch=8)
+    many = default_drafter_spec(None, 4, batch=9)
     if jax.default_backend() == "cpu":
-        assert one.kind == "ngram" and "n-gram" in one.reason and "RESULTS.md" in one.reason
-        assert several.kind == "none" and "batch 8" in several.reason and several.k is None
+        assert one.kind == "dflash+ngram" and "prompt lookup" in one.reason and "RESULTS.md" in one.reason
+        assert several.kind == "draft-model+ngram" and several.k == 4 and "batch 8" in several.reason
+        assert many.kind == "none" and many.k is None
     assert default_drafter_spec("some/model", None, batch=1).kind == "none"
 
 

@@ -243,28 +243,31 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
 
 
 # The drafter `spec-jax generate` uses for the default model when none is named, per backend and
-# batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, 2026-11-23 and -24:
-# HumanEval[:20], 128 tokens, greedy). Each entry: (batch 1, batch > 1), each (kind, why). Only the
-# CPU has been measured; another backend gets n-gram at batch 1, the one drafter that never lost to
-# plain decoding at batch 1 where measured, and plain decoding above.
+# batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, first section:
+# HumanEval[:20], 128 tokens, greedy). Each entry: (largest batch it was measured at, or None for
+# any larger batch; kind; why), the first that covers the batch wins. Only the CPU has been
+# measured; another backend gets n-gram at batch 1, the one drafter that never lost to plain
+# decoding at batch 1 where measured, and plain decoding above.
 MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
-        ("ngram",
-         "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md: n-gram "
-         "1.37x and 1.61x plain decoding in the latest two runs, never below a learned drafter in "
-         "the same run; the shipped DFlash 1.44x at K=3 and 1.36x at K=7, draft "
-         "model 1.10x, EAGLE-3 1.02x)"),
-        ("none",
-         "several prompts: on CPU at batch 8 no drafter reliably beats plain decoding "
-         "(benchmarks/RESULTS.md: n-gram 1.04x, 0.98x, 0.99x, 1.00x and 0.98x in five sessions, "
-         "draft model 0.73-0.77x, DFlash 0.61-0.66x, EAGLE-3 0.57x)"),
+        (1, "dflash+ngram",
+         "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md, "
+         "2026-11-25: DFlash with prompt lookup 1.88x and 1.81x plain decoding in two runs, tau "
+         "3.40; n-gram 1.64x and 1.58x, DFlash alone 1.44x in the same runs)"),
+        (8, "draft-model+ngram",
+         "measured fastest for the default model on CPU at batch 8 (benchmarks/RESULTS.md, "
+         "2026-11-25: the draft model with prompt lookup 1.17x and 1.10x plain decoding in two runs; "
+         "n-gram 1.05x and 0.98x, DFlash with prompt lookup 0.97x and 0.86x)"),
+        (None, "none",
+         "more prompts than the largest batch measured on CPU (8): plain decoding, which no "
+         "drafter has been shown to beat there"),
     ),
 }
 UNMEASURED_DEFAULT_DRAFTER = (
-    ("ngram", "no drafter measured for the default model on this backend; n-gram never lost to "
-              "plain decoding at batch 1 where measured"),
-    ("none", "several prompts and no drafter measured on this backend: drafters lost to plain "
-             "decoding at batch 8 where measured"),
+    (1, "ngram", "no drafter measured for the default model on this backend; n-gram never lost to "
+                 "plain decoding at batch 1 where measured"),
+    (None, "none", "several prompts and no drafter measured on this backend: drafters lost to plain "
+                   "decoding at batch 8 where measured"),
 )
 
 
@@ -276,8 +279,8 @@ def default_drafter_spec(target_arg: str | None, k: int | None, batch: int = 1) 
         return DrafterSpec("none", None, k, reason="no drafter named and none shipped for this target")
     import jax
 
-    single, batched = MEASURED_DEFAULT_DRAFTER.get(jax.default_backend(), UNMEASURED_DEFAULT_DRAFTER)
-    kind, why = single if batch <= 1 else batched
+    entries = MEASURED_DEFAULT_DRAFTER.get(jax.default_backend(), UNMEASURED_DEFAULT_DRAFTER)
+    kind, why = next((kind, why) for largest, kind, why in entries if largest is None or batch <= largest)
     return DrafterSpec(kind, None, k if kind != "none" else None, reason=f"default for the default model: {why}")
 
 
