@@ -103,6 +103,39 @@ def test_lookup_first_takes_the_lookup_where_the_suffix_recurs(models, drafters)
     assert dataclasses.replace(drafter, k=5).model.k == 5
 
 
+def test_draft_model_cache_follows_committed_tokens_it_did_not_draft(models, drafters):
+    """After a step whose accepted tokens were someone else's drafts (prompt lookup's), the draft
+    model proposes exactly what it proposes from a fresh prefill of the committed tokens: its
+    cache holds the committed tokens, not its own rejected drafts."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.drafters.base import Target
+    from spec_jax.sampling import SamplingParams
+
+    k = 4
+    make, params = drafters["draft"]
+    drafter = make(k)
+    target = Target(models.params, models.cfg)
+    sampling = SamplingParams.create(1.0, 0, 1.0)
+    key = jax.random.key(0)
+    # Prompt of 3 + first token = 4 committed; then K foreign drafts accepted + a bonus token.
+    committed = [[5, 17, 33, 8, 61, 2, 90, 44, 12], [7, 3, 8, 19, 1, 66, 25, 70, 9]]
+    tokens = jnp.asarray([row + [0] * 7 for row in committed], jnp.int32)  # [2, 16]
+    state = drafter.init(params, target, tokens[:, :3], jnp.asarray([3, 3]), None, 32)
+    lengths = jnp.asarray([4, 4], jnp.int32)
+    own, _, state = drafter.propose(params, target, state, tokens, lengths, key, sampling)
+    assert not np.array_equal(np.asarray(own), np.asarray(tokens[:, 4 : 4 + k]))
+    state = drafter.commit(params, target, state, lengths - 1, jnp.asarray([k, k]), None)
+    lengths = lengths + k + 1
+    drafts, probs, _ = drafter.propose(params, target, state, tokens, lengths, key, sampling)
+
+    fresh = drafter.init(params, target, tokens[:, :9], lengths, None, 32)
+    f_drafts, f_probs, _ = drafter.propose(params, target, fresh, tokens, lengths, key, sampling)
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(f_probs), atol=1e-5)
+    assert drafts.tolist() == f_drafts.tolist()
+
+
 def test_near_draft_model_accepts_some_and_equals_ar(models, drafters, ar):
     """The target plus weight noise as draft model (same compile as `self`, K=4, batch 8)."""
     make, params = drafters["near"]

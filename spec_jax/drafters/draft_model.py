@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.drafters.base import Target
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.decoder import KVCache, forward, init_cache
+from spec_jax.models.decoder import KVCache, forward, forward_hidden, init_cache, lm_head
 from spec_jax.models.weights import model_weight_specs
 
 
@@ -20,9 +20,11 @@ class DraftModelDrafter:
     """K sequential steps of a draft LM per verify step; drafts sampled from its warped logits.
 
     The draft cache is indexed by position like the target's, so rejected drafts roll back by
-    length alone. Each propose first re-feeds the last two committed tokens: after a fully accepted
-    block the draft model has seen neither d_K nor the bonus token, and a fixed two-token step keeps
-    shapes static (re-writing an already cached position is harmless).
+    length alone. Each propose first re-feeds the last K+1 committed tokens, all a verify step can
+    add: the draft model has not seen the bonus token (nor d_K after a fully accepted block), and
+    the committed tokens need not be its own drafts at all when prompt lookup replaced them
+    (`LookupFirstDrafter`). A fixed K+1-token step keeps shapes static; re-writing an already
+    cached position with the same token is harmless.
     """
 
     cfg: ModelConfig
@@ -68,11 +70,13 @@ class DraftModelDrafter:
         rows = jnp.arange(batch)
         vocab = target.cfg.vocab_size
         keys = jax.random.split(key, self.k)
-        # Draft step 1: the last two committed tokens at positions L-2, L-1.
-        pos = jnp.stack([lengths - 2, lengths - 1], axis=1)  # [B, 2]
+        # Draft step 1: the last K+1 committed tokens at positions L-K-1 .. L-1 (clipped at 0 for
+        # short prompts: a repeated position 0 writes the same keys twice). Logits at L-1 only.
+        pos = jnp.maximum(lengths[:, None] - self.k - 1 + jnp.arange(self.k + 1, dtype=jnp.int32), 0)
         inputs = tokens[rows[:, None], pos]
-        logits, _, cache = forward(params, self.cfg, inputs, pos, state)
-        probs = self._draft_probs(logits[:, -1], vocab, sampling)  # [B, V]
+        hidden, _, cache = forward_hidden(params, self.cfg, inputs, pos, state)
+        logits = lm_head(params, self.cfg, hidden[:, -1:])  # [B, 1, V_d]
+        probs = self._draft_probs(logits[:, 0], vocab, sampling)  # [B, V]
         draft = sample(keys[0], probs)
 
         # Draft steps 2..K: feed the previous draft at the next position.
