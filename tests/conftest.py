@@ -18,12 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
 from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import ModelConfig, init_params
 
 VOCAB = 101
+TINY_DFLASH = DFlashConfig(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                           intermediate_size=128, block_size=5, target_layer_ids=(0, 1), mask_token_id=100,
+                           num_target_layers=2, vocab_size=VOCAB)
 EOS = 2  # appears mid-way in some greedy outputs of the target below (e.g. rows 1, 2 of
 #         make_prompts([3, 16, 1], seed=0) at 12 and 21), never in most
 
@@ -81,6 +85,10 @@ def drafters(models):
         # (one-token matches: the random target's outputs repeat no longer n-grams).
         "lookup": (lambda k: LookupFirstDrafter(DraftModelDrafter(models.draft_cfg, k), min_match=1),
                    models.draft_params),
+        # A random DFlash drafter behind the lookup: its propose is skipped on steps where every
+        # row takes the lookup (stateless_propose).
+        "dflash_lookup": (lambda k: LookupFirstDrafter(DFlashDrafter(TINY_DFLASH, k), min_match=1),
+                          init_dflash_params(TINY_DFLASH, jax.random.key(3), scale=3.0)),
     }
 
 

@@ -27,7 +27,7 @@ CASES = [  # (drafter, K, batch)
     ("ngram", 1, 1), ("ngram", 4, 3), ("ngram", 8, 8),
     ("self", 1, 3), ("self", 4, 8), ("self", 8, 1),
     ("draft", 1, 8), ("draft", 4, 1), ("draft", 8, 3),
-    ("lookup", 4, 8), ("lookup", 8, 3),
+    ("lookup", 4, 8), ("lookup", 8, 3), ("dflash_lookup", 4, 1),
 ]
 
 
@@ -74,9 +74,11 @@ def test_greedy_speculative_equals_ar(models, drafters, ar, name, k, batch):
         assert r.stats.accepted > plain.stats.accepted
 
 
-def test_lookup_first_takes_the_lookup_where_the_suffix_recurs(models, drafters):
+@pytest.mark.parametrize("name", ["lookup", "dflash_lookup"])
+def test_lookup_first_takes_the_lookup_where_the_suffix_recurs(models, drafters, name):
     """Rows whose last 2+ tokens occurred earlier get what followed them, as point masses; the
-    other rows get the model drafter's drafts and probabilities unchanged."""
+    other rows get the model drafter's drafts and probabilities unchanged. With DFlash behind the
+    lookup, a batch where every row takes the lookup skips DFlash and returns its state as is."""
     import dataclasses
 
     import jax
@@ -85,22 +87,33 @@ def test_lookup_first_takes_the_lookup_where_the_suffix_recurs(models, drafters)
     from spec_jax.drafters.base import Target
     from spec_jax.sampling import SamplingParams
 
-    make, params = drafters["lookup"]
+    make, params = drafters[name]
     drafter = dataclasses.replace(make(3), min_match=2)
     target = Target(models.params, models.cfg)
     tokens = jnp.asarray([[1, 2, 3, 9, 4, 1, 2, 0, 0], [1, 2, 3, 9, 4, 5, 2, 0, 0]], jnp.int32)
     lengths = jnp.asarray([7, 7], jnp.int32)  # row 0 ends in [1, 2], seen at 0; row 1 ends in [5, 2]
-    state = drafter.init(params, target, tokens, lengths, None, 16)
+    features = len(drafter.capture_layers) * models.cfg.hidden_size
+    captured = jax.random.normal(jax.random.key(4), (2, 9, features)) if features else None
+    state = drafter.init(params, target, tokens, lengths - 1, captured, 16)
     sampling = SamplingParams.create(1.0, 0, 1.0)
     key = jax.random.key(0)
-    drafts, probs, _ = drafter.propose(params, target, state, tokens, lengths, key, sampling)
+    propose = jax.jit(drafter.propose)  # traced as in the loop: the skip is a lax.cond
+    drafts, probs, _ = propose(params, target, state, tokens, lengths, key, sampling)
     m_drafts, m_probs, _ = drafter.model.propose(params, target, state, tokens, lengths, key, sampling)
     assert drafts[0].tolist() == [3, 9, 4]
     np.testing.assert_array_equal(np.asarray(probs[0]), np.eye(probs.shape[-1])[[3, 9, 4]])
     assert drafts[1].tolist() == m_drafts[1].tolist()
-    np.testing.assert_array_equal(np.asarray(probs[1]), np.asarray(m_probs[1]))
+    np.testing.assert_allclose(np.asarray(probs[1]), np.asarray(m_probs[1]), atol=1e-6)
+    # Both rows matching: lookup drafts only, and the model drafter's state comes back unchanged.
+    both = tokens.at[1].set(tokens[0])
+    drafts, probs, new_state = propose(params, target, state, both, lengths, key, sampling)
+    assert drafts.tolist() == [[3, 9, 4]] * 2
+    np.testing.assert_array_equal(np.asarray(probs), np.eye(probs.shape[-1])[[[3, 9, 4]] * 2])
+    if name == "dflash_lookup":
+        for a, b in zip(jax.tree_util.tree_leaves(new_state), jax.tree_util.tree_leaves(state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # generate's k= override reaches the model drafter too.
-    assert dataclasses.replace(drafter, k=5).model.k == 5
+    assert dataclasses.replace(drafter, k=2).model.k == 2
 
 
 def test_draft_model_cache_follows_committed_tokens_it_did_not_draft(models, drafters):

@@ -36,6 +36,10 @@ class Target:
 
 @runtime_checkable
 class Drafter(Protocol):
+    """Optionally a drafter may set the class attribute `stateless_propose = True` when its
+    propose returns the state unchanged (DFlash); `LookupFirstDrafter` then skips the call on
+    steps where every row drafts from the lookup."""
+
     k: int  # drafts per verify step (static)
 
     @property

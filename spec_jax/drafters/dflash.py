@@ -435,6 +435,9 @@ class DFlashDrafter:
     cfg: DFlashConfig
     k: int | None = None
     sample_drafts: bool = True
+    # propose returns the state it was given (the context cache changes in commit only), so a
+    # wrapper may skip it on steps where it needs no drafts from this drafter (LookupFirstDrafter).
+    stateless_propose = True
 
     def __post_init__(self):
         if self.k is None:
