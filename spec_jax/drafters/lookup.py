@@ -11,6 +11,10 @@ Exactness: the choice depends only on the committed tokens, never on the drafts 
 the drafts of a row come from one proposal distribution -- a point mass (the lookup) or the model
 drafter's q -- and the usual acceptance rule keeps the output the target's (token-identical under
 greedy, the same distribution when sampling).
+
+Cost: the lookup is a few [B, S] compares. Behind DFlash, whose propose leaves its state unchanged
+(`stateless_propose`), a step where every row takes the lookup skips DFlash altogether (a
+`lax.cond`); other model drafters run every step, since their state follows their own drafts.
 """
 
 from __future__ import annotations
