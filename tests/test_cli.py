@@ -191,15 +191,16 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
 
 def test_default_drafter_is_per_batch_size():
     """On CPU one prompt decodes with DFlash + prompt lookup, up to 8 (the largest batch measured)
-    with the draft model + prompt lookup, more without a drafter; each with its measured reason.
+    with the draft model + prompt lookup at K=2, more without a drafter; each with its measured reason.
     A named target never gets a default drafter."""
     from spec_jax.app.inputs import default_drafter_spec
 
-    one, several = default_drafter_spec(None, None, batch=1), default_drafter_spec(None, 4, batch=8)
+    one, several = default_drafter_spec(None, None, batch=1), default_drafter_spec(None, None, batch=8)
     many = default_drafter_spec(None, 4, batch=9)
     if jax.default_backend() == "cpu":
         assert one.kind == "dflash+ngram" and "prompt lookup" in one.reason and "RESULTS.md" in one.reason
-        assert several.kind == "draft-model+ngram" and several.k == 4 and "batch 8" in several.reason
+        assert several.kind == "draft-model+ngram" and several.k == 2 and "batch 8" in several.reason
+        assert default_drafter_spec(None, 4, batch=8).k == 4  # the user's K wins over the measured one
         assert many.kind == "none" and many.k is None
     assert default_drafter_spec("some/model", None, batch=1).kind == "none"
 

@@ -248,40 +248,47 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
 # any larger batch; kind; why), the first that covers the batch wins. Only the CPU has been
 # measured; another backend gets n-gram at batch 1, the one drafter that never lost to plain
 # decoding at batch 1 where measured, and plain decoding above.
+# Per backend: (largest batch it applies to or None, drafter kind, its K or None for the kind's
+# default, why), from recorded bench runs.
 MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
-        (1, "dflash+ngram",
+        (1, "dflash+ngram", None,
          "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md, "
-         "2026-11-25: DFlash with prompt lookup 1.88x and 1.81x plain decoding in two runs, tau "
-         "3.40; n-gram 1.64x and 1.58x, DFlash alone 1.44x in the same runs)"),
-        (8, "draft-model+ngram",
+         "2026-11-25: DFlash with prompt lookup 1.90x and 2.00x plain decoding in two runs, tau "
+         "3.40; the draft model with prompt lookup 1.58x and 1.68x at K=4, n-gram 1.58x, DFlash "
+         "alone 1.34x)"),
+        (8, "draft-model+ngram", 2,
          "measured fastest for the default model on CPU at batch 8 (benchmarks/RESULTS.md, "
-         "2026-11-25: the draft model with prompt lookup 1.17x and 1.10x plain decoding in two runs; "
-         "n-gram 1.05x and 0.98x, DFlash with prompt lookup 0.97x and 0.86x)"),
-        (None, "none",
+         "2026-11-25: the draft model with prompt lookup at K=2 1.15x plain decoding, K=4 1.07x "
+         "and 1.08x; n-gram at K=2 1.10x, DFlash with prompt lookup 1.08x at K=2, 0.88x at K=7)"),
+        (None, "none", None,
          "more prompts than the largest batch measured on CPU (8): plain decoding, which no "
          "drafter has been shown to beat there"),
     ),
 }
 UNMEASURED_DEFAULT_DRAFTER = (
-    (1, "ngram", "no drafter measured for the default model on this backend; n-gram never lost to "
-                 "plain decoding at batch 1 where measured"),
-    (None, "none", "several prompts and no drafter measured on this backend: drafters lost to plain "
-                   "decoding at batch 8 where measured"),
+    (1, "ngram", None, "no drafter measured for the default model on this backend; n-gram never "
+                       "lost to plain decoding at batch 1 where measured"),
+    (None, "none", None, "several prompts and no drafter measured on this backend: drafters lost "
+                         "to plain decoding at batch 8 where measured"),
 )
 
 
 def default_drafter_spec(target_arg: str | None, k: int | None, batch: int = 1) -> DrafterSpec:
     """`generate` without --drafter: for the default model, the drafter measured fastest on the
     running backend at this batch size (with the reason in `DrafterSpec.reason`); plain decoding
-    for other targets, for which spec_jax ships no drafter."""
+    for other targets, for which spec_jax ships no drafter. A K the user gave wins over the
+    measured one."""
     if target_arg is not None:
         return DrafterSpec("none", None, k, reason="no drafter named and none shipped for this target")
     import jax
 
     entries = MEASURED_DEFAULT_DRAFTER.get(jax.default_backend(), UNMEASURED_DEFAULT_DRAFTER)
-    kind, why = next((kind, why) for largest, kind, why in entries if largest is None or batch <= largest)
-    return DrafterSpec(kind, None, k if kind != "none" else None, reason=f"default for the default model: {why}")
+    kind, measured_k, why = next(
+        (kind, kk, why) for largest, kind, kk, why in entries if largest is None or batch <= largest
+    )
+    k = None if kind == "none" else (k if k is not None else measured_k)
+    return DrafterSpec(kind, None, k, reason=f"default for the default model: {why}")
 
 
 def drafter_k(drafter: Any) -> int:
