@@ -245,11 +245,10 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
 # The drafter `spec-jax generate` uses for the default model when none is named, per backend and
 # batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, first section:
 # HumanEval[:20], 128 tokens, greedy). Each entry: (largest batch it was measured at, or None for
-# any larger batch; kind; why), the first that covers the batch wins. Only the CPU has been
-# measured; another backend gets n-gram at batch 1, the one drafter that never lost to plain
-# decoding at batch 1 where measured, and plain decoding above.
-# Per backend: (largest batch it applies to or None, drafter kind, its K or None for the kind's
-# default, why), from recorded bench runs.
+# any larger batch; kind; its measured K, or None for the kind's default; why), the first that
+# covers the batch wins. Only the CPU has been measured; another backend gets n-gram at batch 1,
+# the one drafter that never lost to plain decoding at batch 1 where measured, and plain decoding
+# above.
 MEASURED_DEFAULT_DRAFTER = {
     "cpu": (
         (1, "dflash+ngram", None,
