@@ -23,6 +23,7 @@ RUNS = ("dflash_finetune", "dflash_ft2", "dflash_full", "dflash_full2", "dflash_
 BRANCHES = {
     "dflash_text": "dflash_3l",  # standard-library source, teacher labels, no generation
     "dflash_lowlr": "dflash_kl4",  # the same data, 1000 steps at peak rate 1e-4 instead of 3e-4
+    "dflash_b16": "dflash_kl4",  # block 16 (its tau is at K=15), 3000 sequences of the same mix
 }
 
 
