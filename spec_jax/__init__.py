@@ -8,6 +8,7 @@
 
 from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
 from spec_jax.checkpoints.dflash import load_dflash, save_dflash
+from spec_jax.checkpoints.shipped import default_drafter, load_drafter
 from spec_jax.decoding import GenerationResult, generate
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -27,8 +28,10 @@ __all__ = [
     "LookupFirstDrafter",
     "NGramDrafter",
     "apply_chat_template",
+    "default_drafter",
     "generate",
     "load_dflash",
+    "load_drafter",
     "load_target",
     "save_dflash",
     "self_drafter",

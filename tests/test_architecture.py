@@ -71,5 +71,5 @@ def test_the_walker_sees_lazy_imports(tmp_path):
 
 def test_public_api():
     for name in ("generate", "load_target", "NGramDrafter", "DraftModelDrafter", "DFlashDrafter",
-                 "load_dflash", "apply_chat_template", "Drafter"):
+                 "load_dflash", "apply_chat_template", "Drafter", "default_drafter", "load_drafter"):
         assert name in spec_jax.__all__ and hasattr(spec_jax, name), name

@@ -187,22 +187,69 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
     eagle = run_json(capsys, args + ["--drafter", "eagle3"])  # the shipped EAGLE-3 head
     assert eagle["drafter"].startswith("eagle3") and eagle["k"] == 4
     assert eagle["results"][0]["generated_ids"] == row["generated_ids"]
+    sampled = run_json(capsys, args + ["--temperature", "0.7", "--seed", "3"])
+    expected = "dflash+ngram" if jax.default_backend() == "cpu" else "ngram"
+    assert sampled["drafter"].startswith(expected) and "default" in sampled["drafter_reason"]
+    if jax.default_backend() == "cpu":
+        assert "T=0.7" in sampled["drafter_reason"] and sampled["k"] == 4
+    assert 1 <= len(sampled["results"][0]["generated_ids"]) <= 8
 
 
-def test_default_drafter_is_per_batch_size():
-    """On CPU one prompt decodes with DFlash + prompt lookup, up to 8 (the largest batch measured)
-    with the draft model + prompt lookup at K=2, more without a drafter; each with its measured reason.
-    A named target never gets a default drafter."""
+def test_default_drafter_is_per_batch_size_and_decoding_mode():
+    """On CPU one prompt decodes with DFlash + prompt lookup, greedy or sampled (K=4); up to 8 (the
+    largest batch measured) greedy prompts with the draft model + prompt lookup at K=2, sampled
+    ones with DFlash + prompt lookup at K=2; more without a drafter; each with its measured
+    reason. A named target never gets a default drafter."""
     from spec_jax.app.inputs import default_drafter_spec
 
     one, several = default_drafter_spec(None, None, batch=1), default_drafter_spec(None, None, batch=8)
     many = default_drafter_spec(None, 4, batch=9)
+    sampled_one = default_drafter_spec(None, None, batch=1, temperature=0.7)
+    sampled_several = default_drafter_spec(None, None, batch=8, temperature=0.7)
     if jax.default_backend() == "cpu":
         assert one.kind == "dflash+ngram" and "prompt lookup" in one.reason and "RESULTS.md" in one.reason
+        assert "greedy" in one.reason
         assert several.kind == "draft-model+ngram" and several.k == 2 and "batch 8" in several.reason
         assert default_drafter_spec(None, 4, batch=8).k == 4  # the user's K wins over the measured one
         assert many.kind == "none" and many.k is None
+        assert sampled_one.kind == "dflash+ngram" and "T=0.7" in sampled_one.reason
+        assert sampled_one.k == 4 and default_drafter_spec(None, 7, batch=1, temperature=0.7).k == 7
+        assert sampled_several.kind == "dflash+ngram" and sampled_several.k == 2
+        assert "T=0.7" in sampled_several.reason
     assert default_drafter_spec("some/model", None, batch=1).kind == "none"
+
+
+@pytest.mark.parametrize(
+    "backend, batch, temperature, kind",
+    [("cpu", 1, 0.0, "dflash+ngram"), ("cpu", 8, 0.0, "draft-model+ngram"), ("cpu", 9, 0.0, "none"),
+     ("cpu", 1, 0.7, "dflash+ngram"), ("cpu", 8, 1.0, "dflash+ngram"), ("cpu", 64, 0.7, "none"),
+     ("gpu", 1, 0.0, "ngram"), ("tpu", 1, 0.7, "ngram"), ("gpu", 2, 0.0, "none")],
+)
+def test_default_drafter_choice_table(backend, batch, temperature, kind):
+    """The measured table, read for every backend and mode: an unmeasured backend gets n-gram for
+    one prompt and plain decoding for several; the reason always names where it comes from."""
+    from spec_jax.checkpoints.shipped import default_drafter_choice
+
+    chosen, k, reason = default_drafter_choice(True, None, batch, temperature, backend=backend)
+    assert chosen == kind and reason.startswith("default for the default model")
+    assert (k is None) if kind == "none" else (k is None or k >= 1)
+    assert default_drafter_choice(False, 3, batch, temperature, backend=backend)[:2] == ("none", 3)
+
+
+def test_default_drafter_api_for_another_target_is_plain_decoding(tiny_dir):
+    """`spec_jax.default_drafter`: the CLI's choice from Python; a target spec_jax ships no
+    drafter for decodes without one, and `load_drafter` builds any kind by name."""
+    import spec_jax
+
+    target = spec_jax.load_target(tiny_dir)
+    assert spec_jax.default_drafter(target, batch_size=1, temperature=0.7) == (
+        None, None, "no drafter named and none shipped for this target")
+    drafter, params = spec_jax.load_drafter("ngram", target, k=3)
+    assert isinstance(drafter, spec_jax.NGramDrafter) and drafter.k == 3 and params is None
+    with pytest.raises(ValueError, match="needs a checkpoint for this target"):
+        spec_jax.load_drafter("dflash+ngram", target)
+    with pytest.raises(ValueError, match="unknown drafter"):
+        spec_jax.load_drafter("medusa", target)
 
 
 def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):

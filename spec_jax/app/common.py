@@ -126,12 +126,13 @@ def drafter_spec_from_args(
     args: argparse.Namespace, prompts: Sequence[str] = (), batch: int = 1
 ) -> DrafterSpec:
     """`--drafter KIND` or `--drafter KIND=PATH`; without --drafter, `default_drafter_spec` for
-    `batch` prompts decoded together.
+    `batch` prompts decoded together at the command's --temperature.
 
     The old two-word form `--drafter dflash PATH` cannot be told apart from a prompt, so it is
     refused (naming the one-word form) when the word after it is an existing path."""
     if args.drafter is None:
-        return default_drafter_spec(args.target, args.k, batch=batch)
+        return default_drafter_spec(args.target, args.k, batch=batch,
+                                    temperature=getattr(args, "temperature", 0.0))
     spec = parse_drafter_spec(args.drafter, args.k)
     if spec.kind in DRAFTER_KINDS_WITH_PATH and spec.path is None and prompts:
         if os.path.exists(prompts[0]):

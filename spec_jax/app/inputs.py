@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"  # spec_jax/assets
-
-MODEL_DRAFTERS = ("draft-model", "dflash", "eagle3")
-# "KIND+ngram": prompt lookup in front of a model drafter (spec_jax/drafters/lookup.py).
-LOOKUP = "+ngram"
-DRAFTER_KINDS = ("none", "ngram", "self", *MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
-DRAFTER_KINDS_WITH_PATH = (*MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
+from spec_jax.checkpoints.shipped import (  # noqa: F401  (SHIPPED_DRAFTERS, ASSETS: re-exported)
+    ASSETS,
+    DRAFTER_KINDS,
+    DRAFTER_KINDS_WITH_PATH,
+    LOOKUP,
+    MODEL_DRAFTERS,
+    SHIPPED_DRAFTERS,
+    default_drafter_choice,
+    load_drafter,
+)
 
 
 class UsageError(ValueError):
@@ -169,125 +171,18 @@ def make_drafter_spec(kind: str, path: str | None, k: int | None) -> DrafterSpec
 
 def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, Any]:
     """(drafter, drafter_params) for `generate`; (None, None) for the AR baseline."""
-    if spec is None or spec.kind == "none":
+    if spec is None:
         return None, None
-    k = spec.k
-    if spec.kind.endswith(LOOKUP):
-        from spec_jax.drafters.lookup import LookupFirstDrafter
-
-        model, params = build_drafter(dataclasses.replace(spec, kind=spec.kind[: -len(LOOKUP)]), target)
-        return LookupFirstDrafter(model), params
-    if spec.kind == "ngram":
-        from spec_jax.drafters.ngram import NGramDrafter
-
-        return (NGramDrafter() if k is None else NGramDrafter(k=k)), None
-    if spec.kind == "self":
-        from spec_jax.drafters.draft_model import self_drafter
-
-        return self_drafter(target.cfg, **({} if k is None else {"k": k})), target.params
-    if spec.kind in DRAFTER_KINDS_WITH_PATH and spec.path is None:
-        if spec.kind not in SHIPPED_DRAFTERS:
-            raise UsageError(
-                f"drafter {spec.kind!r} needs a checkpoint: --drafter {spec.kind}=PATH (a local dir or "
-                "hub id; spec_jax ships no such drafter)."
-            )
-        spec = dataclasses.replace(spec, path=str(shipped_drafter_path(spec.kind, target)))
-    if spec.kind == "draft-model":
-        from spec_jax.drafters.draft_model import DraftModelDrafter, check_same_tokenizer
-
-        draft = load_target(spec.path, dtype=target.cfg.dtype)
-        check_same_tokenizer(target.tokenizer, draft.tokenizer)
-        drafter = DraftModelDrafter(draft.cfg) if k is None else DraftModelDrafter(draft.cfg, k=k)
-        return drafter, draft.params
-    if spec.kind == "dflash":
-        import jax
-        import jax.numpy as jnp
-
-        from spec_jax.checkpoints.dflash import load_dflash
-
-        drafter, params = load_dflash(spec.path, dtype=target.cfg.dtype, k=k)
-        return drafter, jax.tree.map(jnp.asarray, params)
-    if spec.kind == "eagle3":
-        import jax
-        import jax.numpy as jnp
-
-        from spec_jax.checkpoints.eagle3 import load_eagle3
-
-        drafter, params = load_eagle3(spec.path, dtype=target.cfg.dtype, k=k, target_cfg=target.cfg)
-        return drafter, jax.tree.map(jnp.asarray, params)
-    raise UsageError(f"unknown drafter {spec.kind!r}.")
+    return load_drafter(spec.kind, target, spec.path, spec.k)
 
 
-# Drafters trained by spec_jax for the embedded default model, shipped inside the package
-# (how they were made: spec_jax/assets/README.md).
-SHIPPED_DRAFTERS = {
-    "dflash": "smollm2_dflash", "draft-model": "smollm2_draft_model", "eagle3": "smollm2_eagle3",
-}
-
-
-def is_default_target(target: LoadedModel) -> bool:
-    return target.source.startswith("default:")
-
-
-def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
-    """The shipped `kind` drafter of the default model; a clear error for any other target."""
-    path = ASSETS / SHIPPED_DRAFTERS[kind]
-    if not is_default_target(target):
-        raise UsageError(
-            f"drafter {kind!r} needs a checkpoint for this target: --drafter {kind} PATH "
-            "(spec_jax ships one only for the default model)."
-        )
-    if not (path / "config.json").is_file():
-        raise UsageError(f"the shipped {kind} drafter is missing from this install ({path}).")
-    return path
-
-
-# The drafter `spec-jax generate` uses for the default model when none is named, per backend and
-# batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, first section:
-# HumanEval[:20], 128 tokens, greedy). Each entry: (largest batch it was measured at, or None for
-# any larger batch; kind; its measured K, or None for the kind's default; why), the first that
-# covers the batch wins. Only the CPU has been measured; another backend gets n-gram at batch 1,
-# the one drafter that never lost to plain decoding at batch 1 where measured, and plain decoding
-# above.
-MEASURED_DEFAULT_DRAFTER = {
-    "cpu": (
-        (1, "dflash+ngram", None,
-         "measured fastest for the default model on CPU at batch 1 (benchmarks/RESULTS.md, "
-         "2026-11-25: DFlash with prompt lookup 1.90x and 2.00x plain decoding in two runs, tau "
-         "3.40; the draft model with prompt lookup 1.58x and 1.68x at K=4, n-gram 1.58x, DFlash "
-         "alone 1.34x)"),
-        (8, "draft-model+ngram", 2,
-         "measured fastest for the default model on CPU at batch 8 (benchmarks/RESULTS.md, "
-         "2026-11-25: the draft model with prompt lookup at K=2 1.15x plain decoding, K=4 1.07x "
-         "and 1.08x; n-gram at K=2 1.10x, DFlash with prompt lookup 1.08x at K=2, 0.88x at K=7)"),
-        (None, "none", None,
-         "more prompts than the largest batch measured on CPU (8): plain decoding, which no "
-         "drafter has been shown to beat there"),
-    ),
-}
-UNMEASURED_DEFAULT_DRAFTER = (
-    (1, "ngram", None, "no drafter measured for the default model on this backend; n-gram never "
-                       "lost to plain decoding at batch 1 where measured"),
-    (None, "none", None, "several prompts and no drafter measured on this backend: drafters lost "
-                         "to plain decoding at batch 8 where measured"),
-)
-
-
-def default_drafter_spec(target_arg: str | None, k: int | None, batch: int = 1) -> DrafterSpec:
-    """`generate` without --drafter: for the default model, the drafter measured fastest on the
-    running backend at this batch size (with the reason in `DrafterSpec.reason`); plain decoding
-    for other targets, for which spec_jax ships no drafter. A K the user gave wins over the
-    measured one."""
-    if target_arg is not None:
-        return DrafterSpec("none", None, k, reason="no drafter named and none shipped for this target")
-    import jax
-
-    entries = MEASURED_DEFAULT_DRAFTER.get(jax.default_backend(), UNMEASURED_DEFAULT_DRAFTER)
-    kind, measured_k, why = next(
-        (kind, kk, why) for largest, kind, kk, why in entries if largest is None or batch <= largest
-    )
-    k = None if kind == "none" else (k if k is not None else measured_k)
-    return DrafterSpec(kind, None, k, reason=f"default for the default model: {why}")
+def default_drafter_spec(
+    target_arg: str | None, k: int | None, batch: int = 1, temperature: float = 0.0
+) -> DrafterSpec:
+    """`generate` without --drafter: `default_drafter_choice` for the default model (no --target)
+    at this batch size and temperature, with the reason in `DrafterSpec.reason`."""
+    kind, k, reason = default_drafter_choice(target_arg is None, k, batch, temperature)
+    return DrafterSpec(kind, None, k, reason=reason)
 
 
 def drafter_k(drafter: Any) -> int:
