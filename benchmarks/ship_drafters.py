@@ -33,7 +33,7 @@ def main() -> None:
     from spec_jax.checkpoints.eagle3 import load_eagle3, save_eagle3
     from spec_jax.checkpoints.hf import load_hf_dir
     from spec_jax.decoding import generate
-    from spec_jax.app.inputs import build_drafter, DrafterSpec, SHIPPED_DRAFTERS
+    from spec_jax.checkpoints.shipped import SHIPPED_DRAFTERS, load_drafter
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dflash", type=Path)
@@ -58,7 +58,7 @@ def main() -> None:
     ar = generate(target, [prompt], max_new_tokens=48)
     for kind in ("dflash", "draft-model", "eagle3"):
         if (ASSETS / SHIPPED_DRAFTERS[kind] / "config.json").is_file():
-            drafter, params = build_drafter(DrafterSpec(kind), target)
+            drafter, params = load_drafter(kind, target)
             out = generate(target, [prompt], drafter, params, max_new_tokens=48)
             assert out.generated_ids == ar.generated_ids, f"shipped {kind} drafter changed the output"
             print(f"{kind}: shipped, AR-identical, tau {out.stats.tau:.2f}")

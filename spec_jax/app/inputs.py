@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
-from spec_jax.checkpoints.shipped import (  # noqa: F401  (SHIPPED_DRAFTERS, ASSETS: re-exported)
-    ASSETS,
+from spec_jax.checkpoints.shipped import (
     DRAFTER_KINDS,
     DRAFTER_KINDS_WITH_PATH,
     LOOKUP,
     MODEL_DRAFTERS,
-    SHIPPED_DRAFTERS,
     default_drafter_choice,
     load_drafter,
 )
