@@ -74,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    from spec_jax.decoding.validation import SEED_MAX, check_int
     from spec_jax.training import data as data_lib
     from spec_jax.training import run as training
     from spec_jax.training.trainer import TrainConfig
@@ -83,13 +84,40 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             "train dflash|draft-model keeps the frozen target in float32 (its features feed the loss); "
             "drop --dtype bfloat16 (it applies to `train data` only)."
         )
+    cfg = None
+    if args.kind in ("data", "text"):
+        if len(args.data) != 1:
+            raise inputs.UsageError(f"train {args.kind} writes one dataset: give one --data path.")
+        if args.kind == "data":  # checked before the target loads or anything is written
+            data_lib.check_generation_settings(args.num_prompts, args.answer_tokens, args.generate_batch,
+                                               args.shard_prompts, args.temperature)
+        else:
+            check_int("--text-tokens", args.text_tokens, minimum=1)
+            check_int("--seq-len", args.seq_len, minimum=2)
+        check_int("--seed", args.seed, minimum=0, maximum=SEED_MAX)
+    else:
+        if not args.out:
+            raise inputs.UsageError(
+                "train dflash|draft-model|eagle3 needs --out DIR (checkpoints and the exported drafter)."
+            )
+        cfg = TrainConfig(
+            steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+            learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
+            save_every=args.save_every, eval_every=args.eval_every,
+        )
+        sizes = [("--layers", args.layers, 1), ("--draft-vocab", args.draft_vocab, 2),
+                 ("--data-sequences", args.data_sequences, 2), ("--block-size", args.block_size, 2),
+                 ("--anchors", args.anchors, 1), ("--eval-prompts", args.eval_prompts, 1),
+                 ("--eval-tokens", args.eval_tokens, 1), ("--k", args.k, 1), ("--hidden", args.hidden, 1),
+                 ("--ttt-steps", args.ttt_steps, 1), ("--answer-positions", args.answer_positions, 1)]
+        for flag, value, minimum in sizes:
+            if value is not None:  # None: the command's default
+                check_int(flag, value, minimum=minimum)
     # auto: generating the data in bfloat16 on GPU/TPU is fine; training features stay float32.
     dtype = inputs.resolve_dtype(args.dtype) if args.kind == "data" else "float32"
     target = inputs.load_target_or_fail(args.target, dtype)
     progress = not args.no_progress
     if args.kind in ("data", "text"):
-        if len(args.data) != 1:
-            raise inputs.UsageError(f"train {args.kind} writes one dataset: give one --data path.")
         path = args.data[0]
         # A path without .npz is a shard dir: resumable, re-run the same command to continue.
         sharded = not str(path).endswith(".npz")
@@ -113,8 +141,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             dataset.save(path)
         log(f"wrote {path}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
         return None
-    if not args.out:
-        raise ValueError("train dflash|draft-model|eagle3 needs --out DIR (checkpoints and the exported drafter).")
     dataset = data_lib.TokenDataset.concatenate([data_lib.TokenDataset.load(d) for d in args.data])
     if args.data_sequences is not None:
         if not 2 <= args.data_sequences <= len(dataset):
@@ -122,11 +148,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                 f"--data-sequences {args.data_sequences}: --data holds {len(dataset)} sequences; pass 2..{len(dataset)}."
             )
         _, dataset = dataset.split(args.data_sequences / len(dataset), args.seed)
-    cfg = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
-        save_every=args.save_every, eval_every=args.eval_every,
-    )
     layers = args.layers or (1 if args.kind == "eagle3" else 2)
     if args.kind == "eagle3":
         _, _, result = training.train_eagle3(

@@ -10,6 +10,7 @@ arrays (`.npz`: flat tokens + offsets + prompt lengths), so nothing is downloade
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,18 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+from spec_jax.training.provenance import (
+    describe_differences,
+    differing,
+    file_sha256,
+    matching_manifest,
+    read_json,
+    weights_sha256,
+    write_atomic,
+    write_json_atomic,
+    writer_lock,
+)
 
 HELD_OUT_HUMANEVAL = 40  # HumanEval/0..39: evaluation only
 
@@ -209,16 +222,22 @@ class TokenDataset:
         tokens = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
         return cls(tokens, offsets, np.asarray(prompt_lengths, np.int32), list(sources), tuple(parts))
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Atomic: written to a temporary file, then renamed."""
+    def content_sha256(self) -> str:
+        """sha256 of the token arrays (tokens and sequence offsets): what a dataset holds."""
+        digest = hashlib.sha256(np.ascontiguousarray(self.tokens, np.int32).tobytes())
+        digest.update(np.ascontiguousarray(self.offsets, np.int64).tobytes())
+        return digest.hexdigest()
+
+    def save(self, path: str | os.PathLike, provenance: dict | None = None) -> None:
+        """Atomic: written to a uniquely named temporary file, then renamed. provenance: a JSON
+        record of what made it (a shard's request), stored inside the file."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez_compressed(
-            tmp, tokens=self.tokens, offsets=self.offsets, prompt_lengths=self.prompt_lengths,
-            sources=np.asarray(self.sources),
-        )
-        os.replace(tmp, path)
+        extra = {} if provenance is None else {"provenance": np.asarray(json.dumps(provenance, sort_keys=True))}
+        write_atomic(path, lambda f: np.savez_compressed(
+            f, tokens=self.tokens, offsets=self.offsets, prompt_lengths=self.prompt_lengths,
+            sources=np.asarray(self.sources), **extra,
+        ))
 
     @classmethod
     def concatenate(cls, parts: Sequence["TokenDataset"]) -> "TokenDataset":
@@ -230,30 +249,56 @@ class TokenDataset:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TokenDataset":
         """A dataset file, or a shard dir written by `build_dataset(shard_dir=...)` (its shards in
-        order; an unfinished dir is refused, naming how many shards are missing)."""
+        order, each checked against the sha256 its manifest recorded; an unfinished dir is refused,
+        naming how many shards are missing)."""
         path = Path(path)
         if path.is_dir():
-            manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else None
+            manifest = _read_manifest(path)
             if manifest is None:
                 raise FileNotFoundError(f"{str(path)!r} has no {MANIFEST}; it is not a shard dir.")
-            count = -(-manifest["num_prompts"] // manifest["shard_prompts"])
-            shards = [path / f"shard-{k:05d}.npz" for k in range(count)]
+            shards = _shard_paths(path, manifest)
             missing = [p.name for p in shards if not p.is_file()]
             if missing:
                 raise ValueError(
-                    f"{str(path)!r} is unfinished: {len(missing)} of {count} shards missing "
+                    f"{str(path)!r} is unfinished: {len(missing)} of {len(shards)} shards missing "
                     f"(first {missing[0]}); re-run the same `spec-jax train data` command to finish it."
                 )
+            if manifest["format"] != LEGACY_SHARDS_FORMAT:  # v1 dirs recorded no hashes
+                for shard in shards:
+                    _check_recorded_hash(shard, manifest)
             return cls.concatenate([cls.load(p) for p in shards])
         if not path.is_file():
             raise FileNotFoundError(
                 f"Training data {str(path)!r} does not exist; build it with `spec-jax train data`."
             )
-        try:
-            with np.load(path) as f:
-                return cls(f["tokens"], f["offsets"], f["prompt_lengths"], [str(s) for s in f["sources"]])
-        except (KeyError, ValueError, OSError) as e:
-            raise ValueError(f"{str(path)!r} is not a spec_jax token dataset ({e}); rebuild it.") from e
+        data, _ = _read_dataset_file(path)
+        return data
+
+
+def _read_dataset_file(path: Path) -> tuple[TokenDataset, dict | None]:
+    """(dataset, its provenance record or None). A truncated, damaged or foreign file is a
+    ValueError naming it."""
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(
+            f"{str(path)!r} is not a spec_jax token dataset, or is truncated or damaged ({why}); delete it and "
+            "re-run the command that wrote it (a shard dir regenerates just that shard)."
+        )
+
+    try:
+        with np.load(path) as f:
+            names = set(f.files)
+            if not {"tokens", "offsets", "prompt_lengths", "sources"} <= names:
+                raise refuse(f"it holds {sorted(names)}")
+            data = TokenDataset(f["tokens"], f["offsets"], f["prompt_lengths"], [str(s) for s in f["sources"]])
+            provenance = json.loads(str(f["provenance"])) if "provenance" in names else None
+    except Exception as e:  # BadZipFile, zlib.error, EOFError, OSError, pickled data, ...
+        if str(path) in str(e):
+            raise
+        raise refuse(f"{type(e).__name__}: {e}") from e
+    if len(data.offsets) != len(data) + 1 or int(data.offsets[-1]) != len(data.tokens):
+        raise refuse("its offsets do not match its tokens")
+    return data, provenance
 
 
 def _answer(
@@ -292,6 +337,18 @@ def _answer(
     )
 
 
+def check_generation_settings(
+    num_prompts: int, max_new_tokens: int, batch_size: int, shard_prompts: int, temperature: float
+) -> None:
+    """Settings of a self-distillation run, checked before anything is written."""
+    from spec_jax.decoding.validation import check_int, check_real
+
+    for name, value in (("number of prompts", num_prompts), ("max_new_tokens (answer tokens)", max_new_tokens),
+                        ("generate batch size", batch_size), ("shard_prompts", shard_prompts)):
+        check_int(name, value, minimum=1)
+    check_real("temperature", temperature, minimum=0.0)
+
+
 def build_dataset(
     model: Any,
     prompts: Sequence[Prompt],
@@ -306,90 +363,184 @@ def build_dataset(
     """Answer every prompt with the target (chat template applied) through spec_jax generate.
 
     shard_dir: write the answers as shards of `shard_prompts` prompts (`shard-00000.npz`, ...,
-    each saved atomically) beside a manifest of the settings; a later call with the same prompts
-    and settings skips the shards already written, so generation can be interrupted and spread
-    over several runs. A different request for the same dir is refused. `TokenDataset.load(dir)`
-    reads the shards back as one dataset.
+    each saved atomically) beside a manifest of the request (the target's weights hash, the
+    prompts' hash, the settings) and of each shard's sha256; a later call with the same request
+    skips the shards already written, so generation can be interrupted and spread over several
+    runs. A different request for the same dir, a shard that is not the one recorded, and a
+    second process writing the same dir are refused. `TokenDataset.load(dir)` reads the shards
+    back as one dataset.
     """
     from tqdm.auto import tqdm
 
     from spec_jax.checkpoints import apply_chat_template
 
+    check_generation_settings(len(prompts), max_new_tokens, batch_size, shard_prompts, temperature)
     encoded = [apply_chat_template(model.tokenizer, p.text, model.chat_template) for p in prompts]
     sources = [p.source for p in prompts]
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     if shard_dir is None:
         shards = [(None, range(len(prompts)))]
+        lock, manifest, request = contextlib.nullcontext(), None, None
     else:
         shard_dir = Path(shard_dir)
-        _check_manifest(shard_dir, encoded, sources, settings, shard_prompts)
+        request = shard_request(model, encoded, sources, settings, shard_prompts)
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        lock = writer_lock(shard_dir, "spec-jax train data")
         shards = [
             (shard_dir / f"shard-{k:05d}.npz", range(start, min(start + shard_prompts, len(prompts))))
             for k, start in enumerate(range(0, len(prompts), shard_prompts))
         ]
-    done = sum(len(r) for path, r in shards if path is not None and path.is_file())
-    bar = tqdm(total=len(prompts), initial=done, desc="self-distillation", unit="prompt",
-               disable=not progress)
-    tokens, t0 = [0], time.perf_counter()
+    with lock:
+        if shard_dir is not None:
+            manifest = _open_shard_dir(shard_dir, request)
+        done = sum(len(r) for path, r in shards if path is not None and path.is_file())
+        bar = tqdm(total=len(prompts), initial=done, desc="self-distillation", unit="prompt",
+                   disable=not progress)
+        tokens, t0 = [0], time.perf_counter()
 
-    def on_batch(num_prompts: int, num_tokens: int) -> None:
-        tokens[0] += num_tokens
-        bar.update(num_prompts)
-        bar.set_postfix(tok_s=f"{tokens[0] / (time.perf_counter() - t0):.0f}", tokens=tokens[0])
+        def on_batch(num_prompts: int, num_tokens: int) -> None:
+            tokens[0] += num_tokens
+            bar.update(num_prompts)
+            bar.set_postfix(tok_s=f"{tokens[0] / (time.perf_counter() - t0):.0f}", tokens=tokens[0])
 
-    parts = []
-    for path, rows in shards:
-        if path is not None and path.is_file():
-            parts.append(TokenDataset.load(path))
-            continue
-        part = _answer(
-            model, [encoded[i] for i in rows], [sources[i] for i in rows], max_new_tokens,
-            batch_size, temperature, seed + rows.start, on_batch,
-        )
-        if path is not None:
-            part.save(path)
-        parts.append(part)
-    bar.close()
+        parts = []
+        for index, (path, rows) in enumerate(shards):
+            if path is not None and path.is_file():
+                parts.append(TokenDataset.load(path))
+                continue
+            part = _answer(
+                model, [encoded[i] for i in rows], [sources[i] for i in rows], max_new_tokens,
+                batch_size, temperature, seed + rows.start, on_batch,
+            )
+            if path is not None:
+                part.save(path, provenance={**request, "shard": index})
+                manifest["shards"][path.name] = file_sha256(path)
+                write_json_atomic(shard_dir / MANIFEST, manifest)
+            parts.append(part)
+        bar.close()
     return TokenDataset.concatenate(parts)
 
 
 MANIFEST = "manifest.json"
+SHARDS_FORMAT = "spec_jax token dataset shards v2"
+LEGACY_SHARDS_FORMAT = "spec_jax token dataset shards v1"  # no target, no shard hashes
+# What a shard dir's answers depend on: a resume, and every shard in it, must match all of them.
+REQUEST_FIELDS = ("format", "target_sha256", "prompts_sha256", "num_prompts", "shard_prompts",
+                  "max_new_tokens", "temperature", "seed")
 
 
-def write_json_atomic(path: Path, value: dict) -> None:
-    """Written to a temporary file, then renamed: a reader never sees half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
-
-
-def matching_manifest(path: Path, expected: dict, holds: str, fix: str) -> dict | None:
-    """The manifest of resumable work at `path` (None when there is none yet); one whose
-    `expected` fields differ is refused: the directory `holds` other work, `fix` says what to do."""
-    if not path.is_file():
-        return None
-    existing = json.loads(path.read_text())
-    differs = sorted(k for k in expected if existing.get(k) != expected[k])
-    if differs:
-        raise ValueError(f"{path.parent} holds {holds} (differs in {', '.join(differs)}); {fix}")
-    return existing
-
-
-def _check_manifest(shard_dir: Path, encoded, sources, settings: dict, shard_prompts: int) -> None:
-    """Write the manifest of a new shard dir, or refuse to resume one made for another request."""
+def shard_request(model: Any, encoded, sources, settings: dict, shard_prompts: int) -> dict:
+    """The request a shard dir answers: the target (its weights' sha256; its source for people),
+    the chat-formatted prompts (a hash), the sharding and the generation settings."""
     digest = hashlib.sha256(json.dumps([list(map(int, e)) for e in encoded] + [list(sources)]).encode())
-    manifest = {
-        "format": "spec_jax token dataset shards v1",
+    return {
+        "format": SHARDS_FORMAT,
+        "target_sha256": weights_sha256(model.params),
+        "target_source": str(getattr(model, "source", "")),
         "prompts_sha256": digest.hexdigest(),
         "num_prompts": len(encoded),
         "shard_prompts": shard_prompts,
         **settings,
     }
+
+
+def _read_manifest(shard_dir: Path) -> dict | None:
     path = shard_dir / MANIFEST
-    fix = "resume with the same prompts and settings, or write to a new directory."
-    if matching_manifest(path, manifest, "shards of another request", fix) is None:
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, manifest)
+    if not path.is_file():
+        return None
+    manifest = read_json(path, f"delete {shard_dir} and re-run `spec-jax train data` to rebuild it.")
+    if not isinstance(manifest, dict) or manifest.get("format") not in (SHARDS_FORMAT, LEGACY_SHARDS_FORMAT):
+        raise ValueError(f"{path} is not a spec_jax shard manifest; delete {shard_dir} and re-run "
+                         "`spec-jax train data` to rebuild it.")
+    return manifest
+
+
+def _shard_paths(shard_dir: Path, manifest: dict) -> list[Path]:
+    count = -(-manifest["num_prompts"] // manifest["shard_prompts"])
+    return [shard_dir / f"shard-{k:05d}.npz" for k in range(count)]
+
+
+def _check_recorded_hash(shard: Path, manifest: dict) -> None:
+    """A finished shard must be the file the manifest recorded."""
+    recorded = manifest.get("shards", {}).get(shard.name)
+    if recorded is None:
+        raise ValueError(
+            f"{shard} has no sha256 in {MANIFEST} (its run stopped before recording it); re-run the same "
+            "`spec-jax train data` command to check and record it."
+        )
+    found = file_sha256(shard)
+    if found != recorded:
+        raise ValueError(
+            f"{shard} is not the shard {MANIFEST} recorded (sha256 {recorded[:12]}... recorded, {found[:12]}... "
+            "found): it was replaced, edited or damaged. Delete it and re-run the same "
+            "`spec-jax train data` command to regenerate it."
+        )
+
+
+def _check_shard_request(shard: Path, request: dict, index: int) -> None:
+    """A shard without a recorded hash must say (inside the file) that it answers `request` as
+    shard `index`; one from another request or position is refused, naming what differs."""
+    _, provenance = _read_dataset_file(shard)
+    fix = "delete it (or write to a new directory) and re-run."
+    if provenance is None:
+        raise ValueError(
+            f"{shard} records no request (written by spec_jax before shards did) and {MANIFEST} does "
+            f"not vouch for it, so it may answer another model or settings; {fix}"
+        )
+    differs = differing(provenance, request, REQUEST_FIELDS)
+    if differs:
+        raise ValueError(f"{shard} answers another request ({describe_differences(provenance, request, differs)}); {fix}")
+    if provenance.get("shard") != index:
+        raise ValueError(f"{shard} holds shard {provenance.get('shard')}, not shard {index}; {fix}")
+
+
+def _open_shard_dir(shard_dir: Path, request: dict) -> dict:
+    """The manifest to write the shards of `request` under: a new one, or the dir's own once every
+    shard already there is checked (its recorded sha256, or for a shard written but not yet
+    recorded, the request inside it). Another request's dir, or a shard that fails its check, is
+    refused. A v1 dir (no target, no hashes) is adopted with a warning when its settings match."""
+    existing = _read_manifest(shard_dir)
+    fix = "resume with the same target, prompts and settings, or write to a new directory."
+    if existing is not None and existing["format"] == LEGACY_SHARDS_FORMAT:
+        matching_manifest(shard_dir / MANIFEST, {k: v for k, v in request.items() if k in REQUEST_FIELDS
+                                                  and k not in ("format", "target_sha256")},
+                          "shards of another request", fix)
+        warnings.warn(
+            f"spec_jax: {shard_dir} was written before shard dirs recorded their target; its shards are "
+            f"adopted as answers of {request['target_source'] or 'this target'} (sha256 "
+            f"{request['target_sha256'][:12]}...). If another model wrote them, delete the dir and re-run."
+        )
+        existing = {**existing, "format": SHARDS_FORMAT, "target_sha256": request["target_sha256"],
+                    "shards": {}}
+        vouched = True
+    elif existing is not None:
+        differs = differing(existing, request, REQUEST_FIELDS)
+        if differs:
+            detail = describe_differences(existing, request, differs)
+            if "target_sha256" in differs:
+                detail += f"; it was written with the target {existing.get('target_source')!r}"
+            raise ValueError(f"{shard_dir} holds shards of another request ({detail}); {fix}")
+        vouched = False
+    else:
+        vouched = False
+    manifest = {**request, "shards": dict((existing or {}).get("shards", {}))}
+    paths = _shard_paths(shard_dir, request)
+    strays = sorted({p.name for p in shard_dir.glob("shard-*.npz")} - {p.name for p in paths})
+    if strays:
+        raise ValueError(f"{shard_dir} holds shards beyond this request's ({', '.join(strays[:3])}); {fix}")
+    for index, shard in enumerate(paths):
+        if not shard.is_file():
+            manifest["shards"].pop(shard.name, None)  # regenerated below
+        elif shard.name in manifest["shards"]:
+            _check_recorded_hash(shard, manifest)
+        else:
+            if vouched:
+                _read_dataset_file(shard)  # readable: the v1 manifest vouches for its request
+            else:
+                _check_shard_request(shard, request, index)
+            manifest["shards"][shard.name] = file_sha256(shard)
+    write_json_atomic(shard_dir / MANIFEST, manifest)
+    return manifest
 
 
 @dataclasses.dataclass
