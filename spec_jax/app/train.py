@@ -177,6 +177,5 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             feature_cache=args.feature_cache, progress=progress,
             init_from=args.init_from,
         )
-    log(f"trained {result.state.step} steps in {result.seconds:.0f}s; held-out {result.evals[-1:]}; "
-        f"drafter in {args.out}/drafter")
+    log(f"{result.summary}; held-out {result.evals[-1:]}; drafter in {args.out}/drafter")
     return None

@@ -34,7 +34,14 @@ import numpy as np
 
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import forward_hidden, init_cache
-from spec_jax.training.data import TokenDataset, matching_manifest, write_json_atomic
+from spec_jax.training.data import TokenDataset
+from spec_jax.training.provenance import (
+    arrays_sha256,
+    matching_manifest,
+    read_json,
+    weights_sha256,
+    write_json_atomic,
+)
 
 
 @dataclasses.dataclass
@@ -93,33 +100,65 @@ STORE_MANIFEST = "features.json"
 STORE_FLUSH_EVERY = 256
 
 
-def weights_sha256(params: Any) -> str:
-    weights = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(params)):
-        weights.update(jax.tree_util.keystr(path).encode())
-        weights.update(np.ascontiguousarray(leaf).tobytes())
-    return weights.hexdigest()
-
-
 def store_key(params: Any, data: TokenDataset, capture_layers: Sequence[int], seq_len: int, dtype: Any,
               target_sha256: str | None = None) -> dict:
     """What a stored feature pass depends on: the target's weights, the token data, the layers,
     seq_len and the storage dtype (hashes, so a changed target or dataset never reuses features).
     target_sha256: `weights_sha256(params)` when already known."""
-    tokens = hashlib.sha256(np.ascontiguousarray(data.tokens, np.int32).tobytes())
-    tokens.update(np.ascontiguousarray(data.offsets, np.int64).tobytes())
     return {
         "target_sha256": target_sha256 or weights_sha256(params),
-        "data_sha256": tokens.hexdigest(),
+        "data_sha256": data.content_sha256(),
         "capture_layers": [int(i) for i in capture_layers],
         "seq_len": int(seq_len),
         "dtype": np.dtype(dtype).name,
     }
 
 
-def _open_store(store: Path, key: dict, shapes: dict[str, tuple[int, int]], dtype: Any):
-    """(memmaps by name, viewed as dtype; sequences already done). A new store is created; one
-    holding another pass's features is refused rather than overwritten."""
+def _damaged(store: Path, what: str) -> ValueError:
+    return ValueError(
+        f"The target-feature cache {store} is damaged ({what}); delete that directory and re-run "
+        "(its features are recomputed)."
+    )
+
+
+def _load_array(store: Path, name: str, mode: str, shape: tuple[int, int]) -> np.ndarray:
+    path = store / f"{name}.npy"
+    try:
+        array = np.load(path, mmap_mode=mode)
+    except (OSError, ValueError, EOFError) as e:
+        raise _damaged(store, f"{path.name}: {type(e).__name__}: {e}") from e
+    if array.shape != tuple(shape):
+        raise _damaged(store, f"{path.name} holds {array.shape}, the manifest's pass needs {tuple(shape)}")
+    return array
+
+
+def _chunk_hashes(arrays: dict[str, np.ndarray], lo: int, hi: int) -> dict[str, str]:
+    return {f"{name}_sha256": arrays_sha256(a[lo:hi]) for name, a in sorted(arrays.items())}
+
+
+def _verify_chunks(store: Path, manifest: dict, arrays: dict[str, np.ndarray], rows_done: int) -> list[dict]:
+    """Check the stored rows against the checksums recorded as they were written; a store from
+    before checksums gets them now (its rows are trusted once). Returns the chunk records."""
+    chunks = manifest.get("chunks")
+    if chunks is None:
+        return [{"rows": rows_done, **_chunk_hashes(arrays, 0, rows_done)}] if rows_done else []
+    lo = 0
+    for chunk in chunks:
+        found = _chunk_hashes(arrays, lo, chunk["rows"])
+        bad = [k.removesuffix("_sha256") + ".npy" for k, v in found.items() if chunk.get(k) != v]
+        if bad:
+            raise _damaged(store, f"rows {lo}..{chunk['rows']} of {', '.join(bad)} differ from their recorded sha256")
+        lo = chunk["rows"]
+    if lo != rows_done:
+        raise _damaged(store, f"checksums cover {lo} rows, the manifest says {rows_done} are done")
+    return chunks
+
+
+def _open_store(store: Path, key: dict, shapes: dict[str, tuple[int, int]], dtype: Any,
+                row_offsets: np.ndarray, verify: bool = True):
+    """(memmaps by name, viewed as dtype; sequences already done; checksum records). A new store
+    is created; one holding another pass's features is refused rather than overwritten, and the
+    rows of an existing one are checked against their recorded checksums (`verify`)."""
     # .npy has no bfloat16: it is stored as its uint16 bits and viewed back.
     disk_dtype = np.uint16 if np.dtype(dtype).itemsize == 2 else np.dtype(dtype)
     manifest = matching_manifest(
@@ -129,21 +168,33 @@ def _open_store(store: Path, key: dict, shapes: dict[str, tuple[int, int]], dtyp
     if manifest is not None:
         done = int(manifest["sequences_done"])
         mode = "r" if manifest.get("complete") else "r+"
-        arrays = {name: np.load(store / f"{name}.npy", mmap_mode=mode) for name in shapes}
+        arrays = {name: _load_array(store, name, mode, shape) for name, shape in shapes.items()}
+        chunks = manifest.get("chunks", [])
+        if verify:
+            chunks = _verify_chunks(store, manifest, arrays, int(row_offsets[done]))
+            if "chunks" not in manifest:
+                write_json_atomic(store / STORE_MANIFEST, {**manifest, "chunks": chunks})
     else:
         store.mkdir(parents=True, exist_ok=True)
         arrays = {
             name: np.lib.format.open_memmap(store / f"{name}.npy", mode="w+", dtype=disk_dtype, shape=shape)
             for name, shape in shapes.items()
         }
-        done = 0
-        write_json_atomic(store / STORE_MANIFEST, {**key, "sequences_done": 0, "complete": False})
-    return {name: a.view(dtype) for name, a in arrays.items()}, done
+        done, chunks = 0, []
+        write_json_atomic(store / STORE_MANIFEST, {**key, "sequences_done": 0, "complete": False, "chunks": []})
+    return {name: a.view(dtype) for name, a in arrays.items()}, done, chunks
 
 
 def _complete(store: Path) -> bool:
     manifest = store / STORE_MANIFEST
-    return manifest.is_file() and bool(json.loads(manifest.read_text()).get("complete"))
+    return manifest.is_file() and bool(_read_store_manifest(manifest).get("complete"))
+
+
+def _read_store_manifest(path: Path) -> dict:
+    manifest = read_json(path, f"delete {path.parent} and re-run (its features are recomputed).")
+    if not isinstance(manifest, dict):
+        raise _damaged(path.parent, f"{path.name} is not a manifest")
+    return manifest
 
 
 def compute_features(
@@ -172,7 +223,7 @@ def compute_features(
     else:
         store = Path(store)
         key = store_key(params, data, capture, seq_len, dtype, target_sha256)
-        arrays, done = _open_store(store, key, shapes, dtype)
+        arrays, done, chunks = _open_store(store, key, shapes, dtype, offsets)
         if progress and 0 < done < len(data):
             print(f"target features: resuming at sequence {done} of {len(data)} in {store}", file=sys.stderr)
     captured, final = arrays["captured"], arrays["final"]
@@ -195,10 +246,12 @@ def compute_features(
             if store is not None and (finished or (n + 1) % flush_every == 0):
                 for a in (captured, final):
                     a.flush()  # the rows on disk before the manifest says they are done
-                progress_now = {"sequences_done": rows.stop, "complete": finished}
+                lo, hi = (chunks[-1]["rows"] if chunks else 0), int(offsets[rows.stop])
+                chunks.append({"rows": hi, **_chunk_hashes({"captured": captured, "final": final}, lo, hi)})
+                progress_now = {"sequences_done": rows.stop, "complete": finished, "chunks": chunks}
                 write_json_atomic(store / STORE_MANIFEST, {**key, **progress_now})
-        if store is not None:
-            arrays, _ = _open_store(store, key, shapes, dtype)  # read-only from here on
+        if store is not None:  # read-only from here on (just written: no need to check again)
+            arrays, _, _ = _open_store(store, key, shapes, dtype, offsets, verify=False)
             captured, final = arrays["captured"], arrays["final"]
     return TargetFeatures(capture, captured, final, offsets)
 
@@ -234,7 +287,7 @@ def _pooled_store(pool: str | os.PathLike, key: dict) -> tuple[Path, tuple[int, 
         return own, tuple(key["capture_layers"])
     wanted = set(key["capture_layers"])
     for manifest in sorted(Path(pool).glob(f"part-*/{STORE_MANIFEST}")):
-        other = json.loads(manifest.read_text())
+        other = _read_store_manifest(manifest)
         same = all(other.get(k) == v for k, v in key.items() if k != "capture_layers")
         if same and other.get("complete") and wanted <= set(other["capture_layers"]):
             return manifest.parent, tuple(other["capture_layers"])
@@ -273,7 +326,7 @@ def pooled_features(
     whole = Path(pool) / STORE_MANIFEST
     if whole.is_file():
         key = store_key(params, data, capture, seq_len, dtype, target_sha)
-        if all(v == json.loads(whole.read_text()).get(k) for k, v in key.items()):
+        if all(v == _read_store_manifest(whole).get(k) for k, v in key.items()):
             return compute_features(params, cfg, data, capture, seq_len, progress=progress, dtype=dtype,
                                     store=pool, target_sha256=target_sha)
     parts = data.part_datasets()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,6 +20,7 @@ from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import init_params
 from spec_jax.training.data import TokenDataset, iterate_batches
 from spec_jax.training.features import gather_features, pooled_features
+from spec_jax.training.provenance import weights_sha256, write_atomic, write_json_atomic
 from spec_jax.training.trainer import TrainConfig, TrainResult, train
 
 
@@ -255,16 +255,24 @@ def _batches(data: TokenDataset, features, cfg: TrainConfig):
     return batches
 
 
+def run_provenance(target: Any, data: TokenDataset) -> dict[str, str]:
+    """What a run trains against: the target's weights and the data, by hash. Checkpoints record
+    it, so a resume with another target or other data is refused (`Checkpointer.restore`)."""
+    return {"target_sha256": weights_sha256(target.params), "data_sha256": data.content_sha256()}
+
+
 def write_report(out_dir: Path, name: str, result: TrainResult, meta: dict[str, Any]) -> None:
-    """training_log.json and a training-curve PNG (loss, accuracy, held-out tau)."""
+    """training_log.json and a training-curve PNG (loss, accuracy, held-out tau), both written
+    atomically; the history covers the whole run, from before a resume too."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = {**meta, "seconds": result.seconds, "history": result.history, "evals": result.evals}
-    (out_dir / "training_log.json").write_text(json.dumps(log, indent=1))
+    log = {**meta, "resumed_from_step": result.start_step, "seconds": result.seconds,
+           "history": result.history, "evals": result.evals}
+    write_json_atomic(out_dir / "training_log.json", log)
     steps = [h["step"] for h in result.history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(steps, [h["loss"] for h in result.history])
@@ -277,7 +285,7 @@ def write_report(out_dir: Path, name: str, result: TrainResult, meta: dict[str, 
     axes[2].plot([e["step"] for e in result.evals], [e["tau"] for e in result.evals], "o-")
     axes[2].set(title="held-out tau (tokens / verify step)", xlabel="step")
     fig.tight_layout()
-    fig.savefig(out_dir / "training_curve.png", dpi=110)
+    write_atomic(out_dir / "training_curve.png", lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -339,7 +347,8 @@ def train_dflash(
         batches,
         cfg,
         out_dir,
-        run_config={"kind": "dflash", "drafter": dataclasses.asdict(dflash_cfg), "anchors": num_anchors,
+        run_config={"kind": "dflash", **run_provenance(target, data),
+                    "drafter": dataclasses.asdict(dflash_cfg), "anchors": num_anchors,
                     "kl_weight": kl_weight, "teacher_labels": teacher_labels, "data_tokens": data.num_tokens,
                     "init_from": str(init_from) if init_from else None,
                     # The draft vocabulary comes from the data: a resume over other data must not reuse it.
@@ -426,7 +435,8 @@ def train_draft_model(
         batches,
         cfg,
         out_dir,
-        run_config={"kind": "draft-model", "student": dataclasses.asdict(student_cfg),
+        run_config={"kind": "draft-model", **run_provenance(target, data),
+                    "student": dataclasses.asdict(student_cfg),
                     "kl_weight": kl_weight, "positions": positions, "data_tokens": data.num_tokens,
                     "init_from": str(init_from) if init_from else None},
         evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
@@ -509,7 +519,8 @@ def train_eagle3(
     result = train(
         loss, init, target.params, batches, cfg, out_dir,
         # The draft vocabulary comes from the data: a resume over other data must not reuse it.
-        run_config={"kind": "eagle3", "drafter": dataclasses.asdict(eagle_cfg), "ttt_steps": ttt_steps,
+        run_config={"kind": "eagle3", **run_provenance(target, data),
+                    "drafter": dataclasses.asdict(eagle_cfg), "ttt_steps": ttt_steps,
                     "data_tokens": data.num_tokens, "init_from": str(init_from) if init_from else None,
                     "draft_vocab_sha256": _sha256(draft_ids)},
         evaluate=lambda params, step: held_out_tau(target, drafter, {**params, "d2t": d2t}, prompts, eval_tokens),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,10 +39,45 @@ class TrainConfig:
     log_every: int = 10
 
     def __post_init__(self):
-        if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2:
-            raise ValueError("steps, batch_size must be >= 1 and seq_len >= 2.")
-        if not self.learning_rate > 0:
+        """Every setting is checked here, before data, features or checkpoints are touched."""
+        from spec_jax.decoding.validation import SEED_MAX, check_int, check_real
+
+        for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("warmup_steps", 0),
+                              ("save_every", 1), ("eval_every", 0), ("log_every", 1)):
+            check_int(name, getattr(self, name), minimum=minimum)
+        check_int("seed", self.seed, minimum=0, maximum=SEED_MAX)
+        for name in ("weight_decay", "clip_norm"):
+            check_real(name, getattr(self, name), minimum=0.0)
+        if not check_real("learning_rate", self.learning_rate) > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
+
+
+# Settings that change how often a run saves, evaluates and logs, not what it computes: a run
+# resumed with other values is the same run.
+SCHEDULE_ONLY = ("save_every", "eval_every", "log_every")
+# Identity fields that checkpoints written before them lack: such a checkpoint resumes, with a warning.
+LATER_IDENTITY_FIELDS = ("target_sha256", "data_sha256")
+
+
+def run_identity(run_config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: the run config as JSON values (tuples become
+    lists), without the schedule-only settings."""
+    identity = json.loads(json.dumps(run_config))
+    if isinstance(identity.get("train"), dict):
+        identity["train"] = {k: v for k, v in identity["train"].items() if k not in SCHEDULE_ONLY}
+    return identity
+
+
+def _path_name(path: tuple) -> str:
+    """A pytree path as "params/layers/0/wq", the same for a state and orbax's metadata of it
+    (which has dicts where the state has dataclass fields and named tuples)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _short(error: BaseException, limit: int = 200) -> str:
+    """One line of an exception (orbax and TensorStore errors can run to kilobytes)."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: " + (text if len(text) <= limit else text[:limit] + " ...")
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -86,67 +122,137 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, se
     return jax.jit(step, donate_argnums=(0,))
 
 
-class Checkpointer:
-    """Orbax checkpoints of a TrainState under `directory/checkpoints`, plus the run's config.
+class CheckpointCorrupt(ValueError):
+    """A saved step cannot be read back (damaged files, not another run or shape)."""
 
-    `restore` checks the saved run config against the current one and the saved tree against the
-    expected shapes, and raises a clear error on a corrupt or mismatched checkpoint.
+
+class Checkpointer:
+    """Orbax checkpoints of a TrainState under `directory/checkpoints`, plus the run's config and
+    its log (history and evals so far, so a resumed run's report covers the whole run).
+
+    `restore` checks the saved run config against the current one (`run_identity`) and the saved
+    tree against the expected shapes. A step whose files are damaged is moved aside to
+    `directory/checkpoints-corrupt/` and the previous step is used, with a warning; another run's
+    or another shape's checkpoint is a clear error.
     """
 
     def __init__(self, directory: str | Path, run_config: dict[str, Any], max_to_keep: int = 2):
         self.directory = Path(directory).absolute() / "checkpoints"
         self.run_config = run_config
-        self.manager = ocp.CheckpointManager(
+        self.max_to_keep = max_to_keep
+        self.manager = self._manager()
+
+    def _manager(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "run": ocp.JsonCheckpointHandler(),
+                           "log": ocp.JsonCheckpointHandler()},
         )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState, log: dict[str, Any] | None = None) -> None:
         step = int(state.step)
         self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 run=ocp.args.JsonSave(self.run_config),
+                log=ocp.args.JsonSave(log or {"history": [], "evals": []}),
             ),
             force=True,
         )
         self.manager.wait_until_finished()
 
     def restore(self, abstract_state: TrainState, step: int | None = None) -> TrainState:
-        step = self.latest_step() if step is None else step
-        if step is None:
+        return self.restore_with_log(abstract_state, step)[0]
+
+    def restore_with_log(self, abstract_state: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+        """(state, log) of `step` (default: the newest readable step, see the class doc)."""
+        steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
+        if not steps:
             raise FileNotFoundError(f"No checkpoint under {self.directory}.")
+        damaged = []
+        for candidate in steps:
+            try:
+                restored = self._restore_step(abstract_state, candidate)
+            except CheckpointCorrupt as e:
+                if step is not None:
+                    raise
+                damaged.append((candidate, e))
+                continue
+            if damaged:
+                self._set_aside(damaged, candidate)
+            return restored
+        raise CheckpointCorrupt(
+            f"Every checkpoint under {self.directory} is damaged (" + "; ".join(str(e) for _, e in damaged)
+            + "); delete that directory to start this run over, or use a fresh --out directory."
+        )
+
+    def _set_aside(self, damaged: list, resumed: int) -> None:
+        """Move damaged steps out of orbax's directory (kept for inspection) and say so."""
+        import warnings
+
+        aside = self.directory.parent / "checkpoints-corrupt"
+        aside.mkdir(exist_ok=True)
+        for bad, error in damaged:
+            target = aside / f"{bad}-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(self.directory / str(bad), target)
+            warnings.warn(f"spec_jax: {error} Resuming from step {resumed}; the damaged step was moved to {target}.")
+        self.manager.close()
+        self.manager = self._manager()
+
+    def _restore_step(self, abstract_state: TrainState, step: int) -> tuple[TrainState, dict]:
+        where = f"Checkpoint {self.directory}/{step}"
         try:
             run = self.manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
         except Exception as e:  # orbax raises many types for unreadable metadata
+            raise CheckpointCorrupt(f"{where} is damaged ({_short(e)}).") from e
+        saved, now = run_identity(run), run_identity(self.run_config)
+        added = [k for k in LATER_IDENTITY_FIELDS if k in now and k not in saved]
+        saved.update({k: now[k] for k in added})
+        if saved != now:
+            diff = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
             raise ValueError(
-                f"Checkpoint {self.directory}/{step} is corrupt or unreadable ({type(e).__name__}: "
-                f"{e}); delete it or start a fresh --out directory."
-            ) from e
-        if run != json.loads(json.dumps(self.run_config)):
-            diff = {
-                k: (run.get(k), self.run_config.get(k))
-                for k in set(run) | set(self.run_config)
-                if run.get(k) != self.run_config.get(k)
-            }
-            raise ValueError(
-                f"Checkpoint {self.directory}/{step} belongs to a different run (saved vs now: "
-                f"{diff}); use a fresh --out directory or the same settings to resume."
+                f"{where} belongs to a different run (saved vs now: {diff}); use a fresh --out directory "
+                "or the same settings to resume."
             )
+        if added:
+            import warnings
+
+            warnings.warn(f"spec_jax: {where} predates the record of {', '.join(added)}; resuming it on the "
+                          "assumption that it was trained on this target and data.")
+        self._check_shapes(abstract_state, step, where)
         try:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
             )["state"]
         except Exception as e:
+            raise CheckpointCorrupt(f"{where} is damaged ({_short(e)}).") from e
+        try:
+            log = self.manager.restore(step, args=ocp.args.Composite(log=ocp.args.JsonRestore()))["log"]
+        except Exception:  # a checkpoint written before logs were saved with it
+            log = {"history": [], "evals": []}
+        return restored, log
+
+    def _check_shapes(self, abstract_state: TrainState, step: int, where: str) -> None:
+        """A saved tree of other paths or shapes is another drafter shape, not damage."""
+        try:
+            saved = self.manager.item_metadata(step)["state"]
+            saved_shapes = {_path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+        except Exception as e:
+            raise CheckpointCorrupt(f"{where} is damaged ({_short(e)}).") from e
+        wanted = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+        differs = sorted(k for k in set(saved_shapes) | set(wanted) if saved_shapes.get(k) != wanted.get(k))
+        if differs:
+            k = differs[0]
             raise ValueError(
-                f"Checkpoint {self.directory}/{step} does not match this model ({type(e).__name__}: "
-                f"{e}); it was written for another drafter shape. Use a fresh --out directory."
-            ) from e
-        return restored
+                f"{where} does not match this model: {k} is {saved_shapes.get(k, 'absent')} there, "
+                f"{wanted.get(k, 'absent')} here ({len(differs)} weights differ); it was written for another "
+                "drafter shape. Use a fresh --out directory, or the settings that made it."
+            )
 
     def close(self) -> None:
         self.manager.close()
@@ -155,9 +261,17 @@ class Checkpointer:
 @dataclasses.dataclass
 class TrainResult:
     state: TrainState
-    history: list[dict[str, float]]  # one entry per logged step
+    history: list[dict[str, float]]  # one entry per logged step, from the run's start (resumes included)
     evals: list[dict[str, float]]
-    seconds: float
+    seconds: float  # this process's training time
+    start_step: int = 0  # the step this process resumed from (0: a fresh run)
+
+    @property
+    def summary(self) -> str:
+        """What this process did: "trained 60 steps" or "resumed from step 45, trained 15 steps"."""
+        done = int(self.state.step) - self.start_step
+        resumed = f"resumed from step {self.start_step}, " if self.start_step else ""
+        return f"{resumed}trained {done} steps in {self.seconds:.0f}s"
 
 
 def train(
@@ -185,18 +299,20 @@ def train(
         step=jnp.zeros((), jnp.int32), params=init_params, opt_state=optimizer.init(init_params)
     )
     checkpointer = None
+    history: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
     if out_dir is not None:
         checkpointer = Checkpointer(out_dir, {**(run_config or {}), "train": dataclasses.asdict(cfg)})
         if checkpointer.latest_step() is not None:
             abstract = jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), state
             )
-            state = checkpointer.restore(abstract)
+            state, log = checkpointer.restore_with_log(abstract)
+            history = [h for h in log.get("history", []) if h["step"] <= int(state.step)]
+            evals = [e for e in log.get("evals", []) if e["step"] <= int(state.step)]
     step_fn = make_train_step(loss_fn, optimizer, cfg.seed)
     start = int(state.step)
     end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
-    history: list[dict[str, float]] = []
-    evals: list[dict[str, float]] = []
     t0 = time.perf_counter()
     bar = tqdm(total=end, initial=start, desc="train", unit="step", disable=not progress)
     batch_iter = batches(start)
@@ -208,12 +324,12 @@ def train(
             row["step"] = done
             history.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row.get('accuracy', 0.0):.3f}")
-        if checkpointer is not None and (done % cfg.save_every == 0 or done == end):
-            checkpointer.save(state)
         if evaluate is not None and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
             evals.append({"step": done, **evaluate(state.params, done)})
             if progress:  # the held-out numbers as they come, not only in the final log
                 bar.write(_eval_line(evals[-1]))
+        if checkpointer is not None and (done % cfg.save_every == 0 or done == end):
+            checkpointer.save(state, {"history": history, "evals": evals})  # this step's eval included
         bar.update(1)
     bar.close()
     if evaluate is not None and end == cfg.steps:
@@ -222,7 +338,8 @@ def train(
             print(_eval_line(evals[-1]), file=sys.stderr)
     if checkpointer is not None:
         checkpointer.close()
-    return TrainResult(state=state, history=history, evals=evals, seconds=time.perf_counter() - t0)
+    return TrainResult(state=state, history=history, evals=evals, seconds=time.perf_counter() - t0,
+                       start_step=start)
 
 
 def _eval_line(row: dict[str, float]) -> str:
