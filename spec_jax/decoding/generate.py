@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.decoding import validation
 from spec_jax.decoding.loop import (
     FINISH_NAMES,
     MAX_STOP_IDS,
@@ -162,25 +163,16 @@ def generate(
     Everything a user can get wrong is checked here, before compiling.
     """
     cfg, params = _target_parts(target)
+    k, capacity = validation.check_k(k), validation.check_capacity(capacity)
+    validation.check_mesh(mesh)
     if drafter is not None and k is not None:
         drafter = dataclasses.replace(drafter, k=k)
     k_eff = drafter.k if drafter is not None else 0
     if k_eff < 0 or (drafter is not None and k_eff == 0):
         raise ValueError(f"K (drafts per step) must be >= 1 with a drafter, got {k_eff}.")
-    sampling = SamplingParams.create(temperature, top_k, top_p)  # validates the values
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}.")
-    prompts = [list(map(int, p)) for p in prompts]
-    if not prompts:
-        raise ValueError("No prompts given: pass at least one prompt.")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"Prompt {i} is empty: every prompt needs at least one token.")
-        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(
-                f"Prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})."
-            )
+    checked = validation.check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    max_new_tokens, seed = checked["max_new_tokens"], checked["seed"]
+    prompts = validation.check_prompts(prompts, cfg.vocab_size)
     longest = max(len(p) for p in prompts)
     bucket = prompt_bucket(longest)
     if capacity is None:
@@ -201,11 +193,12 @@ def generate(
     bucket = min(bucket, capacity)
     if drafter is not None:
         drafter.validate(cfg, capacity)
+    validation.check_drafter_params(drafter, drafter_params)
     if stop_ids is None:
         stop_ids = () if ignore_eos else default_stop_ids(target)
     elif ignore_eos:
         stop_ids = ()
-    stop_ids = list(dict.fromkeys(int(s) for s in stop_ids))
+    stop_ids = validation.check_stop_ids(stop_ids)
     if len(stop_ids) > MAX_STOP_IDS:
         raise ValueError(f"At most {MAX_STOP_IDS} stop ids are supported, got {len(stop_ids)}.")
 
@@ -219,7 +212,7 @@ def generate(
         prompt_tokens=jnp.asarray(prompt_tokens),
         prompt_lengths=jnp.asarray([len(p) for p in prompts], jnp.int32),
         key=jax.random.key(seed),
-        sampling=sampling,
+        sampling=SamplingParams.create(checked["temperature"], checked["top_k"], checked["top_p"]),
         max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
         stop_ids=jnp.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32),
     )

@@ -61,13 +61,16 @@ def check_real(name: str, value: Any, minimum: float | None = None) -> float:
 
 def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> dict[str, Any]:
     """The sampling arguments of `generate` as plain Python numbers."""
-    return dict(
+    checked = dict(
         max_new_tokens=check_int("max_new_tokens", max_new_tokens, minimum=1),
         temperature=check_real("temperature", temperature, minimum=0.0),
         top_k=check_int("top_k", top_k, minimum=0),
-        top_p=check_real("top_p", top_p),  # its range (0, 1] is SamplingParams.create's check
+        top_p=check_real("top_p", top_p),
         seed=check_int("seed", seed, minimum=0, maximum=SEED_MAX),
     )
+    if not 0.0 < checked["top_p"] <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}.")
+    return checked
 
 
 def _is_array(value: Any) -> bool:
@@ -174,7 +177,8 @@ def check_mesh(mesh: Any) -> None:
 
 def check_drafter_params(drafter: Any, params: Any) -> None:
     """`params` must have the drafter's weights (`drafter.weight_specs()`): the same tree, shapes,
-    floating-point weights and integer vocabulary maps (`d2t`). A drafter without weights takes None."""
+    floating-point weights and integer vocabulary maps (`d2t`). Nothing is checked for a drafter
+    whose weight_specs() is None."""
     if drafter is None:
         return
     import jax
@@ -185,9 +189,7 @@ def check_drafter_params(drafter: Any, params: Any) -> None:
     fix = (f"pass the params made for this drafter config: load its checkpoint (spec_jax.load_drafter, "
            f"load_dflash, load_eagle3, load_hf_dir) together with the {name} it describes.")
     specs = drafter.weight_specs()
-    if specs is None:
-        if params is not None:
-            raise ValueError(f"{name} has no weights: pass drafter_params=None (got {type(params).__name__}).")
+    if specs is None:  # no weights (n-gram), or a user model that does not describe its own
         return
     if params is None:
         raise ValueError(f"{name} needs its params, got drafter_params=None; {fix}")
