@@ -168,7 +168,8 @@ def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
 
 def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, default_model_installed):
     """No --target, no --drafter: the drafter measured fastest on this backend (DFlash with prompt
-    lookup on CPU), with the reason in the JSON, and the AR baseline's output; the shipped DFlash too."""
+    lookup on CPU), with the reason in the JSON, and the AR baseline's output; the shipped DFlash and
+    draft model (int8) too; `--drafter eagle3` says that none ships."""
     args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json",
             "--dtype", "float32"]
     out = run_json(capsys, args)
@@ -184,9 +185,10 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
     shipped = run_json(capsys, args + ["--drafter", "dflash"])
     assert shipped["drafter"].startswith("dflash") and shipped["k"] == 7
     assert shipped["results"][0]["generated_ids"] == row["generated_ids"]
-    eagle = run_json(capsys, args + ["--drafter", "eagle3"])  # the shipped EAGLE-3 head
-    assert eagle["drafter"].startswith("eagle3") and eagle["k"] == 4
-    assert eagle["results"][0]["generated_ids"] == row["generated_ids"]
+    shipped = run_json(capsys, args + ["--drafter", "draft-model"])  # stored as int8 too
+    assert shipped["drafter"].startswith("draft-model") and shipped["k"] == 4
+    assert shipped["results"][0]["generated_ids"] == row["generated_ids"]
+    assert "no EAGLE-3 drafter ships" in run_error(capsys, args + ["--drafter", "eagle3"])
     sampled = run_json(capsys, args + ["--temperature", "0.7", "--seed", "3"])
     expected = "dflash+ngram" if jax.default_backend() == "cpu" else "ngram"
     assert sampled["drafter"].startswith(expected) and "default" in sampled["drafter_reason"]
@@ -286,9 +288,9 @@ def test_bench_names_two_runs_drafter_dirs_apart():
     from spec_jax.app.inputs import parse_drafter_spec
 
     specs = [parse_drafter_spec(t) for t in ("ngram", "dflash=runs/a/drafter", "dflash=runs/b/drafter",
-                                             "eagle3=assets/smollm2_eagle3")]
+                                             "eagle3=runs/eagle3/drafter")]
     assert list(_method_names(specs).values()) == ["ngram", "dflash:a/drafter", "dflash:b/drafter",
-                                                   "eagle3:smollm2_eagle3"]
+                                                   "eagle3:drafter"]
 
 
 def test_info_shows_a_reduced_draft_vocabulary():

@@ -112,10 +112,11 @@ def test_shipped_drafters_load_in_the_target_dtype(default_model_installed):
     import dataclasses
 
     from spec_jax.app.inputs import DrafterSpec, build_drafter
+    from spec_jax.checkpoints.shipped import SHIPPED_DRAFTERS
 
     real = load_target(None)
     target = dataclasses.replace(real, cfg=real.cfg.replace(dtype="bfloat16"))
-    for kind in ("dflash", "draft-model", "eagle3"):
+    for kind in SHIPPED_DRAFTERS:  # stored as int8, dequantized to the target's dtype
         _, params = build_drafter(DrafterSpec(kind), target)
         # Every weight in bfloat16; a reduced draft vocabulary's map (d2t) stays int32.
         floats = {x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)}

@@ -71,14 +71,11 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    # Values are checked once, by `generate` (SamplingParams.create), before anything compiles.
-    return dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    """The sampling flags for `generate`, checked before the target loads (the same checks
+    `generate` runs; a value out of range is one `error:` line naming it)."""
+    from spec_jax.decoding.validation import check_sampling
+
+    return check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
 
 
 def collect_prompts(args: argparse.Namespace, positional: Sequence[str]):
@@ -115,7 +112,7 @@ def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
         "--drafter",
         default=None,
         metavar="KIND[=PATH]",
-        help="none | ngram | self | draft-model[=PATH] | dflash[=PATH] | eagle3[=PATH], or a model drafter "
+        help="none | ngram | self | draft-model[=PATH] | dflash[=PATH] | eagle3=PATH, or a model drafter "
         "with prompt lookup in front: dflash+ngram[=PATH] etc. (one word; a checkpoint "
         f"follows '='). {default_help}",
     )

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from spec_jax.checkpoints.errors import CheckpointError, CheckpointNotFoundError
+from spec_jax.checkpoints.quantized import dequantize, float_shape, quantized_names
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.weights import (
     WeightSpec,
@@ -291,6 +292,7 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
         self._handles = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._file_of: dict[str, str] = {}
+        dtypes: dict[str, str] = {}
         for name in files:
             file = directory / name
             if not file.exists():
@@ -309,6 +311,12 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
             for key in handle.keys():
                 self.shapes[key] = tuple(handle.get_slice(key).get_shape())
                 self._file_of[key] = name
+                dtypes[key] = handle.get_slice(key).get_dtype()
+        # Quantized weights and their scales (checkpoints/quantized.py) read as float ones.
+        self._scale_of = quantized_names(dtypes)
+        for name, scale in self._scale_of.items():
+            del self.shapes[scale]
+            self.shapes[name] = float_shape(self.shapes[name], dtypes[name])
 
     def canonical_names(self, canonical: Callable[[str], str], source: str) -> dict[str, str]:
         """{canonical name: name in the file} for checkpoints that spell weights several ways;
@@ -329,6 +337,9 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
 
         try:
             array = self._handles[self._file_of[name]].get_tensor(name)
+            if name in self._scale_of:
+                scale = self._scale_of[name]
+                array = dequantize(array, self._handles[self._file_of[scale]].get_tensor(scale))
         except SafetensorError as e:
             raise CheckpointError(
                 f"Could not read {name} from {self.directory / self._file_of[name]} ({e}); the file "

@@ -24,10 +24,16 @@ LOOKUP = "+ngram"
 DRAFTER_KINDS = ("none", "ngram", "self", *MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
 DRAFTER_KINDS_WITH_PATH = (*MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
 
-# Drafters trained by spec_jax for the embedded default model, shipped inside the package
-# (how they were made: spec_jax/assets/README.md).
-SHIPPED_DRAFTERS = {
-    "dflash": "smollm2_dflash", "draft-model": "smollm2_draft_model", "eagle3": "smollm2_eagle3",
+# Drafters trained by spec_jax for the embedded default model, shipped inside the package with
+# quantized weights (checkpoints/quantized.py; how they were made, and why no EAGLE-3 head ships:
+# spec_jax/assets/README.md).
+SHIPPED_DRAFTERS = {"dflash": "smollm2_dflash", "draft-model": "smollm2_draft_model"}
+NOT_SHIPPED = {
+    "eagle3": "no EAGLE-3 drafter ships with spec_jax (no default used it, and DFlash drafts better "
+              "for the default model; it was retired to keep the package small). Train one with "
+              "`spec-jax train eagle3 --data DATA --out runs/eagle3` (spec_jax/assets/README.md has "
+              "the command that made the retired one) and pass --drafter eagle3=runs/eagle3/drafter, "
+              "or use --drafter dflash.",
 }
 
 
@@ -36,13 +42,16 @@ def is_default_target(target: LoadedModel) -> bool:
 
 
 def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
-    """The shipped `kind` drafter of the default model; a clear error for any other target."""
-    path = ASSETS / SHIPPED_DRAFTERS[kind]
+    """The shipped `kind` drafter of the default model; a clear error for any other target and
+    for a kind that does not ship."""
     if not is_default_target(target):
         raise ValueError(
             f"drafter {kind!r} needs a checkpoint for this target: --drafter {kind}=PATH "
             "(spec_jax ships one only for the default model)."
         )
+    if kind in NOT_SHIPPED:
+        raise ValueError(f"drafter {kind!r} needs a checkpoint: {NOT_SHIPPED[kind]}")
+    path = ASSETS / SHIPPED_DRAFTERS[kind]
     if not (path / "config.json").is_file():
         raise ValueError(f"the shipped {kind} drafter is missing from this install ({path}).")
     return path
