@@ -25,6 +25,7 @@ import numpy as np
 
 from spec_jax.decoding import generate
 from spec_jax.decoding.loop import abstract_inputs, generate_jit, generate_loop
+from spec_jax.models.decoder import Decoder
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_weight_specs, init_dflash_params
 from spec_jax.models.decoder import init_params
 from spec_jax.models.presets import preset_config
@@ -49,8 +50,8 @@ TINY_36_DFLASH = dataclasses.replace(
 def abstract_trace(drafter: DFlashDrafter | None) -> dict[str, float]:
     capacity = 512
     specs = None if drafter is None else dflash_weight_specs(drafter.cfg)
-    inputs = abstract_inputs(QWEN3_8B, specs, batch=1, prompt_len=256)
-    static = dict(cfg=QWEN3_8B, drafter=drafter, capacity=capacity)
+    inputs = abstract_inputs(Decoder(QWEN3_8B), specs, batch=1, prompt_len=256)
+    static = dict(model=Decoder(QWEN3_8B), drafter=drafter, capacity=capacity)
     t0 = time.perf_counter()
     jax.eval_shape(functools.partial(generate_loop, **static), inputs)
     eval_shape_s = time.perf_counter() - t0

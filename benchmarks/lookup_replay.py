@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from spec_jax.drafters.base import Target
 from spec_jax.drafters.dflash import dflash_logits
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.training.dflash import block_hidden
@@ -42,9 +41,9 @@ def model_drafts(target, drafter, params, seq: list[int], k: int) -> np.ndarray:
     tokens = jnp.asarray(np.pad(seq, (0, size - len(seq)))[None], jnp.int32)
     captured, _ = jitted_target_features(target.cfg, tuple(cfg.target_layer_ids))(target.params, tokens)
     anchors = jnp.arange(size, dtype=jnp.int32)[None]
-    hidden = _block_hidden(cfg, params, target.params, tokens, captured, anchors)
+    hidden = _block_hidden(cfg, params, target.target, tokens, captured, anchors)
     hidden = hidden.reshape(size, cfg.block_size, -1)[:, 1 : 1 + k]
-    logits = dflash_logits(cfg, params, Target(target.params, target.cfg), hidden)
+    logits = dflash_logits(cfg, params, target.target, hidden)
     return np.asarray(jnp.argmax(logits, -1))[: len(seq)]
 
 

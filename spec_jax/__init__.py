@@ -9,12 +9,14 @@
 from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
 from spec_jax.checkpoints.dflash import load_dflash, save_dflash
 from spec_jax.checkpoints.shipped import default_drafter, load_drafter
-from spec_jax.decoding import GenerationResult, generate
+from spec_jax.decoding import GenerationResult, generate, make_generate_fn
 from spec_jax.drafters.base import Drafter
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
+from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
+from spec_jax.models.interface import Target, TargetModel
 
 __version__ = "0.1.0"
 
@@ -23,16 +25,23 @@ __all__ = [
     "DFlashDrafter",
     "DraftModelDrafter",
     "Drafter",
+    "Eagle3Config",
+    "Eagle3Drafter",
     "GenerationResult",
     "LoadedModel",
     "LookupFirstDrafter",
     "NGramDrafter",
+    "Target",
+    "TargetModel",
     "apply_chat_template",
     "default_drafter",
     "generate",
+    "init_dflash_params",
+    "init_eagle3_params",
     "load_dflash",
     "load_drafter",
     "load_target",
+    "make_generate_fn",
     "save_dflash",
     "self_drafter",
 ]

@@ -57,14 +57,14 @@ def make_target(kind: str, directory: Path, seed: int = 0):
 def tiny_targets(tmp_path_factory, prompt_lengths, seq_length: int) -> dict:
     """kind ("qwen3", "llama") -> (torch model, spec_jax Target, prompts, each prompt followed by
     its greedy continuation to `seq_length` tokens). Prompts never hold MASK_ID."""
-    from spec_jax.drafters.base import Target
+    from spec_jax.models import Decoder, Target
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, MASK_ID, n).tolist() for n in prompt_lengths]
     out = {}
     for kind in ("qwen3", "llama"):
         model, cfg, params = make_target(kind, tmp_path_factory.mktemp(kind))
-        target = Target(jax.tree.map(jnp.asarray, params), cfg)
+        target = Target(jax.tree.map(jnp.asarray, params), Decoder(cfg))
         out[kind] = (model, target, prompts, greedy_sequences(model, prompts, seq_length))
     return out
 

@@ -35,8 +35,9 @@ import numpy as np  # noqa: E402
 
 from spec_jax.decoding.generate import generate  # noqa: E402
 from spec_jax.decoding.loop import MAX_STOP_IDS, LoopInputs, prefill  # noqa: E402
+from spec_jax.decoding.placement import place_generate_inputs  # noqa: E402
 from spec_jax.sampling import SamplingParams# noqa: E402
-from spec_jax.drafters.base import Target  # noqa: E402
+from spec_jax.models import Decoder, Target  # noqa: E402
 from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from spec_jax.drafters.ngram import NGramDrafter  # noqa: E402
 from spec_jax.models.config import ModelConfig  # noqa: E402
@@ -47,7 +48,6 @@ from spec_jax.sharding import (  # noqa: E402
     bytes_per_device,
     kv_cache_shardings,
     make_mesh,
-    place_generate_inputs,
     shard_params,
     state_shardings,
 )
@@ -94,7 +94,7 @@ def make_drafter(name: str, cfg: ModelConfig, baseline=None):
         return TableDrafter(vocab=cfg.vocab_size, k=K), table_params(cfg.vocab_size, sequences)
     if name == "draft_model":
         draft_cfg = cfg.replace(num_layers=1, layer_windows=())
-        return DraftModelDrafter(cfg=draft_cfg, k=K), init_params(draft_cfg, jax.random.key(7))
+        return DraftModelDrafter(draft_cfg, k=K), init_params(draft_cfg, jax.random.key(7))
     if name in ("dflash", "dflash_vocab"):
         from spec_jax.drafters import dflash  # only asked for when the DFlash drafter exists
 
@@ -141,7 +141,7 @@ def shard_report(cfg: ModelConfig, params, mesh) -> dict:
     wq = sharded["layers"][0]["wq"]
     state = jax.eval_shape(
         lambda p, t, n, k, s, m, st: prefill(
-            Target(p, cfg), None, None, t, n, k, s, m, st, CAPACITY
+            Target(p, Decoder(cfg)), None, None, t, n, k, s, m, st, CAPACITY
         ),
         params, np.zeros((4, 16), np.int32), np.full((4,), 8, np.int32), jax.random.key(0),
         SamplingParams.create(0.0, 0, 1.0), np.int32(MAX_NEW), np.full((8,), -1, np.int32),
@@ -208,7 +208,7 @@ def main() -> None:
         cache_elems = [int(b) * CAPACITY * int(kv) * cfg.head_dim for b, kv in cache_types]
         # The compiled loop again, on inputs committed to the mesh by explicit device_put:
         # with transfers disallowed, any host round trip in the loop would raise.
-        inputs = place_generate_inputs(loop_inputs(params, drafter_params), cfg, drafter, mesh)
+        inputs = place_generate_inputs(loop_inputs(params, drafter_params), Decoder(cfg), drafter, mesh)
         with jax.transfer_guard("disallow"):
             again = compiled(inputs)
             jax.block_until_ready(again)

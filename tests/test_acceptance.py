@@ -19,7 +19,7 @@ import pytest
 from spec_jax.decoding.loop import FINISH_NAMES, MAX_STOP_IDS, prefill, speculative_step
 from spec_jax.sampling import SamplingParams
 from spec_jax.decoding.acceptance import accept
-from spec_jax.drafters.base import Target
+from spec_jax.models import Decoder, Target
 from spec_jax.models import ModelConfig, init_params
 
 V, K = 16, 4
@@ -70,7 +70,7 @@ class FixedDrafter:
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
 def one_step(params, prompts, prompt_lengths, drafts, max_new, stop_ids, done, capacity=32):
-    target = Target(params, CFG)
+    target = Target(params, Decoder(CFG))
     sampling = SamplingParams.create()
     state = prefill(
         target, FixedDrafter(), drafts, prompts, prompt_lengths, jax.random.key(0), sampling,

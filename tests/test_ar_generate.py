@@ -21,6 +21,7 @@ from conftest import EOS, make_prompts
 from spec_jax.decoding import generate
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import forward, init_cache
+from spec_jax.models.decoder import commit
 
 # `spec_jax.decoding.generate` the attribute is the function; the module holds the compiled cache.
 gen_mod = importlib.import_module("spec_jax.decoding.generate")
@@ -104,6 +105,7 @@ def test_prefill_then_decode_equals_full_forward(models):
         params, tokens=tokens[:, :8], positions=jnp.broadcast_to(jnp.arange(8), (batch, 8)),
         cache=init_cache(cfg, batch, cap),
     )
+    cache = commit(cache, jnp.asarray(prefill_len))  # rows keep different prefixes
     got = {(b, p): logits[b, p] for b in range(batch) for p in range(prefill_len[b])}
     pos = prefill_len.copy()
     for _ in range(12):
@@ -112,6 +114,7 @@ def test_prefill_then_decode_equals_full_forward(models):
             params, tokens=jnp.take_along_axis(tokens, positions, axis=1), positions=positions,
             cache=cache,
         )
+        cache = commit(cache, jnp.asarray(pos + 1))
         for b in range(batch):
             got[(b, int(pos[b]))] = step_logits[b, 0]
         pos += 1

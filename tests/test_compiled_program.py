@@ -31,6 +31,7 @@ from spec_jax.sampling import SamplingParams
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_weight_specs
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.models.config import ModelConfig
+from spec_jax.models.decoder import Decoder
 from spec_jax.models.presets import preset_config
 from spec_jax.models.weights import abstract_from_specs, is_spec, model_weight_specs
 from spec_jax.training.dflash import DFlashLoss
@@ -52,11 +53,12 @@ def shipped_draft_config(dtype: str = "float32") -> ModelConfig:
 
 
 def lower_loop(cfg: ModelConfig, drafter, drafter_specs, *, batch=1, prompt_len=16, capacity=256):
+    model = Decoder(cfg)
     inputs = abstract_inputs(
-        cfg, drafter_specs, batch=batch, prompt_len=prompt_len,
+        model, drafter_specs, batch=batch, prompt_len=prompt_len,
         sampling=SamplingParams.create(0.7, 0, 1.0),
     )
-    return generate_jit.lower(inputs, cfg=cfg, drafter=drafter, capacity=capacity)
+    return generate_jit.lower(inputs, model=model, drafter=drafter, capacity=capacity)
 
 
 # ----------------------------------------------------------------------------- HLO parsing

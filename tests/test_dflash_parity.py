@@ -108,7 +108,7 @@ def test_draft_logits_match_reference(case, targets):
         capacity = tokens.shape[1]
         positions = jnp.arange(capacity)[None]
         _, captured, _ = forward(
-            target.params, target.cfg, tokens, positions, init_cache(target.cfg, 1, capacity),
+            target.params, target.model.cfg, tokens, positions, init_cache(target.model.cfg, 1, capacity),
             drafter.capture_layers,
         )
         state = drafter.init(params, target, tokens, anchor[None], captured, capacity)
@@ -172,7 +172,7 @@ def test_greedy_generation_matches_reference(case, monkeypatch):
 def test_greedy_dflash_equals_autoregressive(targets, tmp_path_factory):
     name = "qwen3-3layer-gqa-sliding-b16"
     _, _, target, prompts, _, drafter, params = fitted_case(name, targets, tmp_path_factory)
-    loaded = (target.cfg, target.params)
+    loaded = (target.model.cfg, target.params)
     # Batch 1 on two prompts (a tiny fitted drafter may accept nothing on one of them), then
     # batch 8 of mixed lengths.
     accepted = {1: 0, 8: 0}
@@ -193,7 +193,7 @@ def test_sampled_dflash_runs(targets, tmp_path_factory):
     """Temperature > 0: sampled drafts with their warped probs go through the exact acceptance."""
     _, _, target, prompts, _, drafter, params = fitted_case("qwen3-1layer-mha-b4", targets, tmp_path_factory)
     out = generate(
-        (target.cfg, target.params), prompts[:2], drafter, params, max_new_tokens=24,
+        (target.model.cfg, target.params), prompts[:2], drafter, params, max_new_tokens=24,
         temperature=0.7, top_k=20, ignore_eos=True, seed=3,
     )
     assert [len(g) for g in out.generated_ids] == [24, 24]
@@ -258,12 +258,12 @@ def _check_speculators_round_trip(directory, model, target, drafter, params, seq
     for x, y in zip(jax.tree.leaves(again_params), jax.tree.leaves(host)):
         np.testing.assert_allclose(x, y, rtol=0, atol=0)
     logits = logits[0].reshape(len(anchors), b, -1)[:, 1:].numpy()  # slot i predicts token a + i
-    vocab = target.cfg.vocab_size
+    vocab = target.model.cfg.vocab_size
     draft_ids = np.arange(logits.shape[-1]) + np.asarray(host.get("d2t", np.zeros(vocab, np.int32)))
     outside = np.setdiff1d(np.arange(vocab), draft_ids)
     tokens = jnp.asarray(seq.numpy(), jnp.int32)
-    _, captured, _ = forward(target.params, target.cfg, tokens, jnp.arange(length)[None],
-                             init_cache(target.cfg, 1, length), drafter.capture_layers)
+    _, captured, _ = forward(target.params, target.model.cfg, tokens, jnp.arange(length)[None],
+                             init_cache(target.model.cfg, 1, length), drafter.capture_layers)
     for j, anchor in enumerate(anchors):
         state = drafter.init(params, target, tokens, jnp.array([anchor]), captured, length)
         ours = np.asarray(drafter.draft_logits(params, target, state, tokens, jnp.array([anchor + 1]))[0])
@@ -302,14 +302,14 @@ def test_speculators_dflash_reduced_draft_vocab(targets, tmp_path_factory, tmp_p
     noise = np.random.default_rng(0).normal(0, 0.05, (cfg.hidden_size, 40)).astype(np.float32)
     reduced = DFlashDrafter(cfg)
     reduced_params = {**jax.device_get(params), "d2t": d2t.numpy().astype(np.int32),
-                      "lm_head": head_rows(target.params, target.cfg, draft_ids) + noise}
+                      "lm_head": head_rows(target, draft_ids) + noise}
     with pytest.raises(ValueError, match="layout='speculators'"):
         save_dflash(tmp_path / "zlab", cfg, reduced_params)
     save_dflash(tmp_path / "speculators", cfg, reduced_params, layout="speculators")
     reduced_params = jax.tree.map(jnp.asarray, reduced_params)
     _check_speculators_round_trip(tmp_path / "speculators", model, target, reduced, reduced_params,
                                   targets["qwen3"][3], tmp_path)
-    loaded = (target.cfg, target.params)
+    loaded = (target.model.cfg, target.params)
     accepted = 0
     for batch_prompts in (prompts[2:3], prompts):
         ar = generate(loaded, batch_prompts, None, max_new_tokens=32, ignore_eos=True)

@@ -67,7 +67,7 @@ def loaded_case(name, targets, tmp_path_factory, fitted=False):
             fit_reference(reference, model, seqs)
         path = tmp_path_factory.mktemp(name.replace("-", "_"))
         reference.save_pretrained(path)
-        drafter, params = load_eagle3(path, k=K, target_cfg=target.cfg)
+        drafter, params = load_eagle3(path, k=K, target_cfg=target.model.cfg)
         _CASES[key] = (model, target, prompts, seqs, reference, drafter,
                        jax.tree.map(jnp.asarray, params), path)
     return _CASES[key]
@@ -112,8 +112,8 @@ def _chain_logits(drafter, params, target, seq, last_pair):
     true tokens (teacher forcing, as the reference's multi-step forward)."""
     prompt = jnp.asarray(seq[None, : last_pair + 1], jnp.int32)
     capacity = 128
-    _, captured, _ = forward(target.params, target.cfg, prompt, jnp.arange(last_pair + 1)[None],
-                             init_cache(target.cfg, 1, capacity), drafter.capture_layers)
+    _, captured, _ = forward(target.params, target.model.cfg, prompt, jnp.arange(last_pair + 1)[None],
+                             init_cache(target.model.cfg, 1, capacity), drafter.capture_layers)
     state = drafter.init(params, target, prompt, jnp.array([last_pair + 1]), captured, capacity)
     tokens = jnp.zeros((1, capacity), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
     truth = jnp.asarray(seq, jnp.int32)
@@ -157,14 +157,14 @@ def test_checkpoints_both_directions_and_layouts(targets, tmp_path_factory, tmp_
     # The original EAGLE-3 layout (midlayer.*, Llama config) loads to the same params, and
     # spec_jax writes it back loadable.
     save_original_eagle3_layout(reference, tmp_path / "original", model.config)
-    drafter2, params2 = load_eagle3(tmp_path / "original", k=K, target_cfg=target.cfg)
+    drafter2, params2 = load_eagle3(tmp_path / "original", k=K, target_cfg=target.model.cfg)
     assert drafter2.cfg.layer == drafter.cfg.layer and drafter2.cfg.draft_vocab_size == DRAFT_VOCAB
     # That layout names no feature layers: EAGLE-3's default (2, L/2, L-3) for the 6-layer target.
     assert drafter2.cfg.aux_layer_ids == (2, 3, 3)
     for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(host)):
         np.testing.assert_array_equal(a, b)
     save_eagle3(tmp_path / "ours_original", drafter.cfg, host, layout="eagle3")
-    _, params3 = load_eagle3(tmp_path / "ours_original", target_cfg=target.cfg)
+    _, params3 = load_eagle3(tmp_path / "ours_original", target_cfg=target.model.cfg)
     for a, b in zip(jax.tree.leaves(params3), jax.tree.leaves(host)):
         np.testing.assert_array_equal(a, b)
 
@@ -176,9 +176,9 @@ def test_incompatible_checkpoints_are_clear_errors(targets, tmp_path_factory, tm
     _, target, _, _, _, drafter, _, path = loaded_case("llama-1layer", targets, tmp_path_factory)
     # A target of another width.
     with pytest.raises(ValueError, match="64-wide target hidden states, the target's are 32"):
-        drafter.validate(target.cfg.replace(hidden_size=32), 128)
+        drafter.validate(target.model.cfg.replace(hidden_size=32), 128)
     with pytest.raises(ValueError, match="aux layer ids \\[5\\] are outside 1..4"):
-        drafter.validate(target.cfg.replace(num_layers=4, layer_windows=()), 128)
+        drafter.validate(target.model.cfg.replace(num_layers=4, layer_windows=()), 128)
     # A config.json whose draft vocabulary disagrees with the weights.
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
@@ -186,7 +186,7 @@ def test_incompatible_checkpoints_are_clear_errors(targets, tmp_path_factory, tm
     config["draft_vocab_size"] = 64
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="lm_head.weight: config implies \\(64, 64\\)"):
-        load_eagle3(bad, target_cfg=target.cfg)
+        load_eagle3(bad, target_cfg=target.model.cfg)
     # An EAGLE-3 head passed as DFlash (and the reverse) names the kind to use.
     from spec_jax.checkpoints.dflash import load_dflash
 
@@ -229,7 +229,7 @@ def test_greedy_eagle3_equals_ar_and_reference_loop(name, targets, tmp_path_fact
     model, target, prompts, _, reference, drafter, params, _ = loaded_case(
         name, targets, tmp_path_factory, fitted=True
     )
-    loaded = (target.cfg, target.params)
+    loaded = (target.model.cfg, target.params)
     max_new = 24
     accepted = 0
     for batch_prompts in (prompts[2:3], prompts):  # batch 1, then batch 8 of mixed lengths

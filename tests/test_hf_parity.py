@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from spec_jax.checkpoints import load_hf_dir, load_target, save_hf_dir  # noqa: E402
 from spec_jax.models import forward, init_cache  # noqa: E402
+from spec_jax.models.decoder import commit  # noqa: E402
 
 VOCAB = 97
 SEQ = 12
@@ -133,7 +134,9 @@ def test_prefill_then_decode_equals_full_forward(saved):
     prefix = SEQ - 1
     pos = jnp.broadcast_to(jnp.arange(SEQ), (b, SEQ))
     pre_logits, _, cache = forward(params, cfg, jnp.asarray(tokens[:, :prefix]), pos[:, :prefix], cache)
+    cache = commit(cache, jnp.full((b,), prefix))
     step_logits, _, cache = forward(params, cfg, jnp.asarray(tokens[:, prefix:]), pos[:, prefix:], cache)
+    cache = commit(cache, jnp.full((b,), SEQ))
     np.testing.assert_allclose(np.asarray(pre_logits), full[:, :prefix], atol=TOL)
     np.testing.assert_allclose(np.asarray(step_logits), full[:, prefix:], atol=TOL)
     assert np.asarray(cache.lengths).tolist() == [SEQ] * b

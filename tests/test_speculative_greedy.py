@@ -84,12 +84,12 @@ def test_lookup_first_takes_the_lookup_where_the_suffix_recurs(models, drafters,
     import jax
     import jax.numpy as jnp
 
-    from spec_jax.drafters.base import Target
+    from spec_jax.models import Decoder, Target
     from spec_jax.sampling import SamplingParams
 
     make, params = drafters[name]
     drafter = dataclasses.replace(make(3), min_match=2)
-    target = Target(models.params, models.cfg)
+    target = Target(models.params, Decoder(models.cfg))
     tokens = jnp.asarray([[1, 2, 3, 9, 4, 1, 2, 0, 0], [1, 2, 3, 9, 4, 5, 2, 0, 0]], jnp.int32)
     lengths = jnp.asarray([7, 7], jnp.int32)  # row 0 ends in [1, 2], seen at 0; row 1 ends in [5, 2]
     features = len(drafter.capture_layers) * models.cfg.hidden_size
@@ -123,13 +123,13 @@ def test_draft_model_cache_follows_committed_tokens_it_did_not_draft(models, dra
     import jax
     import jax.numpy as jnp
 
-    from spec_jax.drafters.base import Target
+    from spec_jax.models import Decoder, Target
     from spec_jax.sampling import SamplingParams
 
     k = 4
     make, params = drafters["draft"]
     drafter = make(k)
-    target = Target(models.params, models.cfg)
+    target = Target(models.params, Decoder(models.cfg))
     sampling = SamplingParams.create(1.0, 0, 1.0)
     key = jax.random.key(0)
     # Prompt of 3 + first token = 4 committed; then K foreign drafts accepted + a bonus token.

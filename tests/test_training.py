@@ -15,7 +15,7 @@ from spec_jax.decoding import generate
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_vocab import head_rows
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
-from spec_jax.models import ModelConfig, init_params
+from spec_jax.models import Decoder, ModelConfig, Target, init_params
 from spec_jax.training.data import TokenDataset, frequent_draft_vocab, iterate_batches
 from spec_jax.training.dflash import DFlashLoss
 from spec_jax.training.draft_model import DraftModelLoss
@@ -88,7 +88,7 @@ def test_a_few_steps_reduce_the_loss(setup, kind):
         loss = DFlashLoss(cfg, TARGET, num_anchors=4, kl_weight=0.5, draft_ids=tuple(int(i) for i in ids))
         params = init_dflash_params(cfg, jax.random.key(1))
         params.pop("d2t")  # the vocabulary map is the loss's, not a trained weight
-        params["lm_head"] = jnp.asarray(head_rows(target_params, TARGET, ids))  # as `train dflash` starts it
+        params["lm_head"] = jnp.asarray(head_rows(Target(target_params, Decoder(TARGET)), ids))  # as `train dflash` starts it
     elif kind == "eagle3":
         loss, params = Eagle3Loss(EAGLE3, TARGET, tuple(range(101))), _eagle3_float_params(jax.random.key(1))
     else:

@@ -32,6 +32,8 @@ from spec_jax.checkpoints.hf import (
     layers_to_hf,
 )
 from spec_jax.models.config import ModelConfig
+from spec_jax.models.decoder import Decoder
+from spec_jax.models.interface import Target
 
 # Bump when the cached layout or the GGUF conversion changes, so old entries are not read.
 _CACHE_FORMAT = 1
@@ -59,7 +61,8 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoadedModel:
-    """A target ready for `forward`/`generate`.
+    """A loaded checkpoint: its target (`.target`: spec_jax's decoder with `cfg`, and `params`)
+    plus its tokenizer and chat template; `generate` and the CLI take it as the target.
 
     cfg:            static config (hashable; a jit static argument)
     params:         params pytree of jax arrays in cfg.dtype
@@ -73,6 +76,16 @@ class LoadedModel:
     tokenizer: Any
     chat_template: str | None
     source: str
+
+    @functools.cached_property
+    def target(self) -> Target:
+        """The model (spec_jax's decoder with this config) and its params, as the loop, drafters
+        and training take them."""
+        return Target(self.params, Decoder(self.cfg))
+
+    @property
+    def model(self) -> Decoder:
+        return self.target.model
 
     @functools.cached_property  # reads the tokenizer's vocabulary once, not per generate call
     def stop_ids(self) -> tuple[int, ...]:

@@ -1,4 +1,8 @@
-"""Host-side `generate`: validate, pad to buckets, compile once per shape, run, unpack."""
+"""Host-side `generate`, in pieces a streaming or serving loop reuses: `prepare_inputs` (check
+everything a user can get wrong, resolve stop ids, pad to buckets), `place_generate_inputs` (a
+mesh), `compiled_loop` (compile once per static configuration and shape), `unpack` (device
+output -> Python lists and stats). `make_generate_fn` gives the pure function behind it all for
+a user's own `jax.jit`."""
 
 from __future__ import annotations
 
@@ -19,10 +23,12 @@ from spec_jax.decoding.loop import (
     GenerateOutput,
     LoopInputs,
     generate_jit,
+    generate_loop,
 )
 from spec_jax.drafters.base import Drafter
-from spec_jax.models.config import ModelConfig
+from spec_jax.models.interface import Target, TargetModel, as_target_model, resolve_target
 from spec_jax.sampling import SamplingParams
+from spec_jax.sharding.placement import gather_to_host
 
 MIN_PROMPT_BUCKET = 16
 CAPACITY_BUCKET = 256
@@ -89,7 +95,9 @@ class GenerationResult:
         return self.num_generated / self.generate_s if self.generate_s > 0 else 0.0
 
 
-def _unpack(out: GenerateOutput) -> tuple[list[list[int]], list[str], list[RowStats], RowStats, int]:
+def unpack(out: GenerateOutput) -> tuple[list[list[int]], list[str], list[RowStats], RowStats, int]:
+    """Device output (or its host copy) -> (generated ids per row, finish reasons, per-row stats,
+    total stats, loop steps)."""
     out = jax.device_get(out)
     generated = [
         [int(t) for t in out.tokens[b, out.prompt_lengths[b] : out.lengths[b]]]
@@ -109,6 +117,129 @@ def _unpack(out: GenerateOutput) -> tuple[list[list[int]], list[str], list[RowSt
     return generated, reasons, rows, total, int(out.steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedCall:
+    """One `generate` call, checked and padded, ready to compile and run.
+
+    target: the target (model + params); drafter: with the call's K; capacity: cache slots;
+    inputs: the loop's traced inputs (host arrays until placed)."""
+
+    target: Target
+    drafter: Drafter | None
+    capacity: int
+    inputs: LoopInputs
+
+
+def default_stop_ids(target: Any) -> tuple[int, ...]:
+    """The ids generation stops at unless told otherwise: a loaded model's own `stop_ids` (EOS and
+    its chat template's end-of-turn token), else the target model's `stop_ids`."""
+    resolved, own = resolve_target(target)
+    return own if own is not None else tuple(resolved.model.stop_ids)
+
+
+def with_k(drafter: Drafter | None, k: int | None) -> Drafter | None:
+    """The drafter with `k` drafts per step (None keeps its own); K must be >= 1 with a drafter."""
+    if drafter is not None and k is not None:
+        drafter = dataclasses.replace(drafter, k=k)
+    k_eff = drafter.k if drafter is not None else 0
+    if k_eff < 0 or (drafter is not None and k_eff == 0):
+        raise ValueError(f"K (drafts per step) must be >= 1 with a drafter, got {k_eff}.")
+    return drafter
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """Prompts as lists of ints, each non-empty and inside the vocabulary (`validation.check_prompts`)."""
+    return validation.check_prompts(prompts, vocab_size)
+
+
+def check_capacity(
+    longest: int, max_new_tokens: int, k: int, capacity: int | None, max_positions: int
+) -> int:
+    """The cache capacity for prompts of up to `longest` tokens (default: bucket + max_new_tokens
+    + K + 1, rounded up), checked against the model's positions."""
+    if capacity is None:
+        capacity = default_capacity(prompt_bucket(longest), max_new_tokens, k)
+    if longest + max_new_tokens + k > capacity:
+        raise ValueError(
+            f"Prompt of {longest} tokens + max_new_tokens={max_new_tokens} + K={k} does not fit "
+            f"the cache capacity {capacity}; shorten the prompt, lower max_new_tokens or K, or raise "
+            "capacity."
+        )
+    if longest + max_new_tokens + k > max_positions:
+        raise ValueError(
+            f"Prompt too long: {longest} prompt tokens + max_new_tokens={max_new_tokens} + K={k} "
+            f"exceeds the model's {max_positions} positions (max_position_embeddings); shorten the "
+            "prompt or lower max_new_tokens."
+        )
+    return capacity
+
+
+def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
+    """Stop ids as the loop's fixed-size [MAX_STOP_IDS] int32 array, padded with -1."""
+    stop_ids = list(dict.fromkeys(int(s) for s in stop_ids))
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise ValueError(f"At most {MAX_STOP_IDS} stop ids are supported, got {len(stop_ids)}.")
+    return np.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), np.int32)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts -> (tokens [B, bucket] int32 right-padded with 0, lengths [B] int32)."""
+    tokens = np.zeros((len(prompts), bucket), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def prepare_inputs(
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    drafter: Drafter | None = None,
+    drafter_params: Any = None,
+    *,
+    k: int | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    capacity: int | None = None,
+) -> PreparedCall:
+    """Check everything a user can get wrong (before any compile), resolve the stop ids, pad the
+    prompts to their bucket: the host half of `generate` (same arguments)."""
+    resolved, own_stop = resolve_target(target)
+    model = resolved.model
+    k, capacity = validation.check_k(k), validation.check_capacity(capacity)
+    drafter = with_k(drafter, k)
+    k_eff = drafter.k if drafter is not None else 0
+    checked = validation.check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    max_new_tokens, seed = checked["max_new_tokens"], checked["seed"]
+    prompts = check_prompts(prompts, model.vocab_size)
+    longest = max(len(p) for p in prompts)
+    capacity = check_capacity(longest, max_new_tokens, k_eff, capacity, model.max_positions)
+    if drafter is not None:
+        drafter.validate(model, capacity)
+    validation.check_drafter_params(drafter, drafter_params)
+    if stop_ids is None:
+        stop_ids = () if ignore_eos else (own_stop if own_stop is not None else model.stop_ids)
+    elif ignore_eos:
+        stop_ids = ()
+    stop_array = stop_id_array(validation.check_stop_ids(stop_ids))
+    prompt_tokens, prompt_lengths = pad_prompts(prompts, min(prompt_bucket(longest), capacity))
+    inputs = LoopInputs(
+        target_params=resolved.params,
+        drafter_params=drafter_params,
+        prompt_tokens=jnp.asarray(prompt_tokens),
+        prompt_lengths=jnp.asarray(prompt_lengths),
+        key=jax.random.key(seed),
+        sampling=SamplingParams.create(checked["temperature"], checked["top_k"], checked["top_p"]),
+        max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
+        stop_ids=jnp.asarray(stop_array),
+    )
+    return PreparedCall(resolved, drafter, capacity, inputs)
+
+
 # Compiled loops by static configuration and input shapes, most recently used last. Bounded: each
 # entry holds an executable (and, through its static drafter, configs), so a long-lived process
 # that sweeps shapes keeps only the newest ones.
@@ -116,19 +247,28 @@ _COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 MAX_COMPILED = 16
 
 
-def _target_parts(target: Any) -> tuple[ModelConfig, Any]:
-    if isinstance(target, tuple):
-        return target
-    return target.cfg, target.params
-
-
-def default_stop_ids(target: Any) -> tuple[int, ...]:
-    """The ids generation stops at unless told otherwise: the target's own `stop_ids` (a loaded
-    model: EOS and its chat template's end-of-turn token), else its config's EOS ids."""
-    own = getattr(target, "stop_ids", None)
-    if own is not None:
-        return tuple(own)
-    return _target_parts(target)[0].eos_token_ids
+def compiled_loop(
+    model: TargetModel, drafter: Drafter | None, capacity: int, inputs: LoopInputs, mesh: Any = None
+) -> tuple[Any, float]:
+    """The compiled loop for this static configuration and these input shapes (and shardings),
+    compiled on first use -> (executable, seconds spent compiling now)."""
+    shaped = (inputs.target_params, inputs.drafter_params, inputs.prompt_tokens, inputs.prompt_lengths)
+    shapes = jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x)), shaped)
+    cache_key = (model, drafter, capacity, str(shapes))
+    if mesh is not None:
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, inputs)
+        cache_key += (mesh, str(shardings))
+    compiled = _COMPILED.get(cache_key)
+    if compiled is not None:
+        _COMPILED.move_to_end(cache_key)
+        return compiled, 0.0
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        compiled = generate_jit.lower(inputs, model=model, drafter=drafter, capacity=capacity).compile()
+    _COMPILED[cache_key] = compiled
+    while len(_COMPILED) > MAX_COMPILED:
+        _COMPILED.popitem(last=False)
+    return compiled, time.perf_counter() - t0
 
 
 def generate(
@@ -151,7 +291,9 @@ def generate(
 ) -> GenerationResult:
     """Generate continuations of token-id prompts (one batch) with an optional drafter.
 
-    target: a loaded model (anything with `.cfg` and `.params`) or a `(cfg, params)` tuple.
+    target: a loaded model (`spec_jax.load_target`), a `Target(params, model)`, or a `(model,
+      params)` tuple whose model implements `spec_jax.models.TargetModel` (or is a built-in
+      `ModelConfig`).
     drafter: None for the autoregressive baseline, else a Drafter; `k` overrides its K.
     stop_ids: default `default_stop_ids(target)`: EOS and, for a loaded model with a chat template,
       its end-of-turn token (so a chat prompt stops at the end of the assistant's turn);
@@ -162,92 +304,25 @@ def generate(
       `spec_jax.sharding.ShardingRules()`), prompts split over `data`; None runs unsharded.
     Everything a user can get wrong is checked here, before compiling.
     """
-    cfg, params = _target_parts(target)
-    k, capacity = validation.check_k(k), validation.check_capacity(capacity)
     validation.check_mesh(mesh)
-    if drafter is not None and k is not None:
-        drafter = dataclasses.replace(drafter, k=k)
-    k_eff = drafter.k if drafter is not None else 0
-    if k_eff < 0 or (drafter is not None and k_eff == 0):
-        raise ValueError(f"K (drafts per step) must be >= 1 with a drafter, got {k_eff}.")
-    checked = validation.check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    max_new_tokens, seed = checked["max_new_tokens"], checked["seed"]
-    prompts = validation.check_prompts(prompts, cfg.vocab_size)
-    longest = max(len(p) for p in prompts)
-    bucket = prompt_bucket(longest)
-    if capacity is None:
-        capacity = default_capacity(bucket, max_new_tokens, k_eff)
-    if longest + max_new_tokens + k_eff > capacity:
-        raise ValueError(
-            f"Prompt of {longest} tokens + max_new_tokens={max_new_tokens} + K={k_eff} does not fit "
-            f"the cache capacity {capacity}; shorten the prompt, lower max_new_tokens or K, or raise "
-            "capacity."
-        )
-    positions = cfg.max_position_embeddings
-    if longest + max_new_tokens + k_eff > positions:
-        raise ValueError(
-            f"Prompt too long: {longest} prompt tokens + max_new_tokens={max_new_tokens} + K={k_eff} "
-            f"exceeds the model's {positions} positions (max_position_embeddings); shorten the "
-            "prompt or lower max_new_tokens."
-        )
-    bucket = min(bucket, capacity)
-    if drafter is not None:
-        drafter.validate(cfg, capacity)
-    validation.check_drafter_params(drafter, drafter_params)
-    if stop_ids is None:
-        stop_ids = () if ignore_eos else default_stop_ids(target)
-    elif ignore_eos:
-        stop_ids = ()
-    stop_ids = validation.check_stop_ids(stop_ids)
-    if len(stop_ids) > MAX_STOP_IDS:
-        raise ValueError(f"At most {MAX_STOP_IDS} stop ids are supported, got {len(stop_ids)}.")
-
-    batch = len(prompts)
-    prompt_tokens = np.zeros((batch, bucket), np.int32)
-    for i, p in enumerate(prompts):
-        prompt_tokens[i, : len(p)] = p
-    inputs = LoopInputs(
-        target_params=params,
-        drafter_params=drafter_params,
-        prompt_tokens=jnp.asarray(prompt_tokens),
-        prompt_lengths=jnp.asarray([len(p) for p in prompts], jnp.int32),
-        key=jax.random.key(seed),
-        sampling=SamplingParams.create(checked["temperature"], checked["top_k"], checked["top_p"]),
-        max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
-        stop_ids=jnp.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32),
+    call = prepare_inputs(
+        target, prompts, drafter, drafter_params, k=k, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids,
+        ignore_eos=ignore_eos, capacity=capacity,
     )
+    model, inputs = call.target.model, call.inputs
     if mesh is not None:
-        from spec_jax.sharding.placement import place_generate_inputs
+        from spec_jax.decoding.placement import place_generate_inputs  # only for mesh runs
 
-        inputs = place_generate_inputs(inputs, cfg, drafter, mesh, sharding_rules)
-    static = dict(cfg=cfg, drafter=drafter, capacity=capacity)
-    shaped = (inputs.target_params, inputs.drafter_params, inputs.prompt_tokens, inputs.prompt_lengths)
-    shapes = jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x)), shaped)
-    cache_key = (cfg, drafter, capacity, str(shapes))
-    if mesh is not None:
-        shardings = jax.tree_util.tree_map(lambda x: x.sharding, inputs)
-        cache_key += (mesh, str(shardings))
-    compile_s = 0.0
-    compiled = _COMPILED.get(cache_key)
-    if compiled is None:
-        t0 = time.perf_counter()
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            compiled = generate_jit.lower(inputs, **static).compile()
-        compile_s = time.perf_counter() - t0
-        _COMPILED[cache_key] = compiled
-        while len(_COMPILED) > MAX_COMPILED:
-            _COMPILED.popitem(last=False)
-    else:
-        _COMPILED.move_to_end(cache_key)
+        inputs = place_generate_inputs(inputs, model, call.drafter, mesh, sharding_rules)
+    compiled, compile_s = compiled_loop(model, call.drafter, call.capacity, inputs, mesh)
     t0 = time.perf_counter()
     out = compiled(inputs)
     jax.block_until_ready(out)
     generate_s = time.perf_counter() - t0
     if mesh is not None:
-        from spec_jax.sharding.placement import gather_to_host
-
         out = gather_to_host(out)
-    generated, reasons, rows, total, steps = _unpack(out)
+    generated, reasons, rows, total, steps = unpack(out)
     return GenerationResult(
         generated_ids=generated,
         finish_reasons=reasons,
@@ -257,3 +332,48 @@ def generate(
         compile_s=compile_s,
         generate_s=generate_s,
     )
+
+
+def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: int):
+    """The pure function behind `generate`, for use inside a user's own `jax.jit`, `shard_map`
+    or training step (RL rollouts inside a jitted update, for example):
+
+        fn = spec_jax.make_generate_fn(model, drafter, capacity=256)
+        out = fn(params, drafter_params, prompt_tokens, prompt_lengths, key,
+                 sampling=SamplingParams.create(0.7, 0, 0.9), max_new_tokens=64,
+                 stop_ids=stop_id_array([eos]))
+        # out.tokens [B, capacity], out.lengths [B], out.finish_reason [B], out.stats
+
+    model: a TargetModel (or a built-in ModelConfig); drafter: None for plain decoding.
+    prompt_tokens [B, P] int32 right-padded, prompt_lengths [B]; everything except the shapes is
+    traced, so new values never recompile. No host callbacks: the whole loop is one XLA program,
+    and its caches live and die inside it. Checks are the caller's: `prepare_inputs` makes
+    checked inputs from Python lists (`PreparedCall.inputs`), or see `check_prompts`,
+    `check_capacity`, `pad_prompts` and `stop_id_array`.
+    """
+    model = as_target_model(model)
+
+    def generate_fn(
+        params: Any,
+        drafter_params: Any,
+        prompt_tokens: jax.Array,
+        prompt_lengths: jax.Array,
+        key: jax.Array,
+        *,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int | jax.Array,
+        stop_ids: jax.Array | None = None,
+    ) -> GenerateOutput:
+        inputs = LoopInputs(
+            target_params=params,
+            drafter_params=drafter_params,
+            prompt_tokens=jnp.asarray(prompt_tokens, jnp.int32),
+            prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32),
+            key=key,
+            sampling=sampling if sampling is not None else SamplingParams.create(),
+            max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
+            stop_ids=jnp.asarray(stop_ids if stop_ids is not None else stop_id_array(()), jnp.int32),
+        )
+        return generate_loop(inputs, model=model, drafter=drafter, capacity=capacity)
+
+    return generate_fn

@@ -13,10 +13,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.decoding.acceptance import accept
-from spec_jax.drafters.base import Drafter, Target
-from spec_jax.models.config import ModelConfig
-from spec_jax.models.decoder import KVCache, forward, forward_hidden, init_cache, lm_head
-from spec_jax.models.weights import abstract_from_specs, model_weight_specs
+from spec_jax.drafters.base import Drafter
+from spec_jax.models.interface import Target, TargetModel
+from spec_jax.models.weights import abstract_from_specs
 from spec_jax.sampling import SamplingParams, sample, warp
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -66,7 +65,7 @@ class LoopState:
     prompt_lengths: [B] int32
     done:           [B] bool      row finished (stop token or length cap); it writes nothing more
     finish_reason:  [B] int32     FINISH_NONE / FINISH_STOP / FINISH_LENGTH
-    cache:          target KVCache, valid for lengths - 1 positions per row
+    cache:          the target model's cache, committed for lengths - 1 positions per row
     drafter_state:  the drafter's pytree (caches, context)
     key:            PRNG key
     step:           [] int32      verify steps taken
@@ -78,7 +77,7 @@ class LoopState:
     prompt_lengths: jax.Array
     done: jax.Array
     finish_reason: jax.Array
-    cache: KVCache
+    cache: Any
     drafter_state: Any
     key: jax.Array
     step: jax.Array
@@ -103,7 +102,7 @@ class GenerateOutput:
 
 @struct.dataclass
 class LoopInputs:
-    """The loop's traced inputs; only the static cfg, drafter and capacity sit beside them.
+    """The loop's traced inputs; only the static model, drafter and capacity sit beside them.
 
     target_params:  the target's weight pytree
     drafter_params: the drafter's weight pytree (None when it has no weights)
@@ -126,18 +125,20 @@ class LoopInputs:
 
 
 def abstract_inputs(
-    cfg: ModelConfig,
+    model: TargetModel,
     drafter_specs: Any,
     *,
     batch: int,
     prompt_len: int,
     sampling: SamplingParams | None = None,
+    dtype: Any = None,
 ) -> LoopInputs:
-    """`LoopInputs` of ShapeDtypeStructs (weights in cfg.dtype; allocates nothing), for
-    `jax.eval_shape` and `generate_jit.lower` at any model size."""
-    dtype = jnp.dtype(cfg.dtype)
+    """`LoopInputs` of ShapeDtypeStructs (weights in `dtype`, default the model's; allocates
+    nothing), for `jax.eval_shape` and `generate_jit.lower` at any model size. The model must
+    have weight specs."""
+    dtype = jnp.dtype(dtype or model.dtype)
     return LoopInputs(
-        target_params=abstract_from_specs(model_weight_specs(cfg), dtype),
+        target_params=abstract_from_specs(model.weight_specs(), dtype),
         drafter_params=None if drafter_specs is None else abstract_from_specs(drafter_specs, dtype),
         prompt_tokens=jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
         prompt_lengths=jax.ShapeDtypeStruct((batch,), jnp.int32),
@@ -170,14 +171,14 @@ def prefill(
     capture = drafter.capture_layers if drafter is not None else ()
     rows = jnp.arange(batch)
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    cache = init_cache(target.cfg, batch, capacity)
+    model = target.model
     with jax.named_scope("prefill"):
-        hidden, captured, cache = forward_hidden(
-            target.params, target.cfg, prompt_tokens, positions, cache, capture
+        hidden, captured, cache = target.forward(
+            prompt_tokens, positions, model.init_cache(batch, capacity), capture=capture
         )
         # The LM head at each row's last prompt position only: [B, P, V] logits would cost P times
         # the head's FLOPs and, at batch 512 x 512 positions, tens of GB.
-        logits = lm_head(target.params, target.cfg, hidden[rows, prompt_lengths - 1][:, None])[:, 0]
+        logits = target.logits(hidden[rows, prompt_lengths - 1])  # [B, V]
     key, first_key = jax.random.split(key)
     first = sample(first_key, warp(logits, sampling))  # [B]
     tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_len].set(prompt_tokens)
@@ -196,7 +197,7 @@ def prefill(
         prompt_lengths=prompt_lengths,
         done=is_stop | hit_length,
         finish_reason=finish.astype(jnp.int32),
-        cache=cache.with_lengths(prompt_lengths),
+        cache=model.commit(cache, prompt_lengths),
         drafter_state=drafter_state,
         key=key,
         step=jnp.zeros((), jnp.int32),
@@ -237,9 +238,10 @@ def speculative_step(
     offsets = jnp.arange(k + 1, dtype=jnp.int32)
     verify_positions = start[:, None] + offsets  # [B, K+1]
     with jax.named_scope("verify"):
-        logits, captured, cache = forward(
-            target.params, target.cfg, verify_tokens, verify_positions, state.cache, capture
+        hidden, captured, cache = target.forward(
+            verify_tokens, verify_positions, state.cache, capture=capture
         )
+        logits = target.logits(hidden)  # [B, K+1, V] float32
 
     # Step 3: accept a prefix of the drafts; sample the correction or bonus token.
     with jax.named_scope("accept"):
@@ -289,7 +291,7 @@ def speculative_step(
         prompt_lengths=state.prompt_lengths,
         done=state.done | newly_stopped | hit_length,
         finish_reason=finish.astype(jnp.int32),
-        cache=cache.with_lengths(lengths - 1),
+        cache=target.model.commit(cache, lengths - 1),  # a chain: rejected drafts drop by length
         drafter_state=drafter_state,
         key=key,
         step=state.step + 1,
@@ -300,16 +302,16 @@ def speculative_step(
 def generate_loop(
     inputs: LoopInputs,
     *,
-    cfg: ModelConfig,
+    model: TargetModel,
     drafter: Drafter | None,
     capacity: int,
 ) -> GenerateOutput:
     """Prefill + the whole speculative loop; meant to run under one `jax.jit`.
 
-    Static: cfg, drafter (hashable, holds K), capacity, and the shapes of the inputs.
+    Static: model, drafter (hashable, holds K), capacity, and the shapes of the inputs.
     Traced: everything in `inputs`, so new sampling values, caps or stop ids never recompile.
     """
-    target = Target(inputs.target_params, cfg)
+    target = Target(inputs.target_params, model)
     drafter_params, sampling = inputs.drafter_params, inputs.sampling
     max_new_tokens, stop_ids = inputs.max_new_tokens, inputs.stop_ids
     state = prefill(
@@ -335,4 +337,4 @@ def generate_loop(
     )
 
 
-generate_jit = jax.jit(generate_loop, static_argnames=("cfg", "drafter", "capacity"))
+generate_jit = jax.jit(generate_loop, static_argnames=("model", "drafter", "capacity"))

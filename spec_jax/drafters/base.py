@@ -4,6 +4,9 @@ A drafter is a frozen, hashable object holding static hyperparameters (it is a s
 the jitted loop); its weights travel separately as a pytree (`params`), and its per-sequence state
 (caches, context) is a pytree returned by `init` and threaded through `propose` and `commit`.
 
+The drafter sees the target as `Target` (model + params): it reaches the target's embedding and
+head through `target.embed(tokens)` and `target.logits(hidden)`, never by params keys.
+
 Positions: after a step, `lengths[b]` tokens of row b are committed and the last one,
 `tokens[b, lengths[b] - 1]`, has not been run through the target yet. The next verify pass scores
 [last token, d_1..d_K] at positions lengths - 1 .. lengths - 1 + K.
@@ -14,24 +17,12 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import jax
-from flax import struct
 
-from spec_jax.models.config import ModelConfig
+from spec_jax.models.interface import Target, TargetModel
 from spec_jax.sampling import SamplingParams
 
 Params = Any
 DrafterState = Any
-
-
-@struct.dataclass
-class Target:
-    """The target model as drafters see it: its params (traced) and config (static).
-
-    Drafters that share the target's embedding or LM head (DFlash) read them from here explicitly.
-    """
-
-    params: Params
-    cfg: ModelConfig = struct.field(pytree_node=False)
 
 
 @runtime_checkable
@@ -53,8 +44,9 @@ class Drafter(Protocol):
         drafter is described once, here."""
         ...
 
-    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
-        """Host-side compatibility checks; raise a clear ValueError before anything compiles."""
+    def validate(self, target: TargetModel, capacity: int) -> None:
+        """Host-side compatibility checks against the target model (its vocab_size, hidden_size,
+        num_layers); raise a clear ValueError before anything compiles."""
         ...
 
     def init(

@@ -24,23 +24,22 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.sampling import SamplingParams, sample, warp
-from spec_jax.drafters.base import Target
 from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling, kv_bytes_per_token
 from spec_jax.models.decoder import (
     KVCache,
+    attend,
     decoder_layer,
     einsum,
-    embed,
     empty_cache,
     heads_major,
-    lm_head,
     project_qkv,
     rms_norm,
     rope,
     rope_inv_freq,
     write_kv,
 )
+from spec_jax.models.interface import Target, TargetModel
 from spec_jax.models.weights import WeightSpec, init_from_specs, per_layer_specs
 
 Params = Any
@@ -299,8 +298,9 @@ def init_dflash_params(cfg: DFlashConfig, key: jax.Array, scale: float = 1.0) ->
     return params
 
 
-def check_compatible(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
-    """Raise a ValueError naming every way `cfg` cannot draft for `target_cfg`."""
+def check_compatible(cfg: DFlashConfig, target_cfg: TargetModel | ModelConfig) -> None:
+    """Raise a ValueError naming every way `cfg` cannot draft for the target (a TargetModel, or
+    the built-in decoder's ModelConfig: both name vocab_size, hidden_size and num_layers)."""
     problems = []
     if cfg.hidden_size != target_cfg.hidden_size:
         problems.append(
@@ -392,8 +392,8 @@ def dflash_hidden(
             block_mask = block_visible & _attention_mask(positions, positions, window, causal)
 
             # Queries see the (read-only) context cache and the block's own keys.
-            def context_and_block(k, v, ctx=(layer_ctx_k, layer_ctx_v, ctx_mask), own=block_mask):
-                return [ctx, (k, v, own)], None
+            def context_and_block(q, k, v, ctx=(layer_ctx_k, layer_ctx_v, ctx_mask), own=block_mask):
+                return attend(q, [ctx, (k, v, own)]), None
 
             with jax.named_scope(f"layer_{i}"):
                 x, _ = decoder_layer(lp, x, positions, inv_freq, cfg.rms_norm_eps, context_and_block)
@@ -409,14 +409,14 @@ def dflash_logits(
     if cfg.draft_vocab_size:
         logits = draft_logits_of(params, hidden)
     else:
-        logits = lm_head(target.params, target.cfg, hidden)
+        logits = target.logits(hidden)
     if cfg.output_multiplier is not None:
         logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping:
         cap = cfg.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
     if cfg.draft_vocab_size and not draft_vocab:
-        logits = to_target_vocab(logits, params["d2t"], target.cfg.vocab_size)
+        logits = to_target_vocab(logits, params["d2t"], target.vocab_size)
     return logits
 
 
@@ -455,8 +455,8 @@ class DFlashDrafter:
     def weight_specs(self) -> dict[str, Any]:
         return dflash_weight_specs(self.cfg)
 
-    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
-        check_compatible(self.cfg, target_cfg)
+    def validate(self, target: TargetModel, capacity: int) -> None:
+        check_compatible(self.cfg, target)
 
     # ------------------------------------------------------------------ context cache
     def _write_context(
@@ -521,7 +521,7 @@ class DFlashDrafter:
         positions = start[:, None] + jnp.arange(b, dtype=jnp.int32)  # [B, b]
         block = jnp.full((batch, b), cfg.mask_token_id, jnp.int32)
         block = block.at[:, 0].set(tokens[rows, start])  # [B, b]: anchor, mask, ..., mask
-        x = embed(target.params, block).astype(params["fc"].dtype)  # [B, b, H]
+        x = target.embed(block).astype(params["fc"].dtype)  # [B, b, H]
         if cfg.input_embedding_scale is not None:
             x = x * cfg.input_embedding_scale
         capacity = state.capacity

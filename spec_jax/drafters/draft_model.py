@@ -9,43 +9,53 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.sampling import SamplingParams, sample, warp
-from spec_jax.drafters.base import Target
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.decoder import KVCache, forward, forward_hidden, init_cache, lm_head
-from spec_jax.models.weights import model_weight_specs
+from spec_jax.models.decoder import Decoder
+from spec_jax.models.interface import Target, TargetModel
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelDrafter:
     """K sequential steps of a draft LM per verify step; drafts sampled from its warped logits.
 
-    The draft cache is indexed by position like the target's, so rejected drafts roll back by
-    length alone. Each propose first re-feeds the last K+1 committed tokens, all a verify step can
-    add: the draft model has not seen the bonus token (nor d_K after a fully accepted block), and
-    the committed tokens need not be its own drafts at all when prompt lookup replaced them
-    (`LookupFirstDrafter`). A fixed K+1-token step keeps shapes static; re-writing an already
-    cached position with the same token is harmless.
+    model: any `TargetModel` sharing the target's tokenizer (a built-in `ModelConfig` is wrapped
+    in `Decoder`), with its params as the drafter params.
+
+    The draft cache follows the same contract as the target's, so rejected drafts roll back by
+    length alone. Each propose rewinds the cache and re-feeds the last K+1 committed tokens, all a
+    verify step can add: the draft model has not seen the bonus token (nor d_K after a fully
+    accepted block), and the committed tokens need not be its own drafts at all when prompt lookup
+    replaced them (`LookupFirstDrafter`). A fixed K+1-token pass keeps shapes static.
     """
 
-    cfg: ModelConfig
+    model: Any
     k: int = 4
+
+    def __post_init__(self):
+        if isinstance(self.model, ModelConfig):
+            object.__setattr__(self, "model", Decoder(self.model))
+
+    @property
+    def cfg(self) -> ModelConfig | None:
+        """The built-in decoder's config (`spec-jax info` reads its size), else None."""
+        return getattr(self.model, "cfg", None)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return ()
 
-    def weight_specs(self) -> dict[str, Any]:
-        return model_weight_specs(self.cfg)
+    def weight_specs(self) -> Any:
+        return self.model.weight_specs()
 
-    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
+    def validate(self, target: TargetModel, capacity: int) -> None:
         if self.k < 1:
             raise ValueError(f"K must be >= 1 for a draft model, got {self.k}.")
-        small, large = sorted((self.cfg.vocab_size, target_cfg.vocab_size))
+        small, large = sorted((self.model.vocab_size, target.vocab_size))
         # Checkpoints pad vocabularies to multiples of 64/128; a bigger gap is another tokenizer.
         if large - small > 256:
             raise ValueError(
-                f"Draft model vocab ({self.cfg.vocab_size}) and target vocab "
-                f"({target_cfg.vocab_size}) differ by more than padding: the drafter must use the "
+                f"Draft model vocab ({self.model.vocab_size}) and target vocab "
+                f"({target.vocab_size}) differ by more than padding: the drafter must use the "
                 "target's tokenizer. Pick a draft model from the same family."
             )
 
@@ -61,45 +71,54 @@ class DraftModelDrafter:
     def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
         batch, prompt_len = prompt_tokens.shape
         positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-        cache = init_cache(self.cfg, batch, capacity)
-        _, _, cache = forward(params, self.cfg, prompt_tokens, positions, cache)
-        return cache.with_lengths(prompt_lengths)
+        cache = self.model.init_cache(batch, capacity)
+        cache = self.model.forward(params, prompt_tokens, positions, cache).cache
+        return self.model.commit(cache, prompt_lengths)
 
-    def propose(self, params, target: Target, state: KVCache, tokens, lengths, key, sampling):
+    def propose(self, params, target: Target, state, tokens, lengths, key, sampling):
+        model = self.model
         batch = tokens.shape[0]
         rows = jnp.arange(batch)
-        vocab = target.cfg.vocab_size
+        vocab = target.vocab_size
         keys = jax.random.split(key, self.k)
-        # Draft step 1: the last K+1 committed tokens at positions L-K-1 .. L-1 (clipped at 0 for
-        # short prompts: a repeated position 0 writes the same keys twice). Logits at L-1 only.
-        pos = jnp.maximum(lengths[:, None] - self.k - 1 + jnp.arange(self.k + 1, dtype=jnp.int32), 0)
-        inputs = tokens[rows[:, None], pos]
-        hidden, _, cache = forward_hidden(params, self.cfg, inputs, pos, state)
-        logits = lm_head(params, self.cfg, hidden[:, -1:])  # [B, 1, V_d]
-        probs = self._draft_probs(logits[:, 0], vocab, sampling)  # [B, V]
+        # Draft step 1: rewind to L-K-1 (0 for short prompts) and re-feed the committed tokens
+        # from there, K+1 slots (past L-1 on short prompts: repeats of the last token, written
+        # beyond the committed length and never seen). Logits at position L-1 only.
+        start = jnp.maximum(lengths - self.k - 1, 0)  # [B]
+        pos = start[:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)  # [B, K+1]
+        inputs = tokens[rows[:, None], jnp.minimum(pos, lengths[:, None] - 1)]
+        out = model.forward(params, inputs, pos, model.commit(state, start))
+        logits = model.logits(params, out.hidden[rows, lengths - 1 - start])  # [B, V_d]
+        probs = self._draft_probs(logits, vocab, sampling)  # [B, V]
         draft = sample(keys[0], probs)
+        cache = model.commit(out.cache, lengths)
 
         # Draft steps 2..K: feed the previous draft at the next position.
         def step(carry, step_key):
             cache, draft, position = carry
-            logits, _, cache = forward(params, self.cfg, draft[:, None], position[:, None], cache)
-            probs = self._draft_probs(logits[:, 0], vocab, sampling)
+            out = model.forward(params, draft[:, None], position[:, None], cache)
+            probs = self._draft_probs(model.logits(params, out.hidden[:, 0]), vocab, sampling)
             nxt = sample(step_key, probs)
-            return (cache, nxt, position + 1), (nxt, probs)
+            return (model.commit(out.cache, position + 1), nxt, position + 1), (nxt, probs)
 
         (cache, _, _), (rest, rest_probs) = jax.lax.scan(step, (cache, draft, lengths), keys[1:])
         drafts = jnp.concatenate([draft[:, None], rest.T], axis=1)  # [B, K]
         draft_probs = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_probs, 0, 1)], axis=1)
         return drafts, draft_probs, cache
 
-    def commit(self, params, target, state: KVCache, start, num_accepted, verify_captured):
-        # Everything up to the accepted drafts stays valid; later slots are masked by position.
-        return state.with_lengths(start + num_accepted + 1)
+    def commit(self, params, target, state, start, num_accepted, verify_captured):
+        # Nothing to do: the next propose rewinds to what it re-feeds from.
+        return state
 
 
-def self_drafter(target_cfg: ModelConfig, k: int = 4) -> DraftModelDrafter:
-    """The target drafting for itself: a diagnostic whose every draft must be accepted."""
-    return DraftModelDrafter(cfg=target_cfg, k=k)
+def self_drafter(target: Any, k: int = 4) -> DraftModelDrafter:
+    """The target drafting for itself (its model or config; pass its params as the drafter
+    params): a diagnostic whose every draft must be accepted."""
+    if isinstance(target, Target):
+        target = target.model
+    elif isinstance(getattr(target, "target", None), Target):  # a loaded checkpoint
+        target = target.target.model
+    return DraftModelDrafter(model=target, k=k)
 
 
 def _probe_ids(tokenizer: Any, text: str) -> list[int]:

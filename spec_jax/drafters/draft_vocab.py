@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import einsum
+from spec_jax.models.interface import Target
 from spec_jax.models.weights import WeightSpec
 
 
@@ -52,8 +53,9 @@ def offsets(draft_ids: np.ndarray) -> np.ndarray:
     return (draft_ids - np.arange(len(draft_ids))).astype(np.int32)
 
 
-def head_rows(target_params: Any, target_cfg: ModelConfig, draft_ids: np.ndarray) -> np.ndarray:
+def head_rows(target: Target, draft_ids: np.ndarray) -> np.ndarray:
     """The target's own output embedding of the draft tokens, [H, Vd] float32: the starting
-    point of a reduced head (speculators initialises its heads the same way)."""
-    head = target_params["embed"].T if target_cfg.tie_embeddings else target_params["lm_head"]
-    return np.asarray(head, np.float32)[:, np.asarray(draft_ids)]
+    point of a reduced head (speculators initialises its heads the same way). Read through the
+    target interface: the logits of the unit hidden states are the head's rows (a linear head)."""
+    unit = jnp.eye(target.model.hidden_size, dtype=jax.tree_util.tree_leaves(target.params)[0].dtype)
+    return np.asarray(target.logits(unit), np.float32)[:, np.asarray(draft_ids)]

@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax.drafters.base import Target
 from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig
 from spec_jax.models.decoder import (
     KVCache,
+    attend,
     causal_window_mask,
     decoder_layer,
     einsum,
@@ -45,6 +45,7 @@ from spec_jax.models.decoder import (
     rope_inv_freq,
     write_kv,
 )
+from spec_jax.models.interface import Target, TargetModel
 from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
 from spec_jax.sampling import SamplingParams, sample, warp
 
@@ -152,8 +153,9 @@ def init_eagle3_params(cfg: Eagle3Config, key: jax.Array, scale: float = 1.0) ->
     return params
 
 
-def check_compatible(cfg: Eagle3Config, target_cfg: ModelConfig) -> None:
-    """Raise a ValueError naming every way `cfg` cannot draft for `target_cfg`."""
+def check_compatible(cfg: Eagle3Config, target_cfg: TargetModel | ModelConfig) -> None:
+    """Raise a ValueError naming every way `cfg` cannot draft for the target (a TargetModel or
+    the built-in decoder's ModelConfig: both name vocab_size, hidden_size and num_layers)."""
     problems = []
     if cfg.layer.vocab_size != target_cfg.vocab_size:
         problems.append(
@@ -276,12 +278,13 @@ class Eagle3Drafter:
     def weight_specs(self) -> dict[str, Any]:
         return eagle3_weight_specs(self.cfg)
 
-    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
-        check_compatible(self.cfg, target_cfg)
+    def validate(self, target: TargetModel, capacity: int) -> None:
+        check_compatible(self.cfg, target)
 
     def _embed(self, params: Params, target: Target, tokens: jax.Array) -> jax.Array:
-        table = params["embed"] if self.cfg.own_embedding else target.params["embed"]
-        return embed({"embed": table}, tokens).astype(params["fc"].dtype)
+        """The drafter's own embedding when it has one, else the target's."""
+        x = embed(params, tokens) if self.cfg.own_embedding else target.embed(tokens)
+        return x.astype(params["fc"].dtype)
 
     def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
         c = self.cfg.layer
@@ -294,8 +297,8 @@ class Eagle3Drafter:
             visible = causal_window_mask(pairs, pairs, GLOBAL_WINDOW)
 
             def write_and_attend(i):
-                def attend_to(k, v):
-                    return [(k, v, visible)], (k, v)
+                def attend_to(q, k, v):
+                    return attend(q, [(k, v, visible)]), (k, v)
                 return attend_to
 
             _, kvs = eagle3_layers(self.cfg, params, token_embeds, hidden, pairs + 1, write_and_attend)
@@ -346,8 +349,8 @@ class Eagle3Drafter:
         own_visible = causal_window_mask(pairs, pairs, GLOBAL_WINDOW)
 
         def pending_attend(i):
-            def attend_to(k, v):
-                return [(cache.k[i], cache.v[i], old_visible), (k, v, own_visible)], (k, v)
+            def attend_to(q, k, v):
+                return attend(q, [(cache.k[i], cache.v[i], old_visible), (k, v, own_visible)]), (k, v)
             return attend_to
 
         out, kvs = eagle3_layers(cfg, params, token_embeds, hidden, pairs + 1, pending_attend)
@@ -374,12 +377,12 @@ class Eagle3Drafter:
             position = (last_pair + 2 + step)[:, None]  # [B, 1]
 
             def chain_attend(i):
-                def attend_to(k, v):
+                def attend_to(q, k, v):
                     chain_k[i].append(k)
                     chain_v[i].append(v)
                     own = (jnp.concatenate(chain_k[i], axis=2), jnp.concatenate(chain_v[i], axis=2))
-                    return [(cache.k[i], cache.v[i], real_visible),
-                            (*own, jnp.ones((batch, 1, step + 1), bool))], None
+                    return attend(q, [(cache.k[i], cache.v[i], real_visible),
+                                      (*own, jnp.ones((batch, 1, step + 1), bool))]), None
                 return attend_to
 
             out, _ = eagle3_layers(cfg, params, self._embed(params, target, draft[:, None]),

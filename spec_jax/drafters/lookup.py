@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.drafters.ngram import NGramDrafter
-from spec_jax.models.config import ModelConfig
+from spec_jax.models.interface import TargetModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +65,14 @@ class LookupFirstDrafter:
     def weight_specs(self) -> Any:
         return self.model.weight_specs()
 
-    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
+    def validate(self, target: TargetModel, capacity: int) -> None:
         if self.model.weight_specs() is None:
             raise ValueError(
                 f"Prompt lookup goes in front of a model drafter (DFlash, draft model, EAGLE-3), "
                 f"not {type(self.model).__name__}; use the n-gram drafter on its own instead."
             )
-        self.lookup.validate(target_cfg, capacity)
-        self.model.validate(target_cfg, capacity)
+        self.lookup.validate(target, capacity)
+        self.model.validate(target, capacity)
 
     def init(self, params, target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
         return self.model.init(params, target, prompt_tokens, prompt_lengths, prefill_captured, capacity)

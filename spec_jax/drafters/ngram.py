@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from spec_jax.models.config import ModelConfig
+from spec_jax.models.interface import TargetModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,7 @@ class NGramDrafter:
     def weight_specs(self) -> None:
         return None
 
-    def validate(self, target_cfg: ModelConfig, capacity: int) -> None:
+    def validate(self, target: TargetModel, capacity: int) -> None:
         if self.k < 1:
             raise ValueError(f"K must be >= 1 for the n-gram drafter, got {self.k}.")
         if not 1 <= self.min_ngram <= self.max_ngram:

@@ -1,15 +1,31 @@
-"""One decoder implementation; Llama and Qwen3 are configs of it."""
+"""The target interface (`TargetModel`, `Target`) and its first implementation, the one
+built-in decoder (`Decoder`; Llama and Qwen3 are configs of it)."""
 
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling
-from spec_jax.models.decoder import KVCache, forward, init_cache, init_params
+from spec_jax.models.decoder import Decoder, KVCache, forward, init_cache, init_params
+from spec_jax.models.interface import (
+    ForwardOutput,
+    Target,
+    TargetModel,
+    ancestor_mask,
+    as_target_model,
+    chain_mask,
+)
 from spec_jax.models.weights import WeightSpec, model_weight_specs
 
 __all__ = [
+    "Decoder",
+    "ForwardOutput",
     "GLOBAL_WINDOW",
     "KVCache",
     "ModelConfig",
     "RopeScaling",
+    "Target",
+    "TargetModel",
     "WeightSpec",
+    "ancestor_mask",
+    "as_target_model",
+    "chain_mask",
     "forward",
     "init_cache",
     "init_params",

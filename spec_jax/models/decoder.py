@@ -13,6 +13,7 @@ when its operands are float32 and keeps the fast default for bfloat16.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
@@ -20,13 +21,19 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from spec_jax.models.attention import (  # noqa: F401  (the pieces are public from here too)
+    NEG_INF,
+    AttentionParts,
+    attend,
+    attend_cache_and_pass,
+    einsum,
+    float32_precision,
+)
 from spec_jax.models.config import ModelConfig, RopeScaling
+from spec_jax.models.interface import ForwardOutput, chain_mask
 from spec_jax.models.weights import init_from_specs, model_weight_specs
 
 Params = Any
-
-NEG_INF = -1e30  # finite so fully-masked rows (padding) stay NaN-free
-
 
 @struct.dataclass
 class KVCache:
@@ -36,10 +43,9 @@ class KVCache:
                                          attention contracts each head's [S, D] block in place
     lengths:  [B] int32                  committed tokens per row
 
-    Slot j holds the key/value of position j. A forward pass over consecutive positions
-    p0..p0+T-1 writes its keys/values at those positions and then attends causally to slots <= its
-    own position: slots < p0 are committed, later slots are masked. So rejected drafts are rolled
-    back by setting `lengths` alone, never by clearing.
+    A pass writes its keys/values at slots lengths .. lengths + T - 1 and attends to the committed
+    slots (< lengths) plus its own keys; committed slot j holds position j. So rejected drafts are
+    rolled back by setting `lengths` alone, never by clearing (`commit`).
     """
 
     k: tuple[jax.Array, ...]
@@ -80,28 +86,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 1.0) -> Params:
 
 
 # ----------------------------------------------------------------------------- pieces
-def float32_precision() -> jax.lax.Precision | None:
-    """The dot precision that computes float32 in float32 on the backend being traced for.
-
-    HIGHEST on GPU and TPU, whose DEFAULT rounds float32 operands (TF32, bfloat16 passes). None
-    (DEFAULT) on CPU: XLA:CPU's DEFAULT float32 dot is already exact float32 (bit-identical to
-    HIGHEST, tested), and HIGHEST there selects a slower kernel: 2.7x slower at batch 32, 1.3x
-    at batch 1 on the 2-core VM (benchmarks/RESULTS.md)."""
-    return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
-
-
-def einsum(
-    subscripts: str, x: jax.Array, y: jax.Array, preferred_element_type: Any = None
-) -> jax.Array:
-    """`jnp.einsum` at the precision the operands' dtype promises: float32 products in float32
-    (`float32_precision`), the backend's fast default for bfloat16."""
-    full = jnp.result_type(x, y) == jnp.float32
-    precision = float32_precision() if full else None
-    return jnp.einsum(
-        subscripts, x, y, precision=precision, preferred_element_type=preferred_element_type
-    )
-
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -158,39 +142,6 @@ def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Arra
     return cache.at[rows, :, positions].set(updates, mode="drop")
 
 
-AttentionParts = Sequence[tuple[jax.Array, jax.Array, jax.Array]]
-
-
-def attend(q: jax.Array, parts: AttentionParts) -> jax.Array:
-    """Grouped-query attention over one or more key/value parts with one joint softmax.
-
-    q: [B, T, N, D]; each part (k, v, mask): k, v [B, Kv, S_i, D] (heads-major, as cached), mask
-    [B, T, S_i] bool (True = visible) -> [B, T, N, D]. Parts let a pass attend to a cache and to
-    its own new keys without concatenating (copying) the cache.
-    """
-    b, t, n, d = q.shape
-    kv_heads = parts[0][0].shape[1]
-    groups = n // kv_heads
-    # Queries as [B, Kv, T*G, D] (row m = t * G + g): both dots are then plain batched matmuls
-    # over (B, Kv) in the cache's own layout, so XLA transposes only the small q and output,
-    # never the [S]-long scores or the cache (2.3x faster attention at batch 32 on XLA:CPU).
-    qh = jnp.swapaxes(q.reshape(b, t, kv_heads, groups, d), 1, 2).reshape(b, kv_heads, t * groups, d)
-    scores = []
-    for k, _, mask in parts:
-        s = einsum("bkmd,bksd->bkms", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        mask = jnp.broadcast_to(mask, (b, t, k.shape[2]))  # a [B, 1, S_i] mask holds for every query
-        visible = jnp.repeat(mask, groups, axis=1)[:, None]  # [B, 1, T*G, S_i]
-        scores.append(jnp.where(visible, s / math.sqrt(d), NEG_INF))
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, Kv, T*G, sum S_i]
-    out = 0.0
-    start = 0
-    for k, v, _ in parts:
-        p = probs[..., start : start + k.shape[2]].astype(q.dtype)
-        out = out + einsum("bkms,bksd->bkmd", p, v.astype(q.dtype))
-        start += k.shape[2]
-    return jnp.swapaxes(out.reshape(b, kv_heads, t, groups, d), 1, 2).reshape(b, t, n, d)
-
-
 def attention_output(lp: Params, attn: jax.Array) -> jax.Array:
     """attn [B, T, N, D] -> [B, T, H]. Flattened (N*D) so XLA does not transpose wo every step."""
     b, t, n, d = attn.shape
@@ -209,9 +160,10 @@ def causal_window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | jax.Arr
     return (diff >= 0) & (diff < window)
 
 
-# What one layer's queries attend to: given the layer's new keys/values [B, Kv, T, D] (normed,
-# rotated), return the attention parts and anything the caller wants back (e.g. updated caches).
-AttendTo = Callable[[jax.Array, jax.Array], tuple[AttentionParts, Any]]
+# What one layer's queries attend to: given its queries [B, T, N, D] and new keys/values
+# [B, Kv, T, D] (normed, rotated), return the attention output [B, T, N, D] and anything the caller
+# wants back (e.g. updated caches).
+AttendTo = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
 def decoder_layer(
@@ -229,7 +181,7 @@ def decoder_layer(
     The one layer of targets, draft models, DFlash and EAGLE-3; `attend_to` says what the queries
     see. `attn_input`, when given, is what q/k/v are projected from instead of norm(x) (EAGLE-3's
     first layer: [norm(embedding), norm(fused target features)], with x as the residual).
-    x [B, T, H] -> (x [B, T, H], what `attend_to` returned besides the parts).
+    x [B, T, H] -> (x [B, T, H], what `attend_to` returned besides the attention output).
     """
     with jax.named_scope("attention"):
         h = rms_norm(x, lp["attn_norm"], eps) if attn_input is None else attn_input
@@ -239,8 +191,8 @@ def decoder_layer(
             k = rms_norm(k, lp["k_norm"], eps)
         q = rope(q, positions, inv_freq)
         k, v = heads_major(rope(k, positions, inv_freq)), heads_major(v)  # [B, Kv, T, D]
-        parts, aux = attend_to(k, v)
-        x = x + attention_output(lp, attend(q, parts)).astype(x.dtype)
+        attn, aux = attend_to(q, k, v)
+        x = x + attention_output(lp, attn).astype(x.dtype)
     with jax.named_scope("mlp"):
         x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], eps)).astype(x.dtype)
     return x, aux
@@ -251,11 +203,11 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final-normed hidden states [B, T, H] -> float32 logits [B, T, V]."""
+    """Final-normed hidden states [..., H] -> float32 logits [..., V]."""
     # Contract the tied embedding as stored ([V, H]): a transposed view would be copied every step.
     if cfg.tie_embeddings:
-        return einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
-    return einsum("bth,hv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+        return einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    return einsum("...h,hv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -266,14 +218,10 @@ def forward(
     positions: jax.Array,
     cache: KVCache,
     capture: Sequence[int] = (),
+    mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """Run the decoder on `tokens` [B, T] at `positions` [B, T], reading and writing `cache`.
-
-    Returns float32 logits [B, T, V]; the hidden states after each decoder layer in `capture`
-    (HF `hidden_states[id + 1]`), concatenated as [B, T, len(capture) * H], or None; and the cache
-    with this pass's keys/values written and `lengths` = last position + 1.
-    """
-    hidden, captured, cache = forward_hidden(params, cfg, tokens, positions, cache, capture)
+    """`forward_hidden`, then the LM head: (float32 logits [B, T, V], captured, cache)."""
+    hidden, captured, cache = forward_hidden(params, cfg, tokens, positions, cache, capture, mask)
     return lm_head(params, cfg, hidden), captured, cache
 
 
@@ -284,44 +232,131 @@ def forward_hidden(
     positions: jax.Array,
     cache: KVCache,
     capture: Sequence[int] = (),
-) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """`forward` without the LM head: final-normed hidden states [B, T, H] (for losses that need
-    logits at a few positions only)."""
+    mask: jax.Array | None = None,
+) -> ForwardOutput:
+    """Run the decoder on `tokens` [B, T] at `positions` [B, T] (the pass contract of
+    `spec_jax.models.interface`): the pass's keys/values go to each row's slots
+    `cache.lengths .. + T - 1`; each query sees the committed slots and the pass tokens that
+    `mask` [B or 1, T, T] allows (None: causal, a chain).
+
+    Returns the final-normed hidden states [B, T, H]; the hidden states after each decoder layer
+    in `capture` (HF `hidden_states[id + 1]`), concatenated as [B, T, len(capture) * H], or None;
+    and the cache with this pass written and `lengths` unchanged (see `commit`).
+    """
     capture = tuple(capture)
     for layer_id in capture:
         if not 0 <= layer_id < cfg.num_layers:
             raise ValueError(f"capture layer {layer_id} outside the model's {cfg.num_layers} layers")
-    b, _ = tokens.shape
+    t = tokens.shape[1]
     positions = positions.astype(jnp.int32)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (b, cache.capacity))
-    masks = {}  # one mask per distinct window: [B, T, S]
+    slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] where the pass goes
+    pass_mask = chain_mask(t) if mask is None else mask.astype(bool)
+    pass_masks = {}  # one in-pass mask per distinct window: [B or 1, T, T]
     x = embed(params, tokens)
     captured: dict[int, jax.Array] = {}
     new_k, new_v = [], []
     for i, lp in enumerate(params["layers"]):
         window = cfg.layer_windows[i]
-        if window not in masks:
-            masks[window] = causal_window_mask(positions, slots, window)
+        if window not in pass_masks:
+            in_window = positions[:, :, None] - positions[:, None, :] < window
+            pass_masks[window] = pass_mask & in_window
 
-        # Write this pass's keys/values first, then attend to the cache: the attention reads
-        # the written buffer, so XLA updates it in place (no copy of the cache per layer).
-        def write_then_read(k, v, i=i, mask=masks[window]):
-            k_cache = write_kv(cache.k[i], k, positions)
-            v_cache = write_kv(cache.v[i], v, positions)
-            return [(k_cache, v_cache, mask)], (k_cache, v_cache)
+        # Write this pass's keys/values first, then attend: the attention reads the written
+        # buffer (its committed slots only), so XLA updates the cache in place (no copy per layer).
+        def write_then_attend(q, k, v, i=i, window=window):
+            k_cache = write_kv(cache.k[i], k, slots)
+            v_cache = write_kv(cache.v[i], v, slots)
+            out = attend_cache_and_pass(
+                q, k_cache, v_cache, cache.lengths, positions, window, k, v, pass_masks[window]
+            )
+            return out, (k_cache, v_cache)
 
         with jax.named_scope(f"layer_{i}"):
             x, (k_cache, v_cache) = decoder_layer(
-                lp, x, positions, inv_freq, cfg.rms_norm_eps, write_then_read
+                lp, x, positions, inv_freq, cfg.rms_norm_eps, write_then_attend
             )
         new_k.append(k_cache)
         new_v.append(v_cache)
         if i in capture:
             captured[i] = x
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=positions[:, -1] + 1)
+    new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
     if not capture:
-        return x, None, new_cache
+        return ForwardOutput(x, None, new_cache)
     # [B, T, n * H], layer order as requested.
-    return x, jnp.concatenate([captured[i] for i in capture], axis=-1), new_cache
+    return ForwardOutput(x, jnp.concatenate([captured[i] for i in capture], axis=-1), new_cache)
+
+
+def commit(cache: KVCache, lengths: jax.Array, path: jax.Array | None = None) -> KVCache:
+    """Set the committed lengths [B]. With `path` [B, P] (in-pass indices of a tree's accepted
+    nodes, root first), the keys/values of node path[b, i], written at slot old + path[b, i],
+    move to slot old + i first (old = the lengths before the pass); entries past the new length
+    are moved too but stay uncommitted."""
+    if path is None:
+        return cache.with_lengths(lengths)
+    old = cache.lengths[:, None]
+    source = old + path.astype(jnp.int32)  # [B, P]
+    dest = old + jnp.arange(path.shape[1], dtype=jnp.int32)
+    rows = jnp.arange(path.shape[0])[:, None]
+
+    def move(layer_cache: jax.Array) -> jax.Array:
+        capacity = layer_cache.shape[2]
+        picked = layer_cache[rows, :, jnp.minimum(source, capacity - 1)]  # [B, P, Kv, D]
+        return layer_cache.at[rows, :, dest].set(picked, mode="drop")
+
+    return cache.replace(
+        k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v)
+    ).with_lengths(lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """spec_jax's own decoder as a `TargetModel` (Llama, Qwen3, ... are configs of it)."""
+
+    cfg: ModelConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.cfg.eos_token_ids
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.dtype(self.cfg.dtype)
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        return init_cache(self.cfg, batch, capacity)
+
+    def cache_lengths(self, cache: KVCache) -> jax.Array:
+        return cache.lengths
+
+    def forward(self, params, tokens, positions, cache, *, mask=None, capture=()) -> ForwardOutput:
+        return forward_hidden(params, self.cfg, tokens, positions, cache, capture, mask)
+
+    def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        return lm_head(params, self.cfg, hidden)
+
+    def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
+        return embed(params, tokens)
+
+    def commit(self, cache: KVCache, lengths: jax.Array, path: jax.Array | None = None) -> KVCache:
+        return commit(cache, lengths, path)
+
+    def weight_specs(self) -> Any:
+        return model_weight_specs(self.cfg)

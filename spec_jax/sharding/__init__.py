@@ -14,7 +14,7 @@ from spec_jax.sharding.mesh import (
     mesh_spec_string,
     parse_mesh_spec,
 )
-from spec_jax.sharding.placement import gather_to_host, place_generate_inputs
+from spec_jax.sharding.placement import batch_sharding, gather_to_host
 from spec_jax.sharding.rules import (
     DEFAULT_RULES,
     KV_CACHE_AXES,
@@ -33,6 +33,7 @@ __all__ = [
     "KV_CACHE_AXES",
     "MESH_AXES",
     "ShardingRules",
+    "batch_sharding",
     "bytes_per_device",
     "default_mesh_shape",
     "drafter_weight_specs",
@@ -46,7 +47,6 @@ __all__ = [
     "mesh_spec_string",
     "param_shardings",
     "parse_mesh_spec",
-    "place_generate_inputs",
     "shard_params",
     "state_shardings",
 ]

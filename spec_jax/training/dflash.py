@@ -21,16 +21,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spec_jax.drafters.base import Target
 from spec_jax.drafters.draft_vocab import target_to_draft
 from spec_jax.drafters.dflash import DFlashConfig, context_kv, dflash_hidden, dflash_logits
-from spec_jax.models.config import ModelConfig
-from spec_jax.models.decoder import embed, lm_head
+from spec_jax.models.interface import Target, TargetModel, as_target_model
 from spec_jax.training.trainer import cross_entropy, kl_to_teacher
 
 
 def block_hidden(
-    cfg: DFlashConfig, params: Any, target_params: Any, tokens: jax.Array, captured: jax.Array,
+    cfg: DFlashConfig, params: Any, target: Target, tokens: jax.Array, captured: jax.Array,
     anchors: jax.Array,
 ) -> jax.Array:
     """The drafter's final hidden states [B, A*b, H] for the blocks [token a, mask, ...] at
@@ -45,7 +43,7 @@ def block_hidden(
     positions = (anchors[:, :, None] + jnp.arange(block)).reshape(b_size, anchors_n * block)
     block_tokens = jnp.full((b_size, anchors_n, block), cfg.mask_token_id, jnp.int32)
     block_tokens = block_tokens.at[:, :, 0].set(tokens[rows, anchors])
-    x = embed(target_params, block_tokens.reshape(b_size, -1)).astype(params["fc"].dtype)
+    x = target.embed(block_tokens.reshape(b_size, -1)).astype(params["fc"].dtype)
     if cfg.input_embedding_scale is not None:
         x = x * cfg.input_embedding_scale
 
@@ -67,12 +65,15 @@ class DFlashLoss:
     prompt_lengths [B], captured [B, T, n*H] target features, final [B, T, H] when kl_weight)."""
 
     cfg: DFlashConfig
-    target_cfg: ModelConfig
+    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder
     num_anchors: int = 8
     position_decay: float = 4.0
     kl_weight: float = 0.0
     teacher_labels: bool = False  # labels = the target's argmax (needs batch["final"])
     draft_ids: tuple[int, ...] | None = None  # target id of draft id i (reduced draft vocabulary)
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_model", as_target_model(self.target_model))
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         cfg = self.cfg
@@ -88,11 +89,11 @@ class DFlashLoss:
         anchors = jax.random.categorical(
             key, jnp.where(can_anchor, 0.0, -jnp.inf)[:, None, :], axis=-1, shape=(b_size, anchors_n)
         )  # [B, A]
-        hidden = block_hidden(cfg, params, target_params, tokens, batch["captured"], anchors)  # [B, A*b, H]
+        target = Target(target_params, self.target_model)
+        hidden = block_hidden(cfg, params, target, tokens, batch["captured"], anchors)  # [B, A*b, H]
 
         # Step 2: block position i+1 predicts token a+i+1 (i = 0..b-2).
         hidden = hidden.reshape(b_size, anchors_n, block, -1)[:, :, 1:]  # [B, A, b-1, H]
-        target = Target(target_params, self.target_cfg)
         reduced = self.draft_ids is not None
         logits = dflash_logits(cfg, params, target, hidden.reshape(b_size, -1, hidden.shape[-1]), draft_vocab=reduced)
         logits = logits.reshape(b_size, anchors_n, block - 1, -1)  # [B, A, b-1, V or Vd]
@@ -103,14 +104,14 @@ class DFlashLoss:
             # The target's logits at position a+i predict token a+i+1.
             teacher_pos = jnp.minimum(label_pos - 1, seq_len - 1)
             final = batch["final"][rows[:, :, None], teacher_pos]
-            teacher = lm_head(target_params, self.target_cfg, final.reshape(b_size, -1, final.shape[-1]))
+            teacher = target.logits(final.reshape(b_size, -1, final.shape[-1]))
             teacher = teacher.reshape(logits.shape[:-1] + teacher.shape[-1:])
         if self.teacher_labels:
             labels = jnp.argmax(teacher, -1)
         else:
             labels = tokens[rows[:, :, None], jnp.minimum(label_pos, seq_len - 1)]
         if reduced:  # labels outside the draft vocabulary cannot be drafted: left out
-            labels = target_to_draft(self.draft_ids, self.target_cfg.vocab_size)[labels]
+            labels = target_to_draft(self.draft_ids, target.vocab_size)[labels]
             valid = valid & (labels >= 0)
             labels = jnp.maximum(labels, 0)
             if teacher is not None:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import forward_hidden, init_cache, lm_head
+from spec_jax.models.interface import TargetModel, as_target_model
 from spec_jax.training.trainer import cross_entropy, kl_to_teacher, masked_mean
 
 
@@ -33,9 +34,12 @@ class DraftModelLoss:
     per sequence, drawn anew each step."""
 
     student_cfg: ModelConfig
-    target_cfg: ModelConfig
+    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder
     kl_weight: float = 1.0
     positions: int = 64  # answer positions per sequence that get the LM-head losses
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_model", as_target_model(self.target_model))
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         tokens = batch["tokens"]
@@ -48,7 +52,7 @@ class DraftModelLoss:
         valid = response_mask(tokens.shape, batch["lengths"], batch["prompt_lengths"])
         idx = sample_positions(key, valid, self.positions)  # [B, P]
         rows = jnp.arange(b)[:, None]
-        logits = lm_head(params, self.student_cfg, hidden[rows, idx])[..., : self.target_cfg.vocab_size]
+        logits = lm_head(params, self.student_cfg, hidden[rows, idx])[..., : self.target_model.vocab_size]
         labels = tokens[rows, idx + 1]
         picked_valid = valid[rows, idx]
         ce = masked_mean(cross_entropy(logits, labels), picked_valid)
@@ -56,7 +60,7 @@ class DraftModelLoss:
         metrics = {"ce": ce, "accuracy": accuracy}
         loss = ce
         if self.kl_weight > 0:
-            teacher = lm_head(target_params, self.target_cfg, batch["final"][rows, idx])
+            teacher = self.target_model.logits(target_params, batch["final"][rows, idx])
             kl = masked_mean(kl_to_teacher(logits, teacher), picked_valid)
             metrics["kl"] = kl
             loss = loss + self.kl_weight * kl

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 
 from spec_jax.drafters.draft_vocab import target_to_draft
 from spec_jax.drafters.eagle3 import Eagle3Config, eagle3_head, eagle3_layers, fuse_features
-from spec_jax.models.config import ModelConfig
+from spec_jax.models.attention import attend
 from spec_jax.models.decoder import embed
+from spec_jax.models.interface import TargetModel, as_target_model
 from spec_jax.training.trainer import cross_entropy
 
 
@@ -33,10 +34,13 @@ class Eagle3Loss:
     prompt_lengths [B], captured [B, T, n*H] target features at the drafter's capture layers)."""
 
     cfg: Eagle3Config
-    target_cfg: ModelConfig
+    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder
     draft_ids: tuple[int, ...]  # target id of draft id i
     ttt_steps: int = 3
     step_decay: float = 0.8
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_model", as_target_model(self.target_model))
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         cfg = self.cfg
@@ -47,27 +51,28 @@ class Eagle3Loss:
         pairs = jnp.broadcast_to(jnp.arange(n_pairs, dtype=jnp.int32), (b_size, n_pairs))
         causal = pairs[:, :, None] >= pairs[:, None, :]  # [B, T-1, T-1]
         own = jnp.broadcast_to(jnp.eye(n_pairs, dtype=bool), (b_size, n_pairs, n_pairs))
-        to_draft = target_to_draft(self.draft_ids, self.target_cfg.vocab_size)
-        table = params["embed"] if cfg.own_embedding else target_params["embed"]
+        to_draft = target_to_draft(self.draft_ids, self.target_model.vocab_size)
 
         hidden = fuse_features(cfg, params, batch["captured"][:, :-1])
         step_keys: list[list[tuple[jax.Array, jax.Array]]] = [[] for _ in params["layers"]]
         total, weight_sum, metrics, leading = 0.0, 0.0, {}, None
         for step in range(self.ttt_steps):
             token_pos = jnp.minimum(pairs + 1 + step, seq_len - 1)  # teacher-forced inputs
-            token_embeds = embed({"embed": table}, tokens[rows, token_pos]).astype(params["fc"].dtype)
+            step_tokens = tokens[rows, token_pos]
+            token_embeds = (embed(params, step_tokens) if cfg.own_embedding
+                            else self.target_model.embed(target_params, step_tokens)).astype(params["fc"].dtype)
 
-            def attend(i, step=step):
-                def attend_to(k, v):
+            def attend_to_earlier(i, step=step):
+                def attend_to(q, k, v):
                     earlier = step_keys[i]
                     parts = [(*earlier[0], causal)] if earlier else []
                     parts += [(*kv, own) for kv in earlier[1:]]
                     parts.append((k, v, causal if not earlier else own))
                     earlier.append((k, v))
-                    return parts, None
+                    return attend(q, parts), None
                 return attend_to
 
-            out, _ = eagle3_layers(cfg, params, token_embeds, hidden, pairs + 1 + step, attend)
+            out, _ = eagle3_layers(cfg, params, token_embeds, hidden, pairs + 1 + step, attend_to_earlier)
             logits, hidden = eagle3_head(cfg, params, out)  # [B, T-1, Vd]
             label_pos = pairs + 2 + step
             labels = to_draft[tokens[rows, jnp.minimum(label_pos, seq_len - 1)]]

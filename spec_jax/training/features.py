@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.decoder import forward_hidden, init_cache
+from spec_jax.models.interface import TargetModel, as_target_model
 from spec_jax.training.data import TokenDataset
 from spec_jax.training.provenance import (
     arrays_sha256,
@@ -56,13 +56,15 @@ class TargetFeatures:
 
 
 def target_features(
-    params: Any, cfg: ModelConfig, tokens: jax.Array, capture_layers: Sequence[int]
+    params: Any, model: TargetModel | ModelConfig, tokens: jax.Array, capture_layers: Sequence[int]
 ) -> tuple[jax.Array, jax.Array]:
-    """(captured [B, T, n*H], final [B, T, H]) of the target over `tokens` [B, T]."""
+    """(captured [B, T, n*H], final [B, T, H]) of the target model (or built-in config) over
+    `tokens` [B, T]."""
+    model = as_target_model(model)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    final, captured, _ = forward_hidden(
-        params, cfg, tokens, positions, init_cache(cfg, b, t), tuple(capture_layers)
+    final, captured, _ = model.forward(
+        params, tokens, positions, model.init_cache(b, t), capture=tuple(capture_layers)
     )
     if captured is None:
         captured = jnp.zeros((b, t, 0), final.dtype)
@@ -70,7 +72,7 @@ def target_features(
 
 
 @functools.lru_cache(maxsize=8)
-def jitted_target_features(cfg: ModelConfig, capture_layers: tuple[int, ...]):
+def jitted_target_features(cfg: TargetModel | ModelConfig, capture_layers: tuple[int, ...]):
     """`target_features` compiled for (params, tokens), once per config (every part of a pool reuses it)."""
     return jax.jit(lambda params, tokens: target_features(params, cfg, tokens, capture_layers))
 
@@ -80,11 +82,11 @@ class WithTargetFeatures:
     """A loss whose batch gets `captured` and `final` from the frozen target inside the step."""
 
     loss: Any
-    target_cfg: ModelConfig
+    target_model: TargetModel | ModelConfig
     capture_layers: tuple[int, ...]
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
-        captured, final = target_features(target_params, self.target_cfg, batch["tokens"], self.capture_layers)
+        captured, final = target_features(target_params, self.target_model, batch["tokens"], self.capture_layers)
         return self.loss(params, target_params, {**batch, "captured": captured, "final": final}, key)
 
 

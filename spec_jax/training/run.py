@@ -381,7 +381,7 @@ def take_draft_vocabulary(init: dict, warm: bool, size: int, data: TokenDataset,
     if warm and d2t is not None:
         return np.arange(size) + np.asarray(d2t)
     draft_ids = frequent_draft_vocab(data, size, tuple(target.cfg.eos_token_ids))
-    init["lm_head"] = head_rows(target.params, target.cfg, draft_ids)
+    init["lm_head"] = head_rows(target.target, draft_ids)
     return draft_ids
 
 

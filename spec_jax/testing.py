@@ -1,0 +1,274 @@
+"""Conformance checks for a model you bring as the target (`spec_jax.models.TargetModel`).
+
+    from spec_jax.testing import check_target
+    check_target(MyModel(...), params)        # raises TargetCheckError naming what broke
+
+Each check is one property of the contract in `spec_jax.models.interface`, run on tiny inputs
+(two rows of different lengths, a few tokens, a three-node tree) so it takes seconds. The first
+property that fails raises `TargetCheckError` with its name, what was seen, and how to fix it;
+on success the names of the passed checks come back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.interface import TargetModel, ancestor_mask, as_target_model
+
+# Host callbacks in lowered StableHLO (jax.pure_callback, io_callback, jax.debug.print/callback):
+# custom calls such as @xla_ffi_python_cpu_callback / @xla_python_gpu_callback.
+_HOST_CALLBACK = re.compile(r"custom_call\s*@[\w.]*callback\w*")
+
+
+class TargetCheckError(AssertionError):
+    """A target model broke one property of the target interface; `.check` names it."""
+
+    def __init__(self, check: str, message: str):
+        super().__init__(f"check_target: {check}: {message}")
+        self.check = check
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """The inputs every check shares: two rows, row 1 shorter than row 0."""
+
+    tokens: np.ndarray  # [2, T] int32
+    prefix: np.ndarray  # [2] committed prefix per row before stepping
+    capacity: int
+
+
+def _fail(check: str, message: str) -> None:
+    raise TargetCheckError(check, message)
+
+
+def _close(a: Any, b: Any, atol: float, rtol: float) -> tuple[bool, float]:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+    return bool(np.allclose(a, b, atol=atol, rtol=rtol)), diff
+
+
+def check_target(
+    model: Any,
+    params: Any,
+    *,
+    capture: Sequence[int] | None = None,
+    seq_len: int = 12,
+    capacity: int = 32,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+    seed: int = 0,
+    check_positions: bool = True,
+) -> list[str]:
+    """Check that `model` (with `params`) meets the target interface; returns the passed checks.
+
+    capture: layer ids to check capturing with (default: the first and the last layer).
+    atol/rtol: how close a cached pass must be to the full forward (float32 models: 1e-4;
+      loosen for bfloat16).
+    check_positions: False for a model with no positional encoding at all (then shifting the
+      positions rightly changes nothing).
+    """
+    if seq_len < 8:
+        raise ValueError(f"check_target needs seq_len >= 8, got {seq_len}.")
+    passed: list[str] = []
+
+    def ok(name: str) -> None:
+        passed.append(name)
+
+    # 1. The object: a static, hashable TargetModel.
+    if isinstance(model, ModelConfig):
+        model = as_target_model(model)
+    if not isinstance(model, TargetModel):
+        missing = [n for n in ("vocab_size", "hidden_size", "num_layers", "max_positions", "stop_ids",
+                               "init_cache", "cache_lengths", "forward", "logits", "embed", "commit",
+                               "weight_specs") if not hasattr(model, n)]
+        _fail("interface", f"{type(model).__name__} lacks {missing}; implement every member of "
+              "spec_jax.models.TargetModel.")
+    try:
+        hash(model)
+    except TypeError as e:
+        _fail("hashable", f"{type(model).__name__} is not hashable ({e}): it is a static argument of "
+              "jax.jit. Use a frozen dataclass holding only static configuration; pass arrays as params.")
+    ok("interface")
+    vocab, hidden_size, layers = int(model.vocab_size), int(model.hidden_size), int(model.num_layers)
+    capture = tuple(capture) if capture is not None else tuple(sorted({0, layers - 1}))
+    rng = np.random.default_rng(seed)
+    probe = _Probe(
+        tokens=rng.integers(0, vocab, (2, seq_len)).astype(np.int32),
+        prefix=np.asarray([seq_len // 2, seq_len // 2 - 3], np.int32),
+        capacity=capacity,
+    )
+    positions_full = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (2, seq_len))
+
+    @functools.partial(jax.jit, static_argnames="capture")
+    def forward(params, tokens, positions, cache, mask, capture):
+        return model.forward(params, tokens, positions, cache, mask=mask, capture=capture)
+
+    def run(tokens, positions, cache, mask=None, capture=()):
+        return forward(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+                       cache, mask, capture)
+
+    # 2. It traces under jit with no host callbacks (the whole loop is one XLA program).
+    def whole_pass(params, tokens, positions):
+        out = model.forward(params, tokens, positions, model.init_cache(2, capacity), capture=capture)
+        return model.logits(params, out.hidden), out.captured
+
+    try:
+        lowered = jax.jit(whole_pass).lower(params, jnp.asarray(probe.tokens), positions_full)
+    except Exception as e:  # noqa: BLE001 - any tracing failure is the finding
+        _fail("traces under jit", f"tracing forward under jax.jit failed: {type(e).__name__}: {e}. "
+              "Use jax.numpy / lax only, no Python branches on array values, no .item() / np.asarray "
+              "of traced values.")
+    found = sorted(set(_HOST_CALLBACK.findall(lowered.as_text())))
+    if found:
+        _fail("no host callbacks", f"the lowered forward calls back to the host ({found}): "
+              "jax.pure_callback, io_callback or jax.debug.print/callback inside forward stall "
+              "every step of the on-device loop. Remove them from the model.")
+    ok("traces under jit")
+
+    # 3. Full forward: shapes, float32 logits, captured layers.
+    full = run(probe.tokens, positions_full, model.init_cache(2, capacity), capture=capture)
+    if tuple(full.hidden.shape) != (2, seq_len, hidden_size):
+        _fail("hidden shape", f"forward returned hidden {tuple(full.hidden.shape)}, expected "
+              f"[B, T, hidden_size] = {(2, seq_len, hidden_size)}.")
+    logits = model.logits(params, full.hidden)
+    if logits.dtype != jnp.float32:
+        _fail("float32 logits", f"logits are {logits.dtype}; acceptance compares probabilities, "
+              "so return float32 (e.g. preferred_element_type=jnp.float32 in the head's dot, or "
+              ".astype(jnp.float32)).")
+    if tuple(logits.shape) != (2, seq_len, vocab):
+        _fail("logits shape", f"logits {tuple(logits.shape)}, expected [B, T, vocab_size] = "
+              f"{(2, seq_len, vocab)}.")
+    ok("float32 logits")
+    want = (2, seq_len, len(capture) * hidden_size)
+    if full.captured is None or tuple(full.captured.shape) != want:
+        got = None if full.captured is None else tuple(full.captured.shape)
+        _fail("captured layers", f"capture={capture} returned {got}, expected [B, T, "
+              f"len(capture) * hidden_size] = {want}: the hidden states after each requested layer, "
+              "concatenated on the last axis in the requested order.")
+    if capture:
+        one = run(probe.tokens, positions_full, model.init_cache(2, capacity), capture=capture[-1:])
+        same, diff = _close(one.captured, full.captured[..., -hidden_size:], atol, rtol)
+        if not same:
+            _fail("captured layers", f"layer {capture[-1]} captured alone differs from its slot in "
+                  f"capture={capture} (max diff {diff:.2e}): keep the requested order.")
+    embeds = model.embed(params, jnp.asarray(probe.tokens))
+    if tuple(embeds.shape) != (2, seq_len, hidden_size):
+        _fail("embed shape", f"embed returned {tuple(embeds.shape)}, expected [B, T, hidden_size].")
+    ok("captured layers")
+    full_logits = np.asarray(logits)
+    lengths0 = np.asarray(model.cache_lengths(model.init_cache(2, capacity)))
+    if lengths0.shape != (2,) or lengths0.any():
+        _fail("empty cache", f"init_cache(2, capacity) has lengths {lengths0.tolist()}, expected [0, 0].")
+    if np.asarray(model.cache_lengths(full.cache)).any():
+        _fail("forward leaves lengths", "forward changed the committed lengths; only commit may: "
+              "a verify pass must not commit drafts that may be rejected.")
+
+    # 4. Prefill, then one-token steps at each row's own position, equals the full forward.
+    prefix = probe.prefix
+    cache = run(probe.tokens[:, : prefix.max()], positions_full[:, : prefix.max()],
+                model.init_cache(2, capacity)).cache
+    cache = model.commit(cache, jnp.asarray(prefix))
+    if np.asarray(model.cache_lengths(cache)).tolist() != prefix.tolist():
+        _fail("commit lengths", f"after commit(cache, {prefix.tolist()}) cache_lengths is "
+              f"{np.asarray(model.cache_lengths(cache)).tolist()}.")
+    pos = prefix.copy()
+    for _ in range(min(4, seq_len - 1 - int(prefix.max()))):  # leaves one position for step 5
+        out = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None], cache)
+        step = np.asarray(model.logits(params, out.hidden))[:, 0]
+        for b in range(2):
+            same, diff = _close(step[b], full_logits[b, pos[b]], atol, rtol)
+            if not same:
+                _fail("per-row writes", f"row {b} at position {pos[b]}: a cached one-token step differs "
+                      f"from the full forward (max diff {diff:.2e}). Each row must write its keys/values "
+                      "at its own slot cache_lengths[b] (not one shared index), read only its committed "
+                      "slots, and rotate by the given positions.")
+        pos = pos + 1
+        cache = model.commit(out.cache, jnp.asarray(pos))
+    ok("prefill then steps equals full forward")
+    ok("per-row writes")
+
+    # 5. Rejected drafts roll back by length: junk written past the committed length is unseen.
+    junk = rng.integers(0, vocab, (2, 3)).astype(np.int32)
+    out = run(junk, pos[:, None] + np.arange(3), cache)
+    rolled = model.commit(out.cache, jnp.asarray(pos))  # keep nothing of the junk pass
+    out = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None], rolled)
+    step = np.asarray(model.logits(params, out.hidden))[:, 0]
+    for b in range(2):
+        same, diff = _close(step[b], full_logits[b, pos[b]], atol, rtol)
+        if not same:
+            _fail("rollback by length", f"row {b}: after a pass that was not committed, the next step "
+                  f"differs from the full forward (max diff {diff:.2e}). Attend only to slots below "
+                  "cache_lengths, so uncommitted keys/values are never seen.")
+    ok("rollback by length")
+
+    # 6. Positions are honoured: the same step at positions shifted past the slots must change
+    # the output (a model that rotates by slot index would not notice; token trees rely on it).
+    if check_positions:
+        step = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None], cache)
+        shifted = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None] + 3, cache)
+        same, _ = _close(model.logits(params, step.hidden), model.logits(params, shifted.hidden), 1e-6, 0)
+        if same:
+            _fail("positions honoured", "a pass at positions 3 past its slots gave the same output as "
+                  "at its slots: the model ignores `positions` (rotating by slot index or a counter "
+                  "of its own). Apply RoPE at the given positions; a token tree writes node i at slot "
+                  "start + i but puts it at position start + depth. (A model with no positional "
+                  "encoding at all: pass check_positions=False.)")
+        ok("positions honoured")
+
+    # 7. A tree pass equals the chain passes of its branches, and commit keeps the chosen path.
+    _check_tree(model, params, probe, run, atol, rtol)
+    ok("tree mask equals chains")
+    ok("tree commit")
+    return passed
+
+
+def _check_tree(model: TargetModel, params: Any, probe: _Probe, run: Callable, atol, rtol) -> None:
+    """root r -> {a, b}, a -> c: nodes [r, a, b, c] at depths [0, 1, 1, 2]; each node's output
+    must equal the chain pass of its own branch ([r, a, c] or [r, b]) after the same prefix."""
+    start = probe.prefix  # [2] committed lengths; the root sits at position `start`
+    base = run(probe.tokens[:, : start.max()],
+               jnp.broadcast_to(jnp.arange(start.max(), dtype=jnp.int32), (2, start.max())),
+               model.init_cache(2, probe.capacity)).cache
+    base = model.commit(base, jnp.asarray(start))
+    rng = np.random.default_rng(1)
+    r = probe.tokens[np.arange(2), start]
+    a, b, c = (rng.integers(0, model.vocab_size, 2).astype(np.int32) for _ in range(3))
+    nodes = np.stack([r, a, b, c], axis=1)  # [2, 4]
+    parents = jnp.asarray([[-1, 0, 0, 1]] * 2, jnp.int32)
+    depths = np.asarray([0, 1, 1, 2], np.int32)
+    tree = run(nodes, start[:, None] + depths, base, mask=ancestor_mask(parents))
+    tree_logits = np.asarray(model.logits(params, tree.hidden))
+
+    def chain(tokens):
+        out = run(tokens, start[:, None] + np.arange(tokens.shape[1]), base)
+        return np.asarray(model.logits(params, out.hidden)), out
+
+    chain_ac, _ = chain(np.stack([r, a, c], axis=1))
+    chain_b, out_b = chain(np.stack([r, b], axis=1))
+    for node, ref, what in ((0, chain_ac[:, 0], "root"), (1, chain_ac[:, 1], "node a"),
+                            (3, chain_ac[:, 2], "node c (child of a)"), (2, chain_b[:, 1], "node b")):
+        same, diff = _close(tree_logits[:, node], ref, atol, rtol)
+        if not same:
+            _fail("tree mask equals chains", f"{what} of a tree pass differs from the chain pass of its "
+                  f"branch (max diff {diff:.2e}). Use the in-pass `mask` [B, T, T] (node b must not see "
+                  "its sibling a) and the given positions (b sits at position start + 1 though it is "
+                  "written at slot start + 2), not the slot index, for RoPE.")
+    # Keep the path [r, b]: b's keys/values move from slot start + 2 to start + 1.
+    kept = model.commit(tree.cache, jnp.asarray(start + 2), jnp.asarray([[0, 2]] * 2, jnp.int32))
+    nxt = rng.integers(0, model.vocab_size, 2).astype(np.int32)[:, None]
+    after_tree = run(nxt, (start + 2)[:, None], kept)
+    after_chain = run(nxt, (start + 2)[:, None], model.commit(out_b.cache, jnp.asarray(start + 2)))
+    same, diff = _close(model.logits(params, after_tree.hidden), model.logits(params, after_chain.hidden),
+                        atol, rtol)
+    if not same:
+        _fail("tree commit", f"after commit(cache, lengths, path=[0, 2]) the next step differs from the "
+              f"same step after the chain [r, b] (max diff {diff:.2e}). commit must move node path[b, i]'s "
+              "keys/values from slot old + path[b, i] to old + i before setting the lengths.")
