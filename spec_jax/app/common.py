@@ -12,6 +12,7 @@ from spec_jax.app.inputs import (
     DrafterSpec,
     Prompt,
     UsageError,
+    check_text,
     default_drafter_spec,
     parse_drafter_spec,
     parse_prompt_ids,
@@ -79,7 +80,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def collect_prompts(args: argparse.Namespace, positional: Sequence[str]):
-    prompts = [Prompt(text=t, source=f"prompt argument {i + 1}") for i, t in enumerate(positional)]
+    prompts = [Prompt(text=check_text(t, f"prompt argument {i + 1}"), source=f"prompt argument {i + 1}")
+               for i, t in enumerate(positional)]
     if args.prompt_file:
         prompts += read_prompt_file(args.prompt_file)
     prompts += [parse_prompt_ids(t, f"--prompt-ids #{i + 1}") for i, t in enumerate(args.prompt_ids)]

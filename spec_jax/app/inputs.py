@@ -52,6 +52,18 @@ def parse_prompt_ids(text: str, source: str = "--prompt-ids") -> Prompt:
     return Prompt(ids=ids, source=source)
 
 
+def check_text(text: str, where: str) -> str:
+    """Text that encodes as UTF-8. Python hands undecodable bytes of a command-line argument over
+    as lone surrogates (and JSON can spell them, "\\ud800"); tokenizers cannot encode those."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise UsageError(f"{where} is not valid UTF-8 text ({what} at character {e.start + 1}); pass UTF-8 text.") from None
+    return text
+
+
 def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
     """A JSONL file, one object per line with "prompt" (text), "messages" ([{role, content}])
     or "prompt_ids" ([int]). Blank lines are skipped."""
@@ -59,10 +71,17 @@ def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
     if not path.is_file():
         raise UsageError(f"prompt file {str(path)!r} does not exist.")
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        where = f"{path.name}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(
+                f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save "
+                f"{path.name} as UTF-8."
+            ) from None
         if not line.strip():
             continue
-        where = f"{path.name}:{number}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
@@ -82,13 +101,17 @@ def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
                 not isinstance(messages, list)
                 or not messages
                 or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+                or not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages)
             ):
-                raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+                raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects "
+                                 "whose role and content are strings.")
+            for m in messages:
+                check_text(m["content"], where)
             prompts.append(Prompt(messages=tuple(messages), source=where))
         elif "prompt" in obj:
             if not isinstance(obj["prompt"], str):
                 raise UsageError(f"{where}: 'prompt' must be a string.")
-            prompts.append(Prompt(text=obj["prompt"], source=where))
+            prompts.append(Prompt(text=check_text(obj["prompt"], where), source=where))
         else:
             raise UsageError(f"{where}: the object has none of 'prompt', 'messages', 'prompt_ids'.")
     if not prompts:
@@ -113,10 +136,13 @@ def encode_prompts(target: LoadedModel, prompts: Sequence[Prompt], chat: bool | 
                 "--prompt-ids or a checkpoint with tokenizer files."
             )
         if p.messages is not None:
+            for m in p.messages:
+                check_text(str(m.get("content", "")), where)
             ids = apply_chat_template(target.tokenizer, list(p.messages), target.chat_template)
         else:
             if not p.text or not p.text.strip():
                 raise UsageError(f"{where} is empty: give some prompt text.")
+            check_text(p.text, where)
             if chat is False:
                 ids = list(target.tokenizer.encode(p.text))
             else:

@@ -187,10 +187,13 @@ def _load_gguf_cached(path: str, file_key: str, dtype: str, cache_root: str, sou
             try:
                 cfg, params = load_hf_dir(entry, dtype)
                 tokenizer = load_hf_tokenizer(entry)
-                if tokenizer is not None:
-                    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, tokenizer.chat_template, source)
-            except CheckpointError as e:  # a damaged cache entry: rebuild it from the GGUF file
-                warnings.warn(f"spec_jax: ignoring damaged GGUF cache {entry} ({e}); rebuilding it.")
+                template = tokenizer.chat_template if tokenizer is not None else None
+            except Exception as e:  # any failure to read the entry is damage: rebuild it from the GGUF file
+                reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                warnings.warn(f"spec_jax: ignoring damaged GGUF cache {entry} ({reason}); rebuilding it.")
+                tokenizer = None
+            if tokenizer is not None:
+                return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, source)
     cfg, params, tokenizer, template = load_gguf(path, dtype)
     if entry is not None:
         try:

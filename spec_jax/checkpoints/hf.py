@@ -360,16 +360,44 @@ def read_hf_config(directory: Path, dtype: str = "float32") -> tuple[dict[str, A
             "*.safetensors files."
         )
     try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{config_file} is not valid JSON ({e}); fix or re-download it.") from e
+    check_config_fields(hf, config_file)
     try:
         cfg = ModelConfig.from_hf_config(hf, dtype=dtype)
     except KeyError as e:
         raise CheckpointError(f"{config_file} lacks the field {e}; it is not a complete decoder config.") from e
-    except ValueError as e:
-        raise CheckpointError(f"{config_file}: {e}") from e
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{config_file}: {type(e).__name__}: {e}; fix or re-download it.") from e
     return hf, cfg
+
+
+# Fields of a decoder config.json and what their values must be (when present).
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def check_config_fields(hf: Any, config_file: Path) -> None:
+    """A config.json must be a JSON object whose size fields are positive integers and whose
+    float fields are numbers; anything else is a CheckpointError naming the field."""
+    if not isinstance(hf, dict):
+        raise CheckpointError(
+            f"{config_file} holds a JSON {type(hf).__name__}, not an object of model settings; fix or "
+            "re-download it."
+        )
+    for name in _INT_FIELDS:
+        value = hf.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{config_file}: {name} must be a positive integer, got {value!r}.")
+    for name in _FLOAT_FIELDS:
+        value = hf.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise CheckpointError(f"{config_file}: {name} must be a number, got {value!r}.")
+    for name in ("rope_scaling", "rope_parameters"):
+        if hf.get(name) is not None and not isinstance(hf[name], dict):
+            raise CheckpointError(f"{config_file}: {name} must be an object, got {hf[name]!r}.")
 
 
 def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, Params]:
