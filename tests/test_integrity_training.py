@@ -184,3 +184,20 @@ def test_a_feature_store_from_before_checksums_is_reused_and_gets_them(feature_s
     again = compute()
     np.testing.assert_array_equal(again.captured, first.captured)
     assert json.loads((store / "features.json").read_text())["chunks"] == manifest["chunks"]
+
+
+def test_a_feature_pass_refuses_a_second_writer(models, tmp_path):
+    import os
+    import socket
+
+    from spec_jax.training.data import TokenDataset
+    from spec_jax.training.features import compute_features
+    from spec_jax.training.provenance import LOCK_NAME
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    data = TokenDataset.from_sequences([np.arange(6)] * 2, [2] * 2, ["t"] * 2)
+    with pytest.raises(ValueError, match="being written by another `target-feature pass`"):
+        compute_features(models.params, models.cfg, data, (0,), 8, progress=False, store=store)
+    assert not (store / "features.json").exists()

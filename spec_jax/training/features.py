@@ -19,6 +19,7 @@ directory, so a run that adds data to an earlier mix computes the new parts only
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -41,6 +42,7 @@ from spec_jax.training.provenance import (
     read_json,
     weights_sha256,
     write_json_atomic,
+    writer_lock,
 )
 
 
@@ -220,41 +222,45 @@ def compute_features(
     kept = np.minimum(np.diff(data.offsets), seq_len)
     offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
     shapes = {"captured": (int(offsets[-1]), n_cap), "final": (int(offsets[-1]), cfg.hidden_size)}
-    if store is None:
-        arrays, done = {name: np.zeros(shape, dtype) for name, shape in shapes.items()}, 0
-    else:
-        store = Path(store)
-        key = store_key(params, data, capture, seq_len, dtype, target_sha256)
-        arrays, done, chunks = _open_store(store, key, shapes, dtype, offsets)
-        if progress and 0 < done < len(data):
-            print(f"target features: resuming at sequence {done} of {len(data)} in {store}", file=sys.stderr)
-    captured, final = arrays["captured"], arrays["final"]
-    if done < len(data):
-        run = jitted_target_features(cfg, capture)
-        starts = range(done, len(data), batch_size)
-        flush_every = max(1, STORE_FLUSH_EVERY // batch_size)
-        for n, start in enumerate(tqdm(starts, desc="target features", unit="batch", disable=not progress)):
-            rows = range(start, min(start + batch_size, len(data)))
-            tokens = np.zeros((batch_size, seq_len), np.int32)
-            for r, i in enumerate(rows):
-                seq = data.sequence(i)[:seq_len]
-                tokens[r, : len(seq)] = seq
-            cap, fin = jax.device_get(run(params, jnp.asarray(tokens)))
-            for r, i in enumerate(rows):
-                lo, hi = offsets[i], offsets[i + 1]
-                captured[lo:hi] = cap[r, : hi - lo]
-                final[lo:hi] = fin[r, : hi - lo]
-            finished = rows.stop == len(data)
-            if store is not None and (finished or (n + 1) % flush_every == 0):
-                for a in (captured, final):
-                    a.flush()  # the rows on disk before the manifest says they are done
-                lo, hi = (chunks[-1]["rows"] if chunks else 0), int(offsets[rows.stop])
-                chunks.append({"rows": hi, **_chunk_hashes({"captured": captured, "final": final}, lo, hi)})
-                progress_now = {"sequences_done": rows.stop, "complete": finished, "chunks": chunks}
-                write_json_atomic(store / STORE_MANIFEST, {**key, **progress_now})
-        if store is not None:  # read-only from here on (just written: no need to check again)
-            arrays, _, _ = _open_store(store, key, shapes, dtype, offsets, verify=False)
-            captured, final = arrays["captured"], arrays["final"]
+    with contextlib.ExitStack() as writing:  # a store being written holds its writer lock
+        if store is None:
+            arrays, done = {name: np.zeros(shape, dtype) for name, shape in shapes.items()}, 0
+        else:
+            store = Path(store)
+            key = store_key(params, data, capture, seq_len, dtype, target_sha256)
+            if not _complete(store):
+                store.mkdir(parents=True, exist_ok=True)
+                writing.enter_context(writer_lock(store, "target-feature pass"))
+            arrays, done, chunks = _open_store(store, key, shapes, dtype, offsets)
+            if progress and 0 < done < len(data):
+                print(f"target features: resuming at sequence {done} of {len(data)} in {store}", file=sys.stderr)
+        captured, final = arrays["captured"], arrays["final"]
+        if done < len(data):
+            run = jitted_target_features(cfg, capture)
+            starts = range(done, len(data), batch_size)
+            flush_every = max(1, STORE_FLUSH_EVERY // batch_size)
+            for n, start in enumerate(tqdm(starts, desc="target features", unit="batch", disable=not progress)):
+                rows = range(start, min(start + batch_size, len(data)))
+                tokens = np.zeros((batch_size, seq_len), np.int32)
+                for r, i in enumerate(rows):
+                    seq = data.sequence(i)[:seq_len]
+                    tokens[r, : len(seq)] = seq
+                cap, fin = jax.device_get(run(params, jnp.asarray(tokens)))
+                for r, i in enumerate(rows):
+                    lo, hi = offsets[i], offsets[i + 1]
+                    captured[lo:hi] = cap[r, : hi - lo]
+                    final[lo:hi] = fin[r, : hi - lo]
+                finished = rows.stop == len(data)
+                if store is not None and (finished or (n + 1) % flush_every == 0):
+                    for a in (captured, final):
+                        a.flush()  # the rows on disk before the manifest says they are done
+                    lo, hi = (chunks[-1]["rows"] if chunks else 0), int(offsets[rows.stop])
+                    chunks.append({"rows": hi, **_chunk_hashes({"captured": captured, "final": final}, lo, hi)})
+                    progress_now = {"sequences_done": rows.stop, "complete": finished, "chunks": chunks}
+                    write_json_atomic(store / STORE_MANIFEST, {**key, **progress_now})
+            if store is not None:  # read-only from here on (just written: no need to check again)
+                arrays, _, _ = _open_store(store, key, shapes, dtype, offsets, verify=False)
+                captured, final = arrays["captured"], arrays["final"]
     return TargetFeatures(capture, captured, final, offsets)
 
 
