@@ -14,7 +14,7 @@ from conftest import TINY_DFLASH
 from test_ar_generate import count_compiles
 
 from spec_jax.decoding import generate
-from spec_jax.decoding.validation import check_drafter_params, check_prompts
+from spec_jax.decoding.validation import check_drafter_params, check_prompts, check_sampling
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.ngram import NGramDrafter
@@ -46,9 +46,11 @@ def test_prompts_that_are_not_token_id_lists_are_refused(models, prompts, match)
     refused(models, match, prompts, max_new_tokens=4)
 
 
-def test_integer_arrays_are_prompts():
+def test_integer_arrays_are_prompts_and_scalar_arrays_are_numbers():
     assert check_prompts(np.asarray([[1, 2], [3, 4]]), 10) == [[1, 2], [3, 4]]
     assert check_prompts([jax.numpy.asarray([5, 6]), (np.int64(7),)], 10) == [[5, 6], [7]]
+    checked = check_sampling(np.int64(4), jax.numpy.float32(0.5), jax.numpy.int32(3), np.float32(0.9), 7)
+    assert checked == dict(max_new_tokens=4, temperature=0.5, top_k=3, top_p=pytest.approx(0.9), seed=7)
 
 
 @pytest.mark.parametrize("kwargs, match", [

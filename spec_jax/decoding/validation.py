@@ -49,8 +49,10 @@ def check_int(name: str, value: Any, minimum: int | None = None, maximum: int = 
 
 
 def check_real(name: str, value: Any, minimum: float | None = None) -> float:
-    """A finite real number (not a bool or string) >= minimum."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+    """A finite real number (not a bool or string; a 0-d NumPy/JAX array is one) >= minimum."""
+    dtype = getattr(value, "dtype", None)
+    scalar_array = dtype is not None and getattr(value, "shape", None) == () and np.dtype(dtype).kind in "fiu"
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or scalar_array):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
     value = float(value)
     if not math.isfinite(value) or (minimum is not None and value < minimum):
