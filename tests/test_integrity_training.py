@@ -53,6 +53,7 @@ def test_runs_record_target_and_data_and_refuse_another_target(monkeypatch, mode
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run_lib, "train", capture)
+    monkeypatch.setattr(run_lib, "init_draft_from_target", lambda *args: {})  # not what this test is about
     rng = np.random.RandomState(0)
     data = TokenDataset.from_sequences([rng.randint(0, 100, 12) for _ in range(8)], [4] * 8, ["t"] * 8)
     target = dataclasses.make_dataclass("T", ["cfg", "params", "tokenizer"])(models.cfg, models.params, None)
