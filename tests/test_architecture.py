@@ -1,6 +1,8 @@
 """The layering the package promises, read from the source (imports inside functions count too):
 
 - drafters never import the decoding loop (they share only `spec_jax.sampling` with it);
+- sharding never imports the loop (the loop's placement lives in `spec_jax.decoding.placement`,
+  built on sharding's rules), and models import nothing above them;
 - training never imports the command-line layer, and no library package imports `spec_jax.app`;
 - `spec_jax` exports its public API.
 """
@@ -53,6 +55,16 @@ def test_drafters_do_not_import_the_decoding_loop():
     assert offending("drafters", "spec_jax.decoding") == []
 
 
+def test_sharding_does_not_import_the_decoding_loop():
+    assert offending("sharding", "spec_jax.decoding") == []
+
+
+def test_models_import_nothing_above_them():
+    for upper in ("spec_jax.decoding", "spec_jax.drafters", "spec_jax.sharding", "spec_jax.training",
+                  "spec_jax.checkpoints", "spec_jax.app"):
+        assert offending("models", upper) == [], upper
+
+
 def test_training_does_not_import_the_command_line_layer():
     assert offending("training", "spec_jax.app") == []
 
@@ -71,5 +83,6 @@ def test_the_walker_sees_lazy_imports(tmp_path):
 
 def test_public_api():
     for name in ("generate", "load_target", "NGramDrafter", "DraftModelDrafter", "DFlashDrafter",
-                 "load_dflash", "apply_chat_template", "Drafter", "default_drafter", "load_drafter"):
+                 "load_dflash", "apply_chat_template", "Drafter", "default_drafter", "load_drafter",
+                 "TargetModel", "Target", "make_generate_fn"):
         assert name in spec_jax.__all__ and hasattr(spec_jax, name), name

@@ -3,11 +3,12 @@ docs/bring_your_own_model.md (not `spec_jax.models`), run from the doc's own cod
 
 - the doc's example runs as written: check_target passes, and n-gram, draft model, DFlash and
   EAGLE-3 are greedy-identical to the model's own plain decoding at batch 4 (asserted inside);
-  here again at batch 1;
+  again at batch 1; AR, n-gram and DFlash sharded on 8 fake devices match (all three in a fresh
+  process, tests/byo_sharding_worker.py, where the loop compiles cheaply);
 - sampling with a draft model reproduces the model's exact 3-token joint (chi-square);
 - the pure function of `make_generate_fn` inside the user's own jit equals `generate`;
-- check_target rejects six broken variants, each naming its property;
-- sharded on 8 fake devices (a fresh process: tests/byo_sharding_worker.py) it matches.
+- check_target rejects six broken variants, each naming its property, and passes the built-in
+  decoder.
 """
 
 from __future__ import annotations
@@ -47,37 +48,16 @@ def definitions() -> dict:
     return namespace
 
 
-@pytest.fixture(scope="module")
-def example() -> dict:
-    """The doc's whole example, run as written (its asserts are the batch-4 identity checks)."""
-    namespace = definitions()
-    exec(compile(doc_block("check_target(model, params)\n\nprompts"), str(DOC), "exec"), namespace)
-    return namespace
-
-
-def test_example_checks_the_model_and_every_drafter_is_exact_at_batch_4(example):
-    assert len(example["prompts"]) == 4
-    assert set(example["drafters"]) == {"ngram", "draft model", "dflash", "eagle3"}
-    assert all(len(g) == 24 for g in example["plain"].generated_ids)
-
-
-def test_every_drafter_is_exact_at_batch_1(example):
-    model, params, prompt = example["model"], example["params"], example["prompts"][:1]
-    plain = spec_jax.generate((model, params), prompt, max_new_tokens=24)
-    for name, (drafter, drafter_params) in example["drafters"].items():
-        out = spec_jax.generate((model, params), prompt, drafter, drafter_params, max_new_tokens=24)
-        assert out.generated_ids == plain.generated_ids, name
-        assert out.stats.steps > 0
-
-
-def test_make_generate_fn_composes_inside_a_user_jit(example):
+def test_make_generate_fn_composes_inside_a_user_jit():
     """The doc's rollout: the pure loop inside the user's jit, next to the user's own reward
     computation, equals `generate` with the same sampling values and seed."""
-    exec(compile(doc_block("rollout_and_score"), str(DOC), "exec"), example)
-    out, score = example["out"], example["score"]
-    prompts = example["prompts"]
+    ns = definitions()
+    ns["model"], ns["params"] = ns["TinyLMTarget"].wrap(ns["TinyLM"](128, 64, 2, 4, rngs=ns["nnx"].Rngs(0)), 4)
+    ns["prompts"] = prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [7, 3, 1], [2, 4, 6, 8, 10, 12], [11, 11, 11, 11]]
+    exec(compile(doc_block("rollout_and_score"), str(DOC), "exec"), ns)
+    out, score = ns["out"], ns["score"]
     expected = spec_jax.generate(
-        (example["model"], example["params"]), prompts, spec_jax.NGramDrafter(k=4),
+        (ns["model"], ns["params"]), prompts, spec_jax.NGramDrafter(k=4),
         max_new_tokens=16, temperature=0.8, seed=0, ignore_eos=True, capacity=64,
     )
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
@@ -111,7 +91,7 @@ def test_sampling_with_a_draft_model_reproduces_the_exact_joint():
         np.add.at(counts, tuple(np.asarray(r.generated_ids).T), 1)
         accepted += r.stats.accepted
     assert accepted > 0
-    expected = joint.ravel() * counts.sum()
+    expected = joint.ravel() / joint.sum() * counts.sum()  # float32 softmax: renormalise in float64
     small = expected < 5
     observed = np.append(counts.ravel()[~small], counts.ravel()[small].sum())
     expected = np.append(expected[~small], expected[small].sum())
@@ -185,13 +165,21 @@ def test_builtin_decoder_passes_check_target(models):
     assert "tree commit" in passed and "positions honoured" in passed
 
 
-# ----------------------------------------------------------------------------- sharding
-def test_runs_sharded_on_8_fake_devices():
+# ----------------------------------------------------------------------------- the example
+def test_example_batch_1_and_sharded_on_8_fake_devices():
+    """In a fresh process with 8 fake devices and cheap CPU codegen (each loop compiles in
+    seconds; tests/byo_sharding_worker.py): the doc's example as written (check_target, then
+    every drafter greedy-identical to plain decoding at batch 4), the same drafters at batch 1,
+    and AR / n-gram / DFlash sharded over data=2, model=4 equal to unsharded."""
     worker = Path(__file__).parent / "byo_sharding_worker.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["devices"] == 8
-    for case, equal in report["equal"].items():
-        assert equal, case
+    assert report["example_drafters"] == ["ngram", "draft model", "dflash", "eagle3"]
+    assert set(report["batch_1"]) == {"ngram", "draft model", "dflash", "eagle3"}
+    for name, equal in report["batch_1"].items():
+        assert equal, f"batch 1: {name}"
+    for name, equal in report["sharded"].items():
+        assert equal, f"sharded: {name}"
