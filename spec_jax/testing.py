@@ -179,17 +179,23 @@ def check_target(
     if np.asarray(model.cache_lengths(cache)).tolist() != prefix.tolist():
         _fail("commit lengths", f"after commit(cache, {prefix.tolist()}) cache_lengths is "
               f"{np.asarray(model.cache_lengths(cache)).tolist()}.")
-    pos = prefix.copy()
-    for _ in range(min(4, seq_len - 1 - int(prefix.max()))):  # leaves one position for step 5
+    def step_matches_full(cache, pos, check: str, fix: str):
+        """One token per row at its own position `pos` [2]: its logits must equal the full pass."""
         out = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None], cache)
         step = np.asarray(model.logits(params, out.hidden))[:, 0]
         for b in range(2):
             same, diff = _close(step[b], full_logits[b, pos[b]], atol, rtol)
             if not same:
-                _fail("per-row writes", f"row {b} at position {pos[b]}: a cached one-token step differs "
-                      f"from the full forward (max diff {diff:.2e}). Each row must write its keys/values "
-                      "at its own slot cache_lengths[b] (not one shared index), read only its committed "
-                      "slots, and rotate by the given positions.")
+                _fail(check, f"row {b} at position {pos[b]}: {fix.format(diff=diff)}")
+        return out
+
+    pos = prefix.copy()
+    for _ in range(min(4, seq_len - 1 - int(prefix.max()))):  # leaves one position for step 5
+        out = step_matches_full(
+            cache, pos, "per-row writes",
+            "a cached one-token step differs from the full forward (max diff {diff:.2e}). Each row "
+            "must write its keys/values at its own slot cache_lengths[b] (not one shared index), "
+            "read only its committed slots, and rotate by the given positions.")
         pos = pos + 1
         cache = model.commit(out.cache, jnp.asarray(pos))
     ok("prefill then steps equals full forward")
@@ -199,14 +205,11 @@ def check_target(
     junk = rng.integers(0, vocab, (2, 3)).astype(np.int32)
     out = run(junk, pos[:, None] + np.arange(3), cache)
     rolled = model.commit(out.cache, jnp.asarray(pos))  # keep nothing of the junk pass
-    out = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None], rolled)
-    step = np.asarray(model.logits(params, out.hidden))[:, 0]
-    for b in range(2):
-        same, diff = _close(step[b], full_logits[b, pos[b]], atol, rtol)
-        if not same:
-            _fail("rollback by length", f"row {b}: after a pass that was not committed, the next step "
-                  f"differs from the full forward (max diff {diff:.2e}). Attend only to slots below "
-                  "cache_lengths, so uncommitted keys/values are never seen.")
+    step_matches_full(
+        rolled, pos, "rollback by length",
+        "after a pass that was not committed, the next step differs from the full forward (max diff "
+        "{diff:.2e}). Attend only to slots below cache_lengths, so uncommitted keys/values are never "
+        "seen.")
     ok("rollback by length")
 
     # 6. Positions are honoured: the same step at positions shifted past the slots must change

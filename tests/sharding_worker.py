@@ -12,16 +12,7 @@ usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@M
 
 from __future__ import annotations
 
-import os
-
-# Eight fake devices; cheap CPU codegen (these checks compare tokens, not speed) keeps each
-# compile of the loop a few seconds on a shared 2-core machine.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-    + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import fake_devices  # noqa: F401  (first: 8 fake CPU devices, cheap codegen; tests/ is sys.path[0])
 
 import json  # noqa: E402
 import logging  # noqa: E402
