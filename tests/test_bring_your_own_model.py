@@ -160,8 +160,17 @@ def test_check_target_rejects_broken_models_naming_the_property():
         assert check in str(info.value)
 
 
-def test_builtin_decoder_passes_check_target(models):
-    passed = check_target(models.cfg, models.params, seq_len=8, capacity=16)
+@pytest.mark.parametrize("family", ["llama", "qwen3-sliding"])
+def test_builtin_decoder_passes_check_target(models, family):
+    """The built-in decoder as Llama (the shared tiny target) and as Qwen3 (q/k norms) with a
+    sliding-window layer of 4 tokens, shorter than the checked sequence."""
+    from spec_jax.models import Decoder, init_params
+
+    cfg, params = models.cfg, models.params
+    if family == "qwen3-sliding":
+        cfg = cfg.replace(qk_norm=True, layer_windows=(4, cfg.layer_windows[1]), architecture="qwen3")
+        params = init_params(cfg, jax.random.key(4), scale=3.0)
+    passed = check_target(Decoder(cfg), params, seq_len=8, capacity=16)
     assert "tree commit" in passed and "positions honoured" in passed
 
 
