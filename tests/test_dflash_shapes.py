@@ -40,7 +40,7 @@ def test_qwen3_8b_dflash_generate_loop_eval_shape():
         sampling=SamplingParams.create(0.6, 20, 0.95),
     )
     out = jax.eval_shape(
-        functools.partial(generate_loop, cfg=QWEN3_8B, drafter=drafter, capacity=capacity), inputs
+        functools.partial(generate_loop, model=QWEN3_8B, drafter=drafter, capacity=capacity), inputs
     )
     assert out.tokens.shape == (batch, capacity)
     assert out.stats.histogram.shape == (batch, 16)

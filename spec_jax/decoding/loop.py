@@ -14,7 +14,7 @@ from flax import struct
 
 from spec_jax.decoding.acceptance import accept
 from spec_jax.drafters.base import Drafter
-from spec_jax.models.interface import Target, TargetModel
+from spec_jax.models.interface import Target, TargetModel, as_target_model
 from spec_jax.models.weights import abstract_from_specs
 from spec_jax.sampling import SamplingParams, sample, warp
 
@@ -134,8 +134,9 @@ def abstract_inputs(
     dtype: Any = None,
 ) -> LoopInputs:
     """`LoopInputs` of ShapeDtypeStructs (weights in `dtype`, default the model's; allocates
-    nothing), for `jax.eval_shape` and `generate_jit.lower` at any model size. The model must
-    have weight specs."""
+    nothing), for `jax.eval_shape` and `generate_jit.lower` at any model size. The model (a
+    TargetModel or a built-in ModelConfig) must have weight specs."""
+    model = as_target_model(model)
     dtype = jnp.dtype(dtype or model.dtype)
     return LoopInputs(
         target_params=abstract_from_specs(model.weight_specs(), dtype),
@@ -308,10 +309,11 @@ def generate_loop(
 ) -> GenerateOutput:
     """Prefill + the whole speculative loop; meant to run under one `jax.jit`.
 
-    Static: model, drafter (hashable, holds K), capacity, and the shapes of the inputs.
+    Static: model (a TargetModel, or a built-in ModelConfig), drafter (hashable, holds K),
+    capacity, and the shapes of the inputs.
     Traced: everything in `inputs`, so new sampling values, caps or stop ids never recompile.
     """
-    target = Target(inputs.target_params, model)
+    target = Target(inputs.target_params, as_target_model(model))
     drafter_params, sampling = inputs.drafter_params, inputs.sampling
     max_new_tokens, stop_ids = inputs.max_new_tokens, inputs.stop_ids
     state = prefill(
