@@ -29,6 +29,7 @@ from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling, kv_b
 from spec_jax.models.decoder import (
     KVCache,
     attend,
+    attend_cache_and_pass,
     decoder_layer,
     einsum,
     empty_cache,
@@ -373,27 +374,34 @@ def dflash_hidden(
     positions: jax.Array,
     ctx_k: tuple[jax.Array, ...],
     ctx_v: tuple[jax.Array, ...],
-    ctx_positions: jax.Array,
-    ctx_visible: jax.Array,
+    ctx_positions: jax.Array | None,
+    ctx_visible: jax.Array | None,
     block_visible: jax.Array,
+    ctx_lengths: jax.Array | None = None,
 ) -> jax.Array:
     """The draft layers over block inputs; shared by drafting (one block) and training (many).
 
     x [B, Tq, H] block embeddings at positions [B, Tq]; ctx_k/ctx_v per layer [B, Kv, S, D]
     context at ctx_positions [B, S]; ctx_visible [B, Tq, S] and block_visible [B, Tq, Tq] say which
     context entries and block tokens each query may see, before each layer's window/causality rules.
+    Drafting gives ctx_lengths [B] instead of ctx_positions and ctx_visible: the context is a cache
+    whose committed slots (< ctx_lengths; slot = position, all before the block) are visible within
+    each layer's window, and only its live part is read (`attend_cache_and_pass`).
     Returns the final-normed hidden states [B, Tq, H].
     """
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     layers = zip(params["layers"], ctx_k, ctx_v, cfg.layer_windows, cfg.layer_causal)
     with jax.named_scope("dflash_block"):
         for i, (lp, layer_ctx_k, layer_ctx_v, window, causal) in enumerate(layers):
-            ctx_mask = ctx_visible & _attention_mask(positions, ctx_positions, window, causal)
             block_mask = block_visible & _attention_mask(positions, positions, window, causal)
 
             # Queries see the (read-only) context cache and the block's own keys.
-            def context_and_block(q, k, v, ctx=(layer_ctx_k, layer_ctx_v, ctx_mask), own=block_mask):
-                return attend(q, [ctx, (k, v, own)]), None
+            def context_and_block(q, k, v, ctx=(layer_ctx_k, layer_ctx_v), own=block_mask,
+                                  window=window, causal=causal):
+                if ctx_lengths is not None:
+                    return attend_cache_and_pass(q, *ctx, ctx_lengths, positions, window, k, v, own), None
+                ctx_mask = ctx_visible & _attention_mask(positions, ctx_positions, window, causal)
+                return attend(q, [(*ctx, ctx_mask), (k, v, own)]), None
 
             with jax.named_scope(f"layer_{i}"):
                 x, _ = decoder_layer(lp, x, positions, inv_freq, cfg.rms_norm_eps, context_and_block)
@@ -524,12 +532,10 @@ class DFlashDrafter:
         x = target.embed(block).astype(params["fc"].dtype)  # [B, b, H]
         if cfg.input_embedding_scale is not None:
             x = x * cfg.input_embedding_scale
-        capacity = state.capacity
-        slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
-        ctx_visible = (slots < state.lengths[:, None])[:, None, :]  # [B, 1, S]
         block_visible = jnp.ones((batch, b, b), bool)
         x = dflash_hidden(
-            cfg, params, x, positions, state.k, state.v, slots, ctx_visible, block_visible
+            cfg, params, x, positions, state.k, state.v, None, None, block_visible,
+            ctx_lengths=state.lengths,  # [B] the committed context: only its live part is read
         )
         # Block position i + 1 predicts draft i; the anchor's own output is unused.
         return dflash_logits(cfg, params, target, x[:, 1 : 1 + self.k])  # [B, K, V]

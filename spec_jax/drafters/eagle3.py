@@ -36,6 +36,7 @@ from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig
 from spec_jax.models.decoder import (
     KVCache,
     attend,
+    attend_cache_and_pass,
     causal_window_mask,
     decoder_layer,
     einsum,
@@ -338,19 +339,20 @@ class Eagle3Drafter:
         last_pair = lengths - 2  # [B] the newest complete pair: (features of L-2, token L-1)
         window = self.k + 1
         pairs = done[:, None] + jnp.arange(window, dtype=jnp.int32)  # [B, K+1]; > last_pair: padding
-        slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (batch, cache.capacity))
 
         # 1) The pending pairs: attend to the cached pairs and causally to each other; their keys
         # are written at their slots (padding writes past the last pair, never visible, later
         # overwritten).
         hidden = fuse_features(cfg, params, state.pending)
         token_embeds = self._embed(params, target, tokens[rows[:, None], jnp.minimum(pairs + 1, seq - 1)])
-        old_visible = (slots < done[:, None])[:, None, :]  # [B, 1, S]
         own_visible = causal_window_mask(pairs, pairs, GLOBAL_WINDOW)
 
         def pending_attend(i):
-            def attend_to(q, k, v):
-                return attend(q, [(cache.k[i], cache.v[i], old_visible), (k, v, own_visible)]), (k, v)
+            def attend_to(q, k, v):  # the cached pairs (< done, the live part only) and their own
+                out = attend_cache_and_pass(
+                    q, cache.k[i], cache.v[i], done, pairs, GLOBAL_WINDOW, k, v, own_visible
+                )
+                return out, (k, v)
             return attend_to
 
         out, kvs = eagle3_layers(cfg, params, token_embeds, hidden, pairs + 1, pending_attend)
@@ -363,7 +365,6 @@ class Eagle3Drafter:
 
         # 2) The chain: each draft becomes the next pair's token, one position further; it sees
         # every real pair and the chain's own keys.
-        real_visible = (slots <= last_pair[:, None])[:, None, :]
         chain_k: list[list[jax.Array]] = [[] for _ in params["layers"]]
         chain_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
         logits_out, drafts = [], []
@@ -381,8 +382,12 @@ class Eagle3Drafter:
                     chain_k[i].append(k)
                     chain_v[i].append(v)
                     own = (jnp.concatenate(chain_k[i], axis=2), jnp.concatenate(chain_v[i], axis=2))
-                    return attend(q, [(cache.k[i], cache.v[i], real_visible),
-                                      (*own, jnp.ones((batch, 1, step + 1), bool))]), None
+                    # cache.lengths = last_pair + 1: every real pair; pair index = position - 1.
+                    out = attend_cache_and_pass(
+                        q, cache.k[i], cache.v[i], cache.lengths, position - 1, GLOBAL_WINDOW,
+                        *own, jnp.ones((batch, 1, step + 1), bool),
+                    )
+                    return out, None
                 return attend_to
 
             out, _ = eagle3_layers(cfg, params, self._embed(params, target, draft[:, None]),

@@ -4,7 +4,9 @@
 (the dense reference). `attend_cache_and_pass` is what a decoder pass needs under the cache
 contract of `spec_jax.models.interface`: each query sees the row's committed cache slots
 (`slot < cache_lengths[b]`, within the layer's window) and the pass's own keys its in-pass mask
-allows.
+allows. It reads only the live part of the cache (up to the batch's longest committed length), so
+a pass costs what the live lengths need whatever the capacity; `attend_cache_and_pass_dense`,
+which scores every slot, is the reference it is tested against (tests/test_live_attention.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,37 @@ def einsum(
     )
 
 
+def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q [B, T, N, D] -> [B, Kv, T*G, D] (row m = t * G + g, G = N // Kv).
+
+    Both attention dots are then plain batched matmuls over (B, Kv) in the cache's own layout, so
+    XLA transposes only the small q and output, never the [S]-long scores or the cache (2.3x
+    faster attention at batch 32 on XLA:CPU)."""
+    b, t, n, d = q.shape
+    groups = n // kv_heads
+    return jnp.swapaxes(q.reshape(b, t, kv_heads, groups, d), 1, 2).reshape(b, kv_heads, t * groups, d)
+
+
+def ungroup_queries(out: jax.Array, num_queries: int) -> jax.Array:
+    """[B, Kv, T*G, D] -> [B, T, N, D], the inverse of `group_queries`."""
+    b, kv_heads, m, d = out.shape
+    groups = m // num_queries
+    return jnp.swapaxes(out.reshape(b, kv_heads, num_queries, groups, d), 1, 2).reshape(
+        b, num_queries, kv_heads * groups, d
+    )
+
+
+def masked_scores(qh: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """Scaled float32 scores [B, Kv, T*G, S] of grouped queries qh [B, Kv, T*G, D] against keys
+    k [B, Kv, S, D]; NEG_INF where mask [B or 1, T, S] hides the key from the query."""
+    b, kv_heads, m, d = qh.shape
+    t = mask.shape[1]
+    s = einsum("bkmd,bksd->bkms", qh, k.astype(qh.dtype), preferred_element_type=jnp.float32)
+    mask = jnp.broadcast_to(mask, (b, t, k.shape[2]))  # a [B, 1, S] mask holds for every query
+    visible = jnp.repeat(mask, m // t, axis=1)[:, None]  # [B, 1, T*G, S]
+    return jnp.where(visible, s / math.sqrt(d), NEG_INF)
+
+
 def attend(q: jax.Array, parts: AttentionParts) -> jax.Array:
     """Grouped-query attention over one or more key/value parts with one joint softmax.
 
@@ -49,19 +82,8 @@ def attend(q: jax.Array, parts: AttentionParts) -> jax.Array:
     [B, T, S_i] bool (True = visible) -> [B, T, N, D]. Parts let a pass attend to a cache and to
     its own new keys without concatenating (copying) the cache.
     """
-    b, t, n, d = q.shape
-    kv_heads = parts[0][0].shape[1]
-    groups = n // kv_heads
-    # Queries as [B, Kv, T*G, D] (row m = t * G + g): both dots are then plain batched matmuls
-    # over (B, Kv) in the cache's own layout, so XLA transposes only the small q and output,
-    # never the [S]-long scores or the cache (2.3x faster attention at batch 32 on XLA:CPU).
-    qh = jnp.swapaxes(q.reshape(b, t, kv_heads, groups, d), 1, 2).reshape(b, kv_heads, t * groups, d)
-    scores = []
-    for k, _, mask in parts:
-        s = einsum("bkmd,bksd->bkms", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        mask = jnp.broadcast_to(mask, (b, t, k.shape[2]))  # a [B, 1, S_i] mask holds for every query
-        visible = jnp.repeat(mask, groups, axis=1)[:, None]  # [B, 1, T*G, S_i]
-        scores.append(jnp.where(visible, s / math.sqrt(d), NEG_INF))
+    qh = group_queries(q, parts[0][0].shape[1])
+    scores = [masked_scores(qh, k, mask) for k, _, mask in parts]
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, Kv, T*G, sum S_i]
     out = 0.0
     start = 0
@@ -69,18 +91,139 @@ def attend(q: jax.Array, parts: AttentionParts) -> jax.Array:
         p = probs[..., start : start + k.shape[2]].astype(q.dtype)
         out = out + einsum("bkms,bksd->bkmd", p, v.astype(q.dtype))
         start += k.shape[2]
-    return jnp.swapaxes(out.reshape(b, kv_heads, t, groups, d), 1, 2).reshape(b, t, n, d)
+    return ungroup_queries(out, q.shape[1])
 
 
 def cache_visibility(
-    cache_lengths: jax.Array, q_positions: jax.Array, capacity: int, window: int
+    cache_lengths: jax.Array, q_positions: jax.Array, slots: jax.Array | int, window: int
 ) -> jax.Array:
     """[B, T, S] bool: committed slot s (holding position s) is visible to query t of row b when
-    s < cache_lengths[b] and it is inside the window: q_positions[b, t] - s < window."""
-    slots = jnp.arange(capacity, dtype=jnp.int32)
+    s < cache_lengths[b] and it is inside the window: q_positions[b, t] - s < window.
+    `slots`: the slot indices [S], or an int capacity meaning all of them (0 .. capacity - 1)."""
+    if isinstance(slots, int):
+        slots = jnp.arange(slots, dtype=jnp.int32)
     committed = slots[None, None, :] < cache_lengths[:, None, None]
     in_window = q_positions[:, :, None] - slots[None, None, :] < window
     return committed & in_window
+
+
+def live_span(
+    cache_lengths: jax.Array, q_positions: jax.Array, window: int
+) -> tuple[jax.Array, jax.Array]:
+    """(lo, hi), int32 scalars with 0 <= lo <= hi: every cache slot some query of the batch can
+    see lies in [lo, hi). hi = the longest committed length; lo = the earliest slot inside the
+    window of the earliest query (0 for a global layer)."""
+    hi = jnp.max(cache_lengths).astype(jnp.int32)
+    earliest = jnp.min(q_positions).astype(jnp.int32) - window + 1  # window <= 2**30: no overflow
+    return jnp.clip(earliest, 0, hi), hi
+
+
+def attend_cache_and_pass_dense(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_lengths: jax.Array,
+    q_positions: jax.Array,
+    window: int,
+    k_pass: jax.Array,
+    v_pass: jax.Array,
+    pass_mask: jax.Array,
+) -> jax.Array:
+    """`attend_cache_and_pass` scoring every slot of the capacity (masking the ones a query may
+    not see): the reference the live-length paths are tested against. Cost grows with the
+    capacity, whatever the live lengths."""
+    visible = cache_visibility(cache_lengths, q_positions, k_cache.shape[2], window)
+    return attend(q, [(k_cache, v_cache, visible), (k_pass, v_pass, pass_mask)])
+
+
+def _attend_live_blocks(
+    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, block
+):
+    """Flash decoding: the pass's own keys, then the cache's live blocks [lo, hi) one `block` of
+    slots at a time (a loop with a dynamic trip count), merged by an online softmax."""
+    capacity = k_cache.shape[2]
+    block = min(block, capacity)
+    qh = group_queries(q, k_cache.shape[1])  # [B, Kv, M, D], M = T * G
+
+    def merge(carry, scores, v):
+        """Fold scores [B, Kv, M, S] of values v [B, Kv, S, D] into (max, sum, acc)."""
+        top, total, acc = carry
+        new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # [B, Kv, M]
+        rescale = jnp.exp(top - new_top)
+        p = jnp.exp(scores - new_top[..., None])
+        pv = einsum("bkms,bksd->bkmd", p.astype(q.dtype), v.astype(q.dtype),
+                    preferred_element_type=jnp.float32)
+        return new_top, total * rescale + jnp.sum(p, axis=-1), acc * rescale[..., None] + pv
+
+    # Step 1: the pass's own keys open the running softmax (every query sees itself).
+    empty = (jnp.full(qh.shape[:3], NEG_INF, jnp.float32), jnp.zeros(qh.shape[:3], jnp.float32),
+             jnp.zeros(qh.shape, jnp.float32))
+    carry = merge(empty, masked_scores(qh, k_pass, pass_mask), v_pass)
+
+    # Step 2: the blocks holding [lo, hi). The last block is read at capacity - block when the
+    # capacity is not a multiple of it; slots an earlier block covered are masked there.
+    def visit(j, carry):
+        first = j * block
+        start = jnp.minimum(first, capacity - block)
+        k = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=2)  # [B, Kv, block, D]
+        v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2)
+        slots = start + jnp.arange(block, dtype=jnp.int32)
+        visible = cache_visibility(cache_lengths, q_positions, slots, window) & (slots >= first)
+        return merge(carry, masked_scores(qh, k, visible), v)
+
+    lo, hi = live_span(cache_lengths, q_positions, window)
+    _, total, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, visit, carry)
+    out = (acc / total[..., None]).astype(q.dtype)
+    return ungroup_queries(out, q.shape[1])
+
+
+def bucket_widths(capacity: int, smallest: int) -> tuple[int, ...]:
+    """0, then `smallest` doubling up to (and ending at) `capacity`."""
+    widths, width = [0], min(smallest, capacity)
+    while width < capacity:
+        widths.append(width)
+        width *= 2
+    return (*widths, capacity)
+
+
+def _attend_live_buckets(
+    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, smallest
+):
+    """Dense attention over the smallest static window of the cache (0, smallest, 2 * smallest,
+    ..., capacity slots) that covers [lo, hi), picked on device by `lax.switch`: the same
+    arithmetic as the dense reference over fewer (all masked) slots."""
+    capacity = k_cache.shape[2]
+    widths = bucket_widths(capacity, smallest)
+    lo, hi = live_span(cache_lengths, q_positions, window)
+    index = jnp.sum(hi - lo > jnp.asarray(widths[:-1], jnp.int32))  # the first width >= hi - lo
+    own = (k_pass, v_pass, pass_mask)
+
+    def dense_over(width):
+        def branch(k_cache, v_cache):
+            if width == 0:
+                return attend(q, [own])
+            start = jnp.minimum(lo, capacity - width)
+            k = jax.lax.dynamic_slice_in_dim(k_cache, start, width, axis=2)  # [B, Kv, W, D]
+            v = jax.lax.dynamic_slice_in_dim(v_cache, start, width, axis=2)
+            slots = start + jnp.arange(width, dtype=jnp.int32)
+            visible = cache_visibility(cache_lengths, q_positions, slots, window)
+            return attend(q, [(k, v, visible), own])
+
+        return branch
+
+    return jax.lax.switch(index, [dense_over(w) for w in widths], k_cache, v_cache)
+
+
+# The cache attention each backend uses: (impl, block). "blocks" with 128-slot blocks on CPU:
+# at batch 8 it beat "buckets" by 1.1-1.6x from 500 live slots up (power-of-two overshoot and
+# the window copy) and tied at batch 1; 128-slot blocks read less than 256 or 512 at short live
+# lengths and tie at long ones; and it compiles in about half the time (one loop body per layer
+# against a switch of 8-10 dense branches); benchmarks/RESULTS.md, 2026-11-25, session 15.
+# GPU and TPU are not measured yet: "buckets" decides once per layer, where a dynamic-trip-count
+# loop may cost a device-to-host round trip per block; `benchmarks/capacity_scaling.py --impls
+# live,dense,blocks` (a step of tpu_scripts/gpu_host.sh) measures them there.
+LIVE_ATTENTION = {"cpu": ("blocks", 128)}
+ACCELERATOR_LIVE_ATTENTION = ("buckets", 256)
 
 
 def attend_cache_and_pass(
@@ -93,6 +236,9 @@ def attend_cache_and_pass(
     k_pass: jax.Array,
     v_pass: jax.Array,
     pass_mask: jax.Array,
+    *,
+    impl: str | None = None,
+    block: int | None = None,
 ) -> jax.Array:
     """Attention of a pass's queries over the committed cache and the pass's own keys.
 
@@ -100,10 +246,27 @@ def attend_cache_and_pass(
     [B] committed slots per row (slot s holds position s); window: the layer's attention window
     (GLOBAL_WINDOW for full attention), applied to the cache here; k_pass/v_pass [B, Kv, T', D]
     the pass's own keys; pass_mask [B or 1, T, T'] which of them each query sees (window and
-    causality already folded in by the caller). -> [B, T, N, D].
+    causality already folded in by the caller; every query should see at least one of them).
+    -> [B, T, N, D].
+
+    Only the live part of the cache is read: the slots up to the batch's longest `cache_lengths`
+    and, for a sliding window, none before the earliest query's window (`live_span`), so the
+    cost follows the live length, not the capacity. `impl`: "blocks" (flash decoding over KV
+    blocks of `block` slots), "buckets" (dense over the smallest window of 0, `block`, 2 *
+    `block`, ... slots that covers them), "dense" (every slot: the reference); None (and a None
+    `block`) take the backend's measured choice, `LIVE_ATTENTION`. A capacity of at most one
+    block is read densely.
 
     The cache may already hold the pass's own keys at slots >= cache_lengths (written first, so
     XLA updates it in place); they are not read from it.
     """
-    visible = cache_visibility(cache_lengths, q_positions, k_cache.shape[2], window)
-    return attend(q, [(k_cache, v_cache, visible), (k_pass, v_pass, pass_mask)])
+    default_impl, default_block = LIVE_ATTENTION.get(jax.default_backend(), ACCELERATOR_LIVE_ATTENTION)
+    impl, block = impl or default_impl, block or default_block
+    args = (q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask)
+    if impl not in ("blocks", "buckets", "dense"):
+        raise ValueError(f"unknown cache attention impl {impl!r}: use 'blocks', 'buckets' or 'dense'")
+    if impl == "dense" or k_cache.shape[2] <= block:
+        return attend_cache_and_pass_dense(*args)
+    if impl == "blocks":
+        return _attend_live_blocks(*args, block)
+    return _attend_live_buckets(*args, block)

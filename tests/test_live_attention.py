@@ -1,0 +1,114 @@
+"""Cache attention that reads only the live part of the cache (`attend_cache_and_pass`) against
+the dense reference that scores every slot: random q/k/v, ragged lengths (0 and full included),
+sliding windows, chain and tree pass masks, float32 and bfloat16; the slots past the live part are
+never read; the cache is still updated in place; generate's output does not depend on the capacity.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_DFLASH, make_prompts
+from spec_jax.decoding import generate
+from spec_jax.drafters.dflash import DFlashDrafter, dflash_weight_specs
+from spec_jax.models.attention import attend_cache_and_pass, bucket_widths, live_span
+from spec_jax.models.config import GLOBAL_WINDOW
+from spec_jax.models.interface import ancestor_mask, chain_mask
+from test_compiled_program import lower_loop, while_body_computations
+
+BATCH, T, HEADS, KV_HEADS, DIM = 4, 5, 6, 2, 16
+BLOCK = 16
+# Token-tree parents (-1 = root): two branches under the root, one two deep.
+TREE_PARENTS = np.array([-1, 0, 0, 1, 2])
+
+
+def case(seed: int, capacity: int, lengths, dtype, tree: bool, window: int):
+    rng = np.random.RandomState(seed)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    q = cast(rng.randn(BATCH, T, HEADS, DIM))
+    k_cache, v_cache = (cast(rng.randn(BATCH, KV_HEADS, capacity, DIM)) for _ in range(2))
+    k_pass, v_pass = (cast(rng.randn(BATCH, KV_HEADS, T, DIM)) for _ in range(2))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    depth = jnp.asarray([0, 1, 1, 2, 2]) if tree else jnp.arange(T)
+    positions = lengths[:, None] + depth  # [B, T]
+    mask = ancestor_mask(jnp.broadcast_to(TREE_PARENTS, (BATCH, T))) if tree else chain_mask(T)
+    mask = mask & (positions[:, :, None] - positions[:, None, :] < window)
+    return q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, mask
+
+
+LENGTHS = [  # capacity 100: not a multiple of the block, so the last block is read shifted
+    [0, 37, 100, 5],  # ragged, with an empty row and a full one
+    [0, 0, 0, 0],  # prefill: nothing committed
+    [3, 16, 9, 1],  # within one block
+]
+CASES = [(False, GLOBAL_WINDOW), (True, GLOBAL_WINDOW), (False, 7), (True, 20), (False, 1)]  # (tree, window)
+
+
+@pytest.mark.parametrize("impl", ["blocks", "buckets"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_live_paths_match_the_dense_reference(impl, dtype):
+    live = jax.jit(lambda *a: attend_cache_and_pass(*a[:5], a[5], *a[6:], impl=impl, block=BLOCK),
+                   static_argnums=5)
+    dense = jax.jit(lambda *a: attend_cache_and_pass(*a[:5], a[5], *a[6:], impl="dense"),
+                    static_argnums=5)
+    tol = 3e-6 if dtype == "float32" else 3e-2
+    for seed, ((tree, window), lengths) in enumerate(itertools.product(CASES, LENGTHS)):
+        args = case(seed, 100, lengths, jnp.dtype(dtype), tree, window)
+        got, want = live(*args), dense(*args)
+        assert got.dtype == want.dtype == jnp.dtype(dtype)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
+                                   atol=tol, err_msg=f"tree={tree} window={window} lengths={lengths}")
+
+
+@pytest.mark.parametrize("impl", ["blocks", "buckets"])
+def test_slots_outside_the_live_span_are_never_read(impl):
+    """NaN in every slot the path should skip (past the longest row's block or bucket, and before
+    the window's block) leaves the output finite and equal to the dense result on clean data."""
+    capacity, window = 200, 20
+    args = list(case(0, capacity, [60, 90, 75, 70], jnp.float32, False, window))
+    lo, hi = (int(x) for x in live_span(args[3], args[4], window))
+    if impl == "blocks":
+        first, end = lo // BLOCK * BLOCK, -(-hi // BLOCK) * BLOCK
+    else:
+        width = next(w for w in bucket_widths(capacity, BLOCK) if w >= hi - lo)
+        first = min(lo, capacity - width)
+        end = first + width
+    assert 0 < first and end < capacity  # the case really skips slots on both sides
+    slots = jnp.arange(capacity)[None, None, :, None]
+    outside = (slots < first) | (slots >= end)
+    poisoned = list(args)
+    for i in (1, 2):
+        poisoned[i] = jnp.where(outside, jnp.nan, args[i])
+    got = attend_cache_and_pass(*poisoned, impl=impl, block=BLOCK)
+    want = attend_cache_and_pass(*args, impl="dense")
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=3e-6, atol=3e-6)
+
+
+def test_the_loop_updates_the_caches_in_place(models):
+    """No copy of a whole layer cache (the target's or DFlash's context cache) inside the compiled
+    generate loop: each pass is written into the cache and only its live blocks are read."""
+    capacity = 1024
+    drafter = DFlashDrafter(TINY_DFLASH, k=3)
+    lowered = lower_loop(models.cfg, drafter, dflash_weight_specs(TINY_DFLASH), capacity=capacity)
+    cache_shapes = {f"f32[1,{c.num_kv_heads},{capacity},{c.head_dim}]" for c in (models.cfg, TINY_DFLASH)}
+    bodies = while_body_computations(lowered.compile().as_text())
+    copies = [line for lines in bodies for line in lines
+              if " copy(" in line and any(f"= {shape}" in line for shape in cache_shapes)]
+    assert copies == [], "\n".join(copies[:4])
+
+
+@pytest.mark.parametrize("drafter", ["ar", "dflash_lookup"])
+def test_generate_does_not_depend_on_the_capacity(models, drafters, drafter):
+    """Capacity 128 (one block on CPU: read densely) and 4096 (live blocks) give the same tokens."""
+    make, params = drafters[drafter] if drafter != "ar" else (lambda k: None, None)
+    prompts = make_prompts([3, 16, 9], seed=1)
+    outs = [generate(models.target, prompts, make(4), params, max_new_tokens=40, capacity=capacity)
+            for capacity in (128, 4096)]
+    assert outs[0].generated_ids == outs[1].generated_ids
+    assert outs[0].stats.tau == outs[1].stats.tau
