@@ -6,6 +6,7 @@ never read; the cache is still updated in place; generate's output does not depe
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -15,11 +16,12 @@ import pytest
 
 from conftest import TINY_DFLASH, make_prompts
 from spec_jax.decoding import generate
-from spec_jax.drafters.dflash import DFlashDrafter, dflash_weight_specs
+from spec_jax.decoding.generate import compiled_loop, prepare_inputs
+from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.models.attention import attend_cache_and_pass, bucket_widths, live_span
 from spec_jax.models.config import GLOBAL_WINDOW
 from spec_jax.models.interface import ancestor_mask, chain_mask
-from test_compiled_program import lower_loop, while_body_computations
+from test_compiled_program import while_body_computations
 
 BATCH, T, HEADS, KV_HEADS, DIM = 4, 5, 6, 2, 16
 BLOCK = 16
@@ -52,13 +54,13 @@ CASES = [(False, GLOBAL_WINDOW), (True, GLOBAL_WINDOW), (False, 7), (True, 20), 
 @pytest.mark.parametrize("impl", ["blocks", "buckets"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_live_paths_match_the_dense_reference(impl, dtype):
-    live = jax.jit(lambda *a: attend_cache_and_pass(*a[:5], a[5], *a[6:], impl=impl, block=BLOCK),
-                   static_argnums=5)
-    dense = jax.jit(lambda *a: attend_cache_and_pass(*a[:5], a[5], *a[6:], impl="dense"),
-                    static_argnums=5)
+    # The window goes in traced (the decoder's is a Python int) so each path compiles once.
+    live = jax.jit(functools.partial(attend_cache_and_pass, impl=impl, block=BLOCK))
+    dense = jax.jit(functools.partial(attend_cache_and_pass, impl="dense"))
     tol = 3e-6 if dtype == "float32" else 3e-2
     for seed, ((tree, window), lengths) in enumerate(itertools.product(CASES, LENGTHS)):
-        args = case(seed, 100, lengths, jnp.dtype(dtype), tree, window)
+        args = list(case(seed, 100, lengths, jnp.dtype(dtype), tree, window))
+        args[5] = jnp.int32(window)
         got, want = live(*args), dense(*args)
         assert got.dtype == want.dtype == jnp.dtype(dtype)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
@@ -84,31 +86,30 @@ def test_slots_outside_the_live_span_are_never_read(impl):
     poisoned = list(args)
     for i in (1, 2):
         poisoned[i] = jnp.where(outside, jnp.nan, args[i])
-    got = attend_cache_and_pass(*poisoned, impl=impl, block=BLOCK)
-    want = attend_cache_and_pass(*args, impl="dense")
+    got = jax.jit(functools.partial(attend_cache_and_pass, impl=impl, block=BLOCK), static_argnums=5)(*poisoned)
+    want = jax.jit(functools.partial(attend_cache_and_pass, impl="dense"), static_argnums=5)(*args)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=3e-6, atol=3e-6)
 
 
-def test_the_loop_updates_the_caches_in_place(models):
-    """No copy of a whole layer cache (the target's or DFlash's context cache) inside the compiled
-    generate loop: each pass is written into the cache and only its live blocks are read."""
-    capacity = 1024
-    drafter = DFlashDrafter(TINY_DFLASH, k=3)
-    lowered = lower_loop(models.cfg, drafter, dflash_weight_specs(TINY_DFLASH), capacity=capacity)
-    cache_shapes = {f"f32[1,{c.num_kv_heads},{capacity},{c.head_dim}]" for c in (models.cfg, TINY_DFLASH)}
-    bodies = while_body_computations(lowered.compile().as_text())
-    copies = [line for lines in bodies for line in lines
-              if " copy(" in line and any(f"= {shape}" in line for shape in cache_shapes)]
-    assert copies == [], "\n".join(copies[:4])
-
-
-@pytest.mark.parametrize("drafter", ["ar", "dflash_lookup"])
-def test_generate_does_not_depend_on_the_capacity(models, drafters, drafter):
-    """Capacity 128 (one block on CPU: read densely) and 4096 (live blocks) give the same tokens."""
-    make, params = drafters[drafter] if drafter != "ar" else (lambda k: None, None)
+@pytest.mark.parametrize("kind", ["ar", "dflash"])
+def test_generate_does_not_depend_on_the_capacity(models, kind):
+    """Capacity 128 (one block on CPU: read densely) and 4096 (live blocks) give the same tokens;
+    the 4096 loop copies no layer cache (the target's or DFlash's context cache) inside its while
+    loop: each pass is written into the cache in place and only the live blocks are read."""
+    drafter, params = None, None
+    if kind == "dflash":
+        drafter, params = DFlashDrafter(TINY_DFLASH, 4), init_dflash_params(TINY_DFLASH, jax.random.key(3), 3.0)
     prompts = make_prompts([3, 16, 9], seed=1)
-    outs = [generate(models.target, prompts, make(4), params, max_new_tokens=40, capacity=capacity)
+    outs = [generate(models.target, prompts, drafter, params, max_new_tokens=40, capacity=capacity)
             for capacity in (128, 4096)]
     assert outs[0].generated_ids == outs[1].generated_ids
     assert outs[0].stats.tau == outs[1].stats.tau
+
+    call = prepare_inputs(models.target, prompts, drafter, params, max_new_tokens=40, capacity=4096)
+    compiled, compile_s = compiled_loop(call.target.model, call.drafter, call.capacity, call.inputs)
+    assert compile_s == 0.0  # the program generate just ran
+    shapes = {f"f32[{len(prompts)},{c.num_kv_heads},4096,{c.head_dim}]" for c in (models.cfg, TINY_DFLASH)}
+    copies = [line for lines in while_body_computations(compiled.as_text()) for line in lines
+              if " copy(" in line and any(f"= {shape}" in line for shape in shapes)]
+    assert copies == [], "\n".join(copies[:4])
