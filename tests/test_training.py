@@ -558,3 +558,21 @@ def test_teacher_labels_are_the_targets_own_greedy_tokens(setup):
     a, _ = DFlashLoss(DFLASH, TARGET, num_anchors=4)(params, target_params, noisy, key)
     b, _ = DFlashLoss(DFLASH, TARGET, num_anchors=4, teacher_labels=True)(params, target_params, noisy, key)
     assert abs(float(a) - float(b)) > 1e-3
+
+
+def test_draft_model_loss_differentiates_past_one_attention_block():
+    """A sequence longer than the live-length attention's KV block (128 slots on CPU): the
+    student's loss still has gradients (its one pass attends to its own keys only)."""
+    target_params = init_params(TARGET, jax.random.key(0))
+    student = init_params(STUDENT, jax.random.key(1))
+    t = 160
+    tokens = jax.random.randint(jax.random.key(2), (2, t), 0, TARGET.vocab_size)
+    b_positions = jnp.broadcast_to(jnp.arange(t), (2, t))
+    final = jnp.take(target_params["embed"], tokens, axis=0) + 0.0 * b_positions[..., None]
+    batch = {"tokens": tokens, "lengths": jnp.asarray([t, t - 5]), "prompt_lengths": jnp.asarray([10, 20]),
+             "final": final}
+    loss = DraftModelLoss(STUDENT, TARGET, positions=8)
+    # Under jit, as the train step runs: the cache lengths are traced there.
+    grads = jax.jit(jax.grad(lambda p: loss(p, target_params, batch, jax.random.key(3))[0]))(student)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+    assert any(float(jnp.abs(g).sum()) > 0 for g in jax.tree_util.tree_leaves(grads))

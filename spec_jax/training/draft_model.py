@@ -45,7 +45,11 @@ class DraftModelLoss:
         tokens = batch["tokens"]
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cache = init_cache(self.student_cfg, b, t)
+        # One pass over the whole sequence, nothing committed before it: it attends to its own
+        # keys only, so a 1-slot cache (the pass's writes past it are dropped) keeps the cache
+        # attention a single dense block, which is differentiable (the live-length loop over
+        # longer caches has a dynamic trip count, which reverse mode cannot go through).
+        cache = init_cache(self.student_cfg, b, 1)
         hidden, _, _ = forward_hidden(params, self.student_cfg, tokens, positions, cache)
         # The LM heads (student and teacher) dominate the cost: apply them at sampled answer
         # positions only. Position i predicts token i + 1.
