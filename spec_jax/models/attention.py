@@ -5,8 +5,8 @@
 contract of `spec_jax.models.interface`: each query sees the row's committed cache slots
 (`slot < cache_lengths[b]`, within the layer's window) and the pass's own keys its in-pass mask
 allows. It reads only the live part of the cache (up to the batch's longest committed length), so
-a pass costs what the live lengths need whatever the capacity; `attend_cache_and_pass_dense`,
-which scores every slot, is the reference it is tested against (tests/test_live_attention.py).
+a pass costs what the live lengths need whatever the capacity; its `impl="dense"`, which scores
+every slot, is the reference the live paths are tested against (tests/test_live_attention.py).
 """
 
 from __future__ import annotations
@@ -118,20 +118,9 @@ def live_span(
     return jnp.clip(earliest, 0, hi), hi
 
 
-def attend_cache_and_pass_dense(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    cache_lengths: jax.Array,
-    q_positions: jax.Array,
-    window: int,
-    k_pass: jax.Array,
-    v_pass: jax.Array,
-    pass_mask: jax.Array,
-) -> jax.Array:
-    """`attend_cache_and_pass` scoring every slot of the capacity (masking the ones a query may
-    not see): the reference the live-length paths are tested against. Cost grows with the
-    capacity, whatever the live lengths."""
+def _attend_dense(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask):
+    """Every slot of the capacity scored (the ones a query may not see masked): the reference the
+    live-length paths are tested against. Cost grows with the capacity, whatever the live lengths."""
     visible = cache_visibility(cache_lengths, q_positions, k_cache.shape[2], window)
     return attend(q, [(k_cache, v_cache, visible), (k_pass, v_pass, pass_mask)])
 
@@ -214,11 +203,12 @@ def _attend_live_buckets(
     return jax.lax.switch(index, [dense_over(w) for w in widths], k_cache, v_cache)
 
 
-# The cache attention each backend uses: (impl, block). "blocks" with 128-slot blocks on CPU:
-# at batch 8 it beat "buckets" by 1.1-1.6x from 500 live slots up (power-of-two overshoot and
-# the window copy) and tied at batch 1; 128-slot blocks read less than 256 or 512 at short live
-# lengths and tie at long ones; and it compiles in about half the time (one loop body per layer
-# against a switch of 8-10 dense branches); benchmarks/RESULTS.md, 2026-11-25, session 15.
+# The cache attention each backend uses: (impl, block). "blocks" with 128-slot blocks on CPU
+# (30 layers of attention alone, benchmarks/RESULTS.md, 2026-11-25, session 15): at batch 8 it
+# beat "buckets" by 1.1-1.5x from 500 live slots up (power-of-two overshoot, the window copy);
+# at batch 1 it tied with 5 queries and lost by 1.1-1.2x with one query from 2000 live slots;
+# 128-slot blocks read less than 512-slot ones at short live lengths and tie at long ones; and
+# it compiles in about half the time (one loop body per layer, not a switch of 8-10 branches).
 # GPU and TPU are not measured yet: "buckets" decides once per layer, where a dynamic-trip-count
 # loop may cost a device-to-host round trip per block; `benchmarks/capacity_scaling.py --impls
 # live,dense,blocks` (a step of tpu_scripts/gpu_host.sh) measures them there.
@@ -266,7 +256,7 @@ def attend_cache_and_pass(
     if impl not in ("blocks", "buckets", "dense"):
         raise ValueError(f"unknown cache attention impl {impl!r}: use 'blocks', 'buckets' or 'dense'")
     if impl == "dense" or k_cache.shape[2] <= block:
-        return attend_cache_and_pass_dense(*args)
+        return _attend_dense(*args)
     if impl == "blocks":
         return _attend_live_blocks(*args, block)
     return _attend_live_buckets(*args, block)
