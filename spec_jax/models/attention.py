@@ -11,6 +11,7 @@ every slot, is the reference the live paths are tested against (tests/test_live_
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -125,11 +126,13 @@ def _attend_dense(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pas
     return attend(q, [(k_cache, v_cache, visible), (k_pass, v_pass, pass_mask)])
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def _attend_live_blocks(
     q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, block
 ):
     """Flash decoding: the pass's own keys, then the cache's live blocks [lo, hi) one `block` of
-    slots at a time (a loop with a dynamic trip count), merged by an online softmax."""
+    slots at a time (a loop with a dynamic trip count), merged by an online softmax. Reverse mode
+    cannot go through such a loop, so its gradient is the dense reference's (`_dense_vjp`)."""
     capacity = k_cache.shape[2]
     block = min(block, capacity)
     qh = group_queries(q, k_cache.shape[1])  # [B, Kv, M, D], M = T * G
@@ -164,6 +167,29 @@ def _attend_live_blocks(
     _, total, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, visit, carry)
     out = (acc / total[..., None]).astype(q.dtype)
     return ungroup_queries(out, q.shape[1])
+
+
+def _live_blocks_forward(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass,
+                         pass_mask, block):
+    out = _attend_live_blocks(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass,
+                              v_pass, pass_mask, block)
+    return out, (q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask)
+
+
+def _dense_vjp(block, saved, grad):
+    """Cotangents of the dense reference (the same function) for q, the cache and the pass's
+    keys/values; None for the integer and boolean inputs."""
+    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask = saved
+
+    def dense(q, k_cache, v_cache, k_pass, v_pass):
+        return _attend_dense(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass,
+                             v_pass, pass_mask)
+
+    dq, dk_cache, dv_cache, dk_pass, dv_pass = jax.vjp(dense, q, k_cache, v_cache, k_pass, v_pass)[1](grad)
+    return dq, dk_cache, dv_cache, None, None, None, dk_pass, dv_pass, None
+
+
+_attend_live_blocks.defvjp(_live_blocks_forward, _dense_vjp)
 
 
 def bucket_widths(capacity: int, smallest: int) -> tuple[int, ...]:
