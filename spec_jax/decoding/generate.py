@@ -147,11 +147,6 @@ def with_k(drafter: Drafter | None, k: int | None) -> Drafter | None:
     return drafter
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
-    """Prompts as lists of ints, each non-empty and inside the vocabulary (`validation.check_prompts`)."""
-    return validation.check_prompts(prompts, vocab_size)
-
-
 def check_capacity(
     longest: int, max_new_tokens: int, k: int, capacity: int | None, max_positions: int
 ) -> int:
@@ -215,7 +210,7 @@ def prepare_inputs(
     k_eff = drafter.k if drafter is not None else 0
     checked = validation.check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     max_new_tokens, seed = checked["max_new_tokens"], checked["seed"]
-    prompts = check_prompts(prompts, model.vocab_size)
+    prompts = validation.check_prompts(prompts, model.vocab_size)
     longest = max(len(p) for p in prompts)
     capacity = check_capacity(longest, max_new_tokens, k_eff, capacity, model.max_positions)
     if drafter is not None:
@@ -348,7 +343,7 @@ def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: in
     prompt_tokens [B, P] int32 right-padded, prompt_lengths [B]; everything except the shapes is
     traced, so new values never recompile. No host callbacks: the whole loop is one XLA program,
     and its caches live and die inside it. Checks are the caller's: `prepare_inputs` makes
-    checked inputs from Python lists (`PreparedCall.inputs`), or see `check_prompts`,
+    checked inputs from Python lists (`PreparedCall.inputs`), or see `validation.check_prompts`,
     `check_capacity`, `pad_prompts` and `stop_id_array`.
     """
     model = as_target_model(model)
