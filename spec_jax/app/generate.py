@@ -2,6 +2,7 @@
 
     spec-jax generate "Write a Python function that checks whether a number is prime."
     spec-jax generate --prompt-ids 1,2,3 --drafter ngram --k 4 --json
+    spec-jax generate --stream "Tell me a story."    # text appears as it is accepted
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "default model.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the answer as it is generated (one prompt; not with --json)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -45,6 +51,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     prompts = collect_prompts(args, args.prompts)
     if not prompts:
         raise inputs.UsageError("no prompt given: pass PROMPT text, --prompt-file or --prompt-ids.")
+    if args.stream and args.json:
+        raise inputs.UsageError("--stream prints text as it comes and --json one object at the end; pick one.")
+    if args.stream and len(prompts) > 1:
+        raise inputs.UsageError(
+            f"--stream prints one answer as it comes, got {len(prompts)} prompts; pass one prompt "
+            "(or drop --stream to generate them all as one batch)."
+        )
     spec = drafter_spec_from_args(args, args.prompts, batch=len(prompts))
     sampling = sampling_kwargs(args)
 
@@ -57,6 +70,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
     log(f"generating: {len(prompt_ids)} prompt(s), drafter {spec.kind}, K={inputs.drafter_k(drafter)}"
         + (f" ({spec.reason})" if spec.reason else ""))
+    if args.stream:
+        return _stream(args, target, prompt_ids, drafter, drafter_params, sampling, mesh)
     result = generate(
         target,
         prompt_ids,
@@ -103,5 +118,37 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         f"{result.num_generated} tokens in {result.generate_s:.2f}s = {result.tokens_per_second:.1f} tok/s"
         f" (compile {result.compile_s:.1f}s); steps {s.steps}, tau {s.tau:.2f}, "
         f"accepted {s.accepted}/{s.drafted} drafts"
+    )
+    return None
+
+
+def _stream(args, target, prompt_ids, drafter, drafter_params, sampling, mesh) -> None:
+    """--stream: print each chunk's text as it comes (ids when the target has no tokenizer)."""
+    import sys
+
+    from spec_jax.decoding.stream import IncrementalDetokenizer, generate_stream
+
+    tok = target.tokenizer
+    detok = IncrementalDetokenizer(tok) if tok is not None else None
+    updates = generate_stream(target, prompt_ids, drafter, drafter_params, ignore_eos=args.ignore_eos,
+                              **sampling, **mesh)
+    first = True
+    for update in updates:
+        new = update.new_ids[0]
+        if detok is not None:
+            piece = detok.push(new) + (detok.flush() if update.result is not None else "")
+        else:
+            piece = ("" if first or not new else " ") + " ".join(map(str, new))
+            first = first and not new
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    result = update.result
+    s = result.stats
+    log(
+        f"{result.num_generated} tokens in {result.generate_s:.2f}s = {result.tokens_per_second:.1f} tok/s"
+        f" (compile {result.compile_s:.1f}s); steps {s.steps}, tau {s.tau:.2f}, "
+        f"accepted {s.accepted}/{s.drafted} drafts; {result.finish_reasons[0]}"
     )
     return None

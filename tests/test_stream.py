@@ -1,0 +1,82 @@
+"""Streaming: `generate_stream` gives `generate`'s tokens (greedy, and sampled with the same seed,
+whatever the chunk size), the incremental detokenizer gives the full decode piece by piece, and
+`spec-jax generate --stream` prints the non-streamed text."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from conftest import make_prompts
+from serving_testlib import CORPUS, make_tokenizer, save_tiny_target
+
+from spec_jax.app.main import main
+from spec_jax.decoding.generate import generate
+from spec_jax.decoding.stream import IncrementalDetokenizer, generate_stream
+from spec_jax.drafters.ngram import NGramDrafter
+
+# Rows 1 and 2 meet EOS mid-way (conftest), row 0 runs to the cap: both finish kinds stream.
+PROMPTS = make_prompts([3, 16, 1], seed=0)
+
+
+def collect(updates):
+    got, count = None, 0
+    for update in updates:
+        got = got or [[] for _ in update.new_ids]
+        for row, ids in zip(got, update.new_ids):
+            row.extend(ids)
+        count += 1
+    return got, update, count
+
+
+@pytest.mark.parametrize("temperature, chunk_steps", [(0.0, 1), (0.8, 3)])
+def test_stream_equals_generate(models, temperature, chunk_steps):
+    drafter = NGramDrafter(k=3)
+    kwargs = dict(max_new_tokens=24, temperature=temperature, seed=7)
+    ref = generate(models.target, PROMPTS, drafter, **kwargs)
+    got, last, updates = collect(generate_stream(models.target, PROMPTS, drafter, chunk_steps=chunk_steps, **kwargs))
+    assert got == ref.generated_ids
+    assert last.result.generated_ids == ref.generated_ids
+    assert last.result.finish_reasons == ref.finish_reasons == last.finish_reasons
+    assert last.result.stats == ref.stats and last.result.loop_steps == ref.loop_steps
+    assert updates >= -(-ref.loop_steps // chunk_steps)  # one update per chunk, plus prefill's
+    assert set(ref.finish_reasons) == {"stop", "length"}
+
+
+def test_stream_checks_arguments_before_compiling(models):
+    with pytest.raises(ValueError, match="chunk_steps"):
+        generate_stream(models.target, PROMPTS, chunk_steps=0)
+    with pytest.raises(ValueError, match="top_p"):
+        generate_stream(models.target, PROMPTS, top_p=0.0)
+
+
+def test_incremental_detokenizer_matches_full_decode():
+    tok = make_tokenizer()
+    ids = tok.encode("".join(CORPUS))
+    assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # halves of multi-byte characters
+    rng = random.Random(0)
+    for _ in range(20):
+        detok, text, i = IncrementalDetokenizer(tok), "", 0
+        while i < len(ids):
+            n = rng.randint(0, 4)
+            piece = detok.push(ids[i : i + n])
+            assert "\ufffd" not in piece
+            text += piece
+            i += n
+        assert text + detok.flush() == tok.decode(ids)
+
+
+def test_cli_stream_prints_the_generated_text(tmp_path, capsys):
+    target = str(save_tiny_target(tmp_path / "tiny"))
+    argv = ["generate", "--target", target, "--dtype", "float32", "--max-new-tokens", "20",
+            "--drafter", "ngram", "Café 日本"]
+    assert main(argv + ["--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)["results"][0]["text"]
+    assert main(argv + ["--stream"]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected + "\n" and "tau" in err
+    assert main(argv + ["--stream", "--json"]) == 2
+    assert "pick one" in capsys.readouterr().err
+    assert main(argv + ["--stream", "--prompt-ids", "1,2"]) == 2
+    assert "one prompt" in capsys.readouterr().err
