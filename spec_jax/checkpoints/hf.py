@@ -1,8 +1,9 @@
 """HF checkpoints (config.json + safetensors) to and from spec_jax's params.
 
-One table, `LAYER_WEIGHTS`, says how each HF decoder-layer weight maps to our per-layer layout.
-`layers_from_hf` / `layers_to_hf` apply it under any per-layer name prefix, so the target loader
-(`model.layers.{i}.`) and the DFlash drafter loader (`layers.{i}.`) share it.
+One table per family (`spec_jax.checkpoints.hf_names`) says how each HF decoder-layer weight maps
+to our per-layer layout. `layers_from_hf` / `layers_to_hf` apply a table under any per-layer name
+prefix, so the target loader (`model.layers.{i}.`) and the DFlash drafter loader (`layers.{i}.`)
+share them.
 
 HF stores a linear layer as [out, in]; we store [in..., out...] with heads split out, e.g.
 q_proj [N*D, H] -> wq [H, N, D] and o_proj [H, N*D] -> wo [N, D, H]. Both directions are a
@@ -40,41 +41,19 @@ GetTensor = Callable[[str], np.ndarray]
 TARGET_LAYER_PREFIX = "model.layers.{i}."
 
 
-@dataclasses.dataclass(frozen=True)
-class HFWeight:
-    """One weight: our params key, its HF name, and how many leading axes of ours are HF's input.
-
-    in_axes == 0 means the array is copied as is (norms, the embedding table).
-    """
-
-    name: str
-    hf_name: str
-    in_axes: int
-
-
-LAYER_WEIGHTS: tuple[HFWeight, ...] = (
-    HFWeight("attn_norm", "input_layernorm.weight", 0),
-    HFWeight("wq", "self_attn.q_proj.weight", 1),  # [N*D, H] -> [H, N, D]
-    HFWeight("wk", "self_attn.k_proj.weight", 1),  # [Kv*D, H] -> [H, Kv, D]
-    HFWeight("wv", "self_attn.v_proj.weight", 1),  # [Kv*D, H] -> [H, Kv, D]
-    HFWeight("wo", "self_attn.o_proj.weight", 2),  # [H, N*D] -> [N, D, H]
-    HFWeight("q_norm", "self_attn.q_norm.weight", 0),
-    HFWeight("k_norm", "self_attn.k_norm.weight", 0),
-    HFWeight("mlp_norm", "post_attention_layernorm.weight", 0),
-    HFWeight("hidden_norm", "hidden_norm.weight", 0),  # EAGLE-3's first layer
-    HFWeight("w_gate", "mlp.gate_proj.weight", 1),  # [F, H] -> [H, F]
-    HFWeight("w_up", "mlp.up_proj.weight", 1),  # [F, H] -> [H, F]
-    HFWeight("w_down", "mlp.down_proj.weight", 1),  # [H, F] -> [F, H]
+# The tables live in hf_names.py; these names stay importable from here.
+from spec_jax.checkpoints.hf_names import (  # noqa: E402,F401
+    DECODER_LAYER as LAYER_WEIGHTS,
+    FLAT,
+    MODEL_TABLE as _MODEL_WEIGHT,
+    MODEL_WEIGHTS,
+    HFWeight,
+    layer_table,
+    multimodal_text_name,
 )
 
-MODEL_WEIGHTS: tuple[HFWeight, ...] = (
-    HFWeight("embed", "model.embed_tokens.weight", 0),  # [V, H] both sides
-    HFWeight("final_norm", "model.norm.weight", 0),
-    HFWeight("lm_head", "lm_head.weight", 1),  # [V, H] -> [H, V]
-)
-
-_LAYER_WEIGHT = {w.name: w for w in LAYER_WEIGHTS}
-_MODEL_WEIGHT = {w.name: w for w in MODEL_WEIGHTS}
+LayerTable = Mapping[str, HFWeight]
+_LAYER_WEIGHT = layer_table()
 
 # Buffers that some checkpoints carry but that hold no parameters.
 _IGNORED_HF_NAMES = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -85,18 +64,22 @@ def hf_shape(shape: tuple[int, ...], in_axes: int) -> tuple[int, ...]:
     """HF shape of one (unstacked) weight whose shape in our layout is `shape`."""
     if in_axes == 0:
         return tuple(shape)
+    if in_axes == FLAT:
+        return (math.prod(shape),)
     return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes]))
 
 
 def from_hf(w: np.ndarray, shape: tuple[int, ...], in_axes: int) -> np.ndarray:
     """One HF tensor -> our layout `shape`."""
-    return w.reshape(shape) if in_axes == 0 else w.T.reshape(shape)
+    return w.reshape(shape) if in_axes in (0, FLAT) else w.T.reshape(shape)
 
 
 def to_hf(w: np.ndarray, in_axes: int) -> np.ndarray:
     """One (unstacked) weight in our layout -> HF layout."""
     if in_axes == 0:
         return w
+    if in_axes == FLAT:
+        return w.reshape(-1)
     return w.reshape(math.prod(w.shape[:in_axes]), -1).T
 
 
@@ -104,52 +87,60 @@ def _prefix_fn(prefix: LayerPrefix) -> Callable[[int], str]:
     return prefix if callable(prefix) else (lambda i: prefix.format(i=i))
 
 
-def _layer_weight(name: str) -> HFWeight:
-    if name not in _LAYER_WEIGHT:
-        raise ValueError(f"no HF name is known for layer weight {name!r}; add it to LAYER_WEIGHTS")
-    return _LAYER_WEIGHT[name]
+def _layer_weight(name: str, table: LayerTable | None = None) -> HFWeight:
+    table = _LAYER_WEIGHT if table is None else table
+    if name not in table:
+        raise ValueError(f"no HF name is known for layer weight {name!r}; add it to hf_names.py")
+    return table[name]
 
 
 def expected_hf_layer_shapes(
-    layer_specs: Sequence[Mapping[str, WeightSpec]], prefix: LayerPrefix
+    layer_specs: Sequence[Mapping[str, WeightSpec]], prefix: LayerPrefix, table: LayerTable | None = None
 ) -> dict[str, tuple[int, ...]]:
-    """HF name -> HF shape for every per-layer tensor of `layer_specs` (one dict per layer)."""
+    """HF name -> HF shape for every per-layer tensor of `layer_specs` (one dict per layer);
+    `table`: the family's names (`hf_names.layer_table`; default the plain decoder's)."""
     name_of = _prefix_fn(prefix)
     out = {}
     for i, specs in enumerate(layer_specs):
         for name, spec in specs.items():
-            w = _layer_weight(name)
+            w = _layer_weight(name, table)
             out[name_of(i) + w.hf_name] = hf_shape(spec.shape, w.in_axes)
     return out
 
 
 def layers_from_hf(
-    get_tensor: GetTensor, prefix: LayerPrefix, layer_specs: Sequence[Mapping[str, WeightSpec]]
+    get_tensor: GetTensor,
+    prefix: LayerPrefix,
+    layer_specs: Sequence[Mapping[str, WeightSpec]],
+    table: LayerTable | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Read per-layer HF tensors into our layout: one dict per layer, as `layer_specs` describes.
 
     get_tensor: HF name -> array (already in the wanted dtype).
     prefix:     "model.layers.{i}." (targets), "layers.{i}." (DFlash), or a function of the layer
                 index for checkpoints that name some layers differently.
+    table:      the family's HF names (`hf_names.layer_table`); default the plain decoder's.
     """
     name_of = _prefix_fn(prefix)
     return [
         {
-            name: from_hf(get_tensor(name_of(i) + _layer_weight(name).hf_name), spec.shape,
-                          _layer_weight(name).in_axes)
+            name: from_hf(get_tensor(name_of(i) + _layer_weight(name, table).hf_name), spec.shape,
+                          _layer_weight(name, table).in_axes)
             for name, spec in specs.items()
         }
         for i, specs in enumerate(layer_specs)
     ]
 
 
-def layers_to_hf(layers: Sequence[Mapping[str, Any]], prefix: LayerPrefix) -> dict[str, np.ndarray]:
+def layers_to_hf(
+    layers: Sequence[Mapping[str, Any]], prefix: LayerPrefix, table: LayerTable | None = None
+) -> dict[str, np.ndarray]:
     """Inverse of `layers_from_hf`: per-layer params -> {HF name: tensor}."""
     name_of = _prefix_fn(prefix)
     out = {}
     for i, layer in enumerate(layers):
         for name, value in layer.items():
-            w = _layer_weight(name)
+            w = _layer_weight(name, table)
             out[name_of(i) + w.hf_name] = np.ascontiguousarray(to_hf(np.asarray(value), w.in_axes))
     return out
 
@@ -157,7 +148,7 @@ def layers_to_hf(layers: Sequence[Mapping[str, Any]], prefix: LayerPrefix) -> di
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF name -> shape for every tensor a target checkpoint with config `cfg` must hold."""
     specs = model_weight_specs(cfg)
-    out = expected_hf_layer_shapes(specs["layers"], TARGET_LAYER_PREFIX)
+    out = expected_hf_layer_shapes(specs["layers"], TARGET_LAYER_PREFIX, layer_table(cfg.architecture))
     for name, spec in specs.items():
         if name != "layers":
             w = _MODEL_WEIGHT[name]
@@ -168,7 +159,9 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def params_from_hf(get_tensor: GetTensor, cfg: ModelConfig) -> Params:
     """Target params (host numpy) from HF-named tensors."""
     specs = model_weight_specs(cfg)
-    params: Params = {"layers": layers_from_hf(get_tensor, TARGET_LAYER_PREFIX, specs["layers"])}
+    params: Params = {
+        "layers": layers_from_hf(get_tensor, TARGET_LAYER_PREFIX, specs["layers"], layer_table(cfg.architecture))
+    }
     for name, spec in specs.items():
         if name != "layers":
             w = _MODEL_WEIGHT[name]
@@ -180,7 +173,7 @@ def params_from_hf(get_tensor: GetTensor, cfg: ModelConfig) -> Params:
 def params_to_hf(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """Target params -> {HF name: numpy tensor} (no lm_head when embeddings are tied)."""
     check_params_match_specs(params, model_weight_specs(cfg), what="params")
-    out = layers_to_hf(params["layers"], TARGET_LAYER_PREFIX)
+    out = layers_to_hf(params["layers"], TARGET_LAYER_PREFIX, layer_table(cfg.architecture))
     for name, value in params.items():
         if name != "layers":
             w = _MODEL_WEIGHT[name]
@@ -218,7 +211,7 @@ def check_hf_tensors(
             f"Checkpoint {source} does not match its config: "
             + "; ".join(problems)
             + ". Check that config.json belongs to these weights and that the model is a plain "
-            "Llama/Qwen3 decoder."
+            "Llama, Mistral, Qwen2/3 or Gemma 3 decoder."
         )
 
 
@@ -408,12 +401,18 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelC
     import jax.numpy as jnp
 
     directory = resolve_hf_dir(path)
-    _, cfg = read_hf_config(directory, dtype)
+    hf, cfg = read_hf_config(directory, dtype)
     np_dtype = jnp.dtype(dtype)
     with SafetensorsFiles(directory) as files:
+        shapes, file_name = files.shapes, (lambda n: n)
+        if "text_config" in hf:  # Gemma3ForConditionalGeneration: its text decoder only
+            file_name = {multimodal_text_name(n): n for n in files.shapes}
+            file_name.pop(None, None)
+            shapes = {n: files.shapes[f] for n, f in file_name.items()}
+            file_name = file_name.__getitem__
         ignore = ["lm_head.weight"] if cfg.tie_embeddings else []  # a tied head duplicates the embedding
-        check_hf_tensors(files.shapes, expected_hf_shapes(cfg), str(directory), ignore=ignore)
-        params = params_from_hf(lambda n: files.get_tensor(n, np_dtype), cfg)
+        check_hf_tensors(shapes, expected_hf_shapes(cfg), str(directory), ignore=ignore)
+        params = params_from_hf(lambda n: files.get_tensor(file_name(n), np_dtype), cfg)
     return cfg, params
 
 

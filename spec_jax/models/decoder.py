@@ -29,7 +29,7 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
     einsum,
     float32_precision,
 )
-from spec_jax.models.config import ModelConfig, RopeScaling
+from spec_jax.models.config import LinearRopeScaling, ModelConfig, RopeScaling
 from spec_jax.models.interface import ForwardOutput, chain_mask
 from spec_jax.models.weights import init_from_specs, model_weight_specs
 
@@ -85,17 +85,51 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 1.0) -> Params:
     return init_from_specs(model_weight_specs(cfg), key, jnp.dtype(cfg.dtype), scale)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStyle:
+    """The static per-family switches of `decoder_layer`'s math that its weights do not show
+    (biases and sandwich norms do show: they are `lp` entries). The defaults are Llama's.
+
+    norm_offset:      RMSNorms scale by (norm_offset + w) in float32 (Gemma: 1.0)
+    activation:       "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_multiplier: queries times this before attention (Gemma's query_pre_attn_scalar ** -0.5
+                      in place of head_dim ** -0.5); None = 1
+    """
+
+    norm_offset: float = 0.0
+    activation: str = "silu"
+    query_multiplier: float | None = None
+
+
+LLAMA_STYLE = LayerStyle()
+
+
+def layer_style(cfg: ModelConfig) -> LayerStyle:
+    multiplier = None
+    if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+        # attention divides scores by sqrt(head_dim); this turns that into 1/sqrt(scalar).
+        multiplier = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
+    return LayerStyle(cfg.norm_offset, cfg.mlp_activation, multiplier)
+
+
 # ----------------------------------------------------------------------------- pieces
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        # Gemma: (x * (offset + w)) in float32, then cast (HF Gemma3RMSNorm).
+        return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None
+) -> jax.Array:
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     # Llama 3.x: long wavelengths slowed by `factor`, short kept, a smooth blend in between.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -121,10 +155,13 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 
 def project_qkv(lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x: [B, T, H] -> q [B, T, N, D], k/v [B, T, Kv, D] (before q/k norm and RoPE)."""
+    """x: [B, T, H] -> q [B, T, N, D], k/v [B, T, Kv, D] (before q/k norm and RoPE), plus the
+    biases [N or Kv, D] when the layer has them (Qwen2)."""
     q = einsum("bth,hnd->btnd", x, lp["wq"])
     k = einsum("bth,hkd->btkd", x, lp["wk"])
     v = einsum("bth,hkd->btkd", x, lp["wv"])
+    if "bq" in lp:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     return q, k, v
 
 
@@ -148,10 +185,12 @@ def attention_output(lp: Params, attn: jax.Array) -> jax.Array:
     return einsum("bti,ih->bth", attn.reshape(b, t, n * d), lp["wo"].reshape(n * d, -1))
 
 
-def mlp(lp: Params, x: jax.Array) -> jax.Array:
+def mlp(lp: Params, x: jax.Array, activation: str = "silu") -> jax.Array:
+    """Gated MLP: down(act(gate(x)) * up(x)); act = SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
     gate = einsum("bth,hf->btf", x, lp["w_gate"])
     up = einsum("bth,hf->btf", x, lp["w_up"])
-    return einsum("btf,fh->bth", jax.nn.silu(gate) * up, lp["w_down"])
+    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return einsum("btf,fh->bth", act * up, lp["w_down"])
 
 
 def causal_window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | jax.Array) -> jax.Array:
@@ -174,40 +213,69 @@ def decoder_layer(
     eps: float,
     attend_to: AttendTo,
     attn_input: jax.Array | None = None,
+    style: LayerStyle = LLAMA_STYLE,
 ) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder layer: RMSNorm -> GQA attention (per-head q/k RMSNorm when the layer
-    has `q_norm`/`k_norm`, RoPE at `positions` [B, T]) -> residual -> RMSNorm -> SwiGLU -> residual.
+    """One pre-norm decoder layer: RMSNorm -> GQA attention (q/k/v biases when the layer has
+    `bq`/`bk`/`bv`, per-head q/k RMSNorm when it has `q_norm`/`k_norm`, RoPE at `positions`
+    [B, T]) -> [post_attn_norm] -> residual -> RMSNorm -> gated MLP -> [post_mlp_norm] -> residual.
+    The bracketed norms are Gemma's "sandwich", present when the layer has those weights; `style`
+    holds the rest of a family's math (norm offset, MLP activation, query scale).
 
     The one layer of targets, draft models, DFlash and EAGLE-3; `attend_to` says what the queries
     see. `attn_input`, when given, is what q/k/v are projected from instead of norm(x) (EAGLE-3's
     first layer: [norm(embedding), norm(fused target features)], with x as the residual).
     x [B, T, H] -> (x [B, T, H], what `attend_to` returned besides the attention output).
     """
+    offset = style.norm_offset
     with jax.named_scope("attention"):
-        h = rms_norm(x, lp["attn_norm"], eps) if attn_input is None else attn_input
+        h = rms_norm(x, lp["attn_norm"], eps, offset) if attn_input is None else attn_input
         q, k, v = project_qkv(lp, h)  # q [B, T, N, D]; k, v [B, T, Kv, D]
         if "q_norm" in lp:
-            q = rms_norm(q, lp["q_norm"], eps)
-            k = rms_norm(k, lp["k_norm"], eps)
+            q = rms_norm(q, lp["q_norm"], eps, offset)
+            k = rms_norm(k, lp["k_norm"], eps, offset)
         q = rope(q, positions, inv_freq)
+        if style.query_multiplier is not None:
+            q = q * jnp.asarray(style.query_multiplier, q.dtype)
         k, v = heads_major(rope(k, positions, inv_freq)), heads_major(v)  # [B, Kv, T, D]
         attn, aux = attend_to(q, k, v)
-        x = x + attention_output(lp, attn).astype(x.dtype)
+        out = attention_output(lp, attn)
+        if "post_attn_norm" in lp:
+            out = rms_norm(out, lp["post_attn_norm"], eps, offset)
+        x = x + out.astype(x.dtype)
     with jax.named_scope("mlp"):
-        x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], eps)).astype(x.dtype)
+        out = mlp(lp, rms_norm(x, lp["mlp_norm"], eps, offset), style.activation)
+        if "post_mlp_norm" in lp:
+            out = rms_norm(out, lp["post_mlp_norm"], eps, offset)
+        x = x + out.astype(x.dtype)
     return x, aux
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """Rows of the embedding table, unscaled (the table lookup; `embed_tokens` is the model's)."""
     return jnp.take(params["embed"], tokens, axis=0)
 
 
+def embed_tokens(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The decoder's input embeddings [B, T, H]: Gemma multiplies by sqrt(hidden_size) rounded to
+    the model dtype (as HF does), so drafters that embed through the target get it too."""
+    x = embed(params, tokens)
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), jnp.float32).astype(x.dtype)
+    return x
+
+
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final-normed hidden states [..., H] -> float32 logits [..., V]."""
+    """Final-normed hidden states [..., H] -> float32 logits [..., V] (soft-capped when the config
+    says so)."""
     # Contract the tied embedding as stored ([V, H]): a transposed view would be copied every step.
     if cfg.tie_embeddings:
-        return einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
-    return einsum("...h,hv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = einsum("...h,hv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcapping:
+        cap = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
 
 
 # ----------------------------------------------------------------------------- forward
@@ -249,15 +317,19 @@ def forward_hidden(
             raise ValueError(f"capture layer {layer_id} outside the model's {cfg.num_layers} layers")
     t = tokens.shape[1]
     positions = positions.astype(jnp.int32)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    style = layer_style(cfg)
+    inv_freqs = {}  # one per distinct (base, scaling): Gemma 3's sliding and full layers differ
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] where the pass goes
     pass_mask = chain_mask(t) if mask is None else mask.astype(bool)
     pass_masks = {}  # one in-pass mask per distinct window: [B or 1, T, T]
-    x = embed(params, tokens)
+    x = embed_tokens(params, cfg, tokens)
     captured: dict[int, jax.Array] = {}
     new_k, new_v = [], []
     for i, lp in enumerate(params["layers"]):
         window = cfg.layer_windows[i]
+        rope_of_layer = cfg.layer_rope(i)
+        if rope_of_layer not in inv_freqs:
+            inv_freqs[rope_of_layer] = rope_inv_freq(cfg.head_dim, *rope_of_layer)
         if window not in pass_masks:
             in_window = positions[:, :, None] - positions[:, None, :] < window
             pass_masks[window] = pass_mask & in_window
@@ -274,13 +346,14 @@ def forward_hidden(
 
         with jax.named_scope(f"layer_{i}"):
             x, (k_cache, v_cache) = decoder_layer(
-                lp, x, positions, inv_freq, cfg.rms_norm_eps, write_then_attend
+                lp, x, positions, inv_freqs[rope_of_layer], cfg.rms_norm_eps, write_then_attend,
+                style=style,
             )
         new_k.append(k_cache)
         new_v.append(v_cache)
         if i in capture:
             captured[i] = x
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
     if not capture:
         return ForwardOutput(x, None, new_cache)
@@ -312,7 +385,8 @@ def commit(cache: KVCache, lengths: jax.Array, path: jax.Array | None = None) ->
 
 @dataclasses.dataclass(frozen=True)
 class Decoder:
-    """spec_jax's own decoder as a `TargetModel` (Llama, Qwen3, ... are configs of it)."""
+    """spec_jax's own decoder as a `TargetModel` (Llama, Mistral, Qwen2/3, Gemma 3 are configs
+    of it)."""
 
     cfg: ModelConfig
 
@@ -353,7 +427,7 @@ class Decoder:
         return lm_head(params, self.cfg, hidden)
 
     def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
-        return embed(params, tokens)
+        return embed_tokens(params, self.cfg, tokens)
 
     def commit(self, cache: KVCache, lengths: jax.Array, path: jax.Array | None = None) -> KVCache:
         return commit(cache, lengths, path)

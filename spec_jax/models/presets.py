@@ -10,11 +10,22 @@ real model, which is all a speed measurement needs; its tokens are meaningless, 
 
 from __future__ import annotations
 
-from spec_jax.models.config import ModelConfig, RopeScaling
+from spec_jax.models.config import GLOBAL_WINDOW, LinearRopeScaling, ModelConfig, RopeScaling
 
 _LLAMA3_ROPE = RopeScaling(
     factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
+
+
+def _gemma3(num_layers: int, window: int, **fields) -> ModelConfig:
+    """A Gemma 3 text decoder: five sliding layers (local RoPE base 10k) then one full layer."""
+    windows = tuple(GLOBAL_WINDOW if (i + 1) % 6 == 0 else window for i in range(num_layers))
+    return ModelConfig(
+        num_layers=num_layers, layer_windows=windows, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        sliding_rope_theta=10_000.0, tie_embeddings=True, qk_norm=True, architecture="gemma3",
+        bos_token_id=2, eos_token_ids=(1, 106), norm_offset=1.0, sandwich_norms=True,
+        mlp_activation="gelu_tanh", scale_embeddings=True, **fields,
+    )
 
 PRESETS: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct (the default target's shapes).
@@ -41,6 +52,30 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True,
         architecture="qwen3", max_position_embeddings=40960, eos_token_ids=(151645,),
+    ),
+    # google/gemma-3-1b-it.
+    "gemma-3-1b": _gemma3(
+        26, 512, vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_heads=4,
+        num_kv_heads=1, head_dim=256, query_pre_attn_scalar=256.0, max_position_embeddings=32768,
+    ),
+    # google/gemma-3-27b-it's text decoder (global layers: linear RoPE scaling x8).
+    "gemma-3-27b": _gemma3(
+        62, 1024, vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_heads=32,
+        num_kv_heads=16, head_dim=128, query_pre_attn_scalar=168.0, rope_scaling=LinearRopeScaling(8.0),
+        max_position_embeddings=131072,
+    ),
+    # Qwen/Qwen2.5-7B-Instruct (sliding window off, as shipped).
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, qkv_bias=True,
+        architecture="qwen2", max_position_embeddings=32768, bos_token_id=151643,
+        eos_token_ids=(151645,),
+    ),
+    # mistralai/Mistral-7B-v0.1 (a 4096-token sliding window on every layer).
+    "mistral-7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, layer_windows=(4096,) * 32, architecture="mistral",
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
     ),
     # A few-MB model for smoke tests of the measuring scripts.
     "tiny": ModelConfig(

@@ -51,23 +51,39 @@ def layer_weight_specs(
     head_dim: int,
     intermediate: int,
     qk_norm: bool,
+    qkv_bias: bool = False,
+    sandwich_norms: bool = False,
+    norm_init: str = "ones",
 ) -> dict[str, WeightSpec]:
-    """One decoder layer's weights; shared by targets, draft models and DFlash."""
+    """One decoder layer's weights; shared by targets, draft models and DFlash.
+
+    qkv_bias: q/k/v projection biases (Qwen2). sandwich_norms: `post_attn_norm` on the attention
+    output and `post_mlp_norm` on the MLP output (Gemma). norm_init: "zeros" for norms that scale
+    by (1 + w) (Gemma), so a random model's norms are the identity as Llama's "ones" are.
+    """
     H, N, K, D, F = hidden, num_heads, num_kv_heads, head_dim, intermediate
     specs = {
-        "attn_norm": WeightSpec((H,), (None,), "ones"),
+        "attn_norm": WeightSpec((H,), (None,), norm_init),
         "wq": WeightSpec((H, N, D), ("embed", "q_heads", "head_dim")),
         "wk": WeightSpec((H, K, D), ("embed", "kv_heads", "head_dim")),
         "wv": WeightSpec((H, K, D), ("embed", "kv_heads", "head_dim")),
         "wo": WeightSpec((N, D, H), ("q_heads", "head_dim", "embed")),
-        "mlp_norm": WeightSpec((H,), (None,), "ones"),
+        "mlp_norm": WeightSpec((H,), (None,), norm_init),
         "w_gate": WeightSpec((H, F), ("embed", "mlp")),
         "w_up": WeightSpec((H, F), ("embed", "mlp")),
         "w_down": WeightSpec((F, H), ("mlp", "embed")),
     }
     if qk_norm:
-        specs["q_norm"] = WeightSpec((D,), (None,), "ones")
-        specs["k_norm"] = WeightSpec((D,), (None,), "ones")
+        specs["q_norm"] = WeightSpec((D,), (None,), norm_init)
+        specs["k_norm"] = WeightSpec((D,), (None,), norm_init)
+    if qkv_bias:
+        # Sharded like the heads of the projection they are added to.
+        specs["bq"] = WeightSpec((N, D), ("q_heads", "head_dim"), "zeros")
+        specs["bk"] = WeightSpec((K, D), ("kv_heads", "head_dim"), "zeros")
+        specs["bv"] = WeightSpec((K, D), ("kv_heads", "head_dim"), "zeros")
+    if sandwich_norms:
+        specs["post_attn_norm"] = WeightSpec((H,), (None,), norm_init)
+        specs["post_mlp_norm"] = WeightSpec((H,), (None,), norm_init)
     return specs
 
 
@@ -77,6 +93,7 @@ def per_layer_specs(num_layers: int, **layer_kwargs: Any) -> list[dict[str, Weig
 
 
 def model_weight_specs(cfg: ModelConfig) -> dict[str, Any]:
+    norm_init = "zeros" if cfg.norm_offset == 1.0 else "ones"
     specs: dict[str, Any] = {
         "embed": WeightSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
         "layers": per_layer_specs(
@@ -87,8 +104,11 @@ def model_weight_specs(cfg: ModelConfig) -> dict[str, Any]:
             head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size,
             qk_norm=cfg.qk_norm,
+            qkv_bias=cfg.qkv_bias,
+            sandwich_norms=cfg.sandwich_norms,
+            norm_init=norm_init,
         ),
-        "final_norm": WeightSpec((cfg.hidden_size,), (None,), "ones"),
+        "final_norm": WeightSpec((cfg.hidden_size,), (None,), norm_init),
     }
     if not cfg.tie_embeddings:
         specs["lm_head"] = WeightSpec((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))

@@ -1,0 +1,108 @@
+"""HF weight names, one table per family: our params key -> HF name and layout.
+
+The decoder's weights are the same few arrays in every family (`spec_jax.models.weights`); what
+differs is what HF calls them. Llama, Mistral and Qwen3 (and the DFlash / EAGLE-3 drafters) use
+`DECODER_LAYER`; Qwen2 adds the q/k/v biases; Gemma 3 names its four norms differently: its
+`post_attention_layernorm` is the norm on the attention OUTPUT (our `post_attn_norm`), and the
+MLP's input norm is `pre_feedforward_layernorm` (Llama's `post_attention_layernorm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping
+
+# in_axes value of a bias: stored [heads, head_dim] by us, flat [heads * head_dim] by HF.
+FLAT = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class HFWeight:
+    """One weight: our params key, its HF name, and how many leading axes of ours are HF's input.
+
+    in_axes == 0 means the array is copied as is (norms, the embedding table); FLAT (-1) means a
+    vector HF stores flat (a bias [N, D] is HF's [N * D]).
+    """
+
+    name: str
+    hf_name: str
+    in_axes: int
+
+
+DECODER_LAYER: tuple[HFWeight, ...] = (
+    HFWeight("attn_norm", "input_layernorm.weight", 0),
+    HFWeight("wq", "self_attn.q_proj.weight", 1),  # [N*D, H] -> [H, N, D]
+    HFWeight("wk", "self_attn.k_proj.weight", 1),  # [Kv*D, H] -> [H, Kv, D]
+    HFWeight("wv", "self_attn.v_proj.weight", 1),  # [Kv*D, H] -> [H, Kv, D]
+    HFWeight("wo", "self_attn.o_proj.weight", 2),  # [H, N*D] -> [N, D, H]
+    HFWeight("q_norm", "self_attn.q_norm.weight", 0),
+    HFWeight("k_norm", "self_attn.k_norm.weight", 0),
+    HFWeight("mlp_norm", "post_attention_layernorm.weight", 0),
+    HFWeight("hidden_norm", "hidden_norm.weight", 0),  # EAGLE-3's first layer
+    HFWeight("w_gate", "mlp.gate_proj.weight", 1),  # [F, H] -> [H, F]
+    HFWeight("w_up", "mlp.up_proj.weight", 1),  # [F, H] -> [H, F]
+    HFWeight("w_down", "mlp.down_proj.weight", 1),  # [H, F] -> [F, H]
+)
+
+QWEN2_LAYER: tuple[HFWeight, ...] = DECODER_LAYER + (
+    HFWeight("bq", "self_attn.q_proj.bias", FLAT),  # [N*D] -> [N, D]
+    HFWeight("bk", "self_attn.k_proj.bias", FLAT),  # [Kv*D] -> [Kv, D]
+    HFWeight("bv", "self_attn.v_proj.bias", FLAT),
+)
+
+_GEMMA3_NORMS = {
+    "attn_norm": "input_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",  # NOT the MLP's input norm
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+GEMMA3_LAYER: tuple[HFWeight, ...] = tuple(
+    w for w in DECODER_LAYER if w.name not in _GEMMA3_NORMS and w.name != "hidden_norm"
+) + tuple(HFWeight(name, hf_name, 0) for name, hf_name in _GEMMA3_NORMS.items())
+
+MODEL_WEIGHTS: tuple[HFWeight, ...] = (
+    HFWeight("embed", "model.embed_tokens.weight", 0),  # [V, H] both sides
+    HFWeight("final_norm", "model.norm.weight", 0),
+    HFWeight("lm_head", "lm_head.weight", 1),  # [V, H] -> [H, V]
+)
+
+_LAYER_TABLES = {
+    "llama": DECODER_LAYER,
+    "mistral": DECODER_LAYER,
+    "qwen3": DECODER_LAYER,
+    "qwen2": QWEN2_LAYER,
+    "gemma3": GEMMA3_LAYER,
+}
+
+
+def layer_table(architecture: str | None = None) -> Mapping[str, HFWeight]:
+    """{our layer key: HFWeight} of a family (None: the plain decoder table the drafters use)."""
+    table = DECODER_LAYER if architecture is None else _LAYER_TABLES.get(architecture)
+    if table is None:
+        raise ValueError(f"no HF name table for architecture {architecture!r}; add one to hf_names.py")
+    return {w.name: w for w in table}
+
+
+MODEL_TABLE: Mapping[str, HFWeight] = {w.name: w for w in MODEL_WEIGHTS}
+
+# Gemma3ForConditionalGeneration checkpoints: the text decoder under `language_model` (hub files:
+# `language_model.model.*`, `language_model.lm_head.*`; transformers >= 4.52 saves
+# `model.language_model.*`), next to a vision tower spec_jax does not run.
+_MULTIMODAL_TEXT = (
+    (re.compile(r"^language_model\.model\."), "model."),
+    (re.compile(r"^model\.language_model\."), "model."),
+    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
+)
+_MULTIMODAL_OTHER = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+
+
+def multimodal_text_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name -> the text decoder's HF name, or None for a tensor
+    of the vision part (skipped)."""
+    if _MULTIMODAL_OTHER.match(name):
+        return None
+    for pattern, replacement in _MULTIMODAL_TEXT:
+        if pattern.match(name):
+            return pattern.sub(replacement, name, count=1)
+    return name
