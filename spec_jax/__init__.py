@@ -10,6 +10,8 @@ from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
 from spec_jax.checkpoints.dflash import load_dflash, save_dflash
 from spec_jax.checkpoints.shipped import default_drafter, load_drafter
 from spec_jax.decoding import GenerationResult, generate, make_generate_fn
+from spec_jax.decoding.engine import Engine
+from spec_jax.decoding.stream import generate_stream
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
@@ -26,6 +28,7 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "Eagle3Config",
+    "Engine",
     "Eagle3Drafter",
     "GenerationResult",
     "LoadedModel",
@@ -36,6 +39,7 @@ __all__ = [
     "apply_chat_template",
     "default_drafter",
     "generate",
+    "generate_stream",
     "init_dflash_params",
     "init_eagle3_params",
     "load_dflash",

@@ -17,6 +17,8 @@ class SamplingParams:
     """Traced sampling values: changing them never recompiles.
 
     temperature: [] f32, 0 = greedy.  top_k: [] int32, 0 = off.  top_p: [] f32, 1 = off.
+    Each may instead be [B], one value per row (the engine's requests each have their own);
+    `warp` then applies row b's values to logits [B, ..., V] row b.
     """
 
     temperature: jax.Array
@@ -26,6 +28,17 @@ class SamplingParams:
     @classmethod
     def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
         validate_sampling(temperature, top_k, top_p)
+        return cls(
+            temperature=jnp.asarray(temperature, jnp.float32),
+            top_k=jnp.asarray(top_k, jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
+        )
+
+    @classmethod
+    def per_row(cls, temperature, top_k, top_p) -> "SamplingParams":
+        """Values per row: three sequences of length B, each entry checked like `create`'s."""
+        for t, k, p in zip(temperature, top_k, top_p, strict=True):
+            validate_sampling(t, k, p)
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
             top_k=jnp.asarray(top_k, jnp.int32),
@@ -70,19 +83,27 @@ def warp(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
+    per_row = jnp.ndim(sampling.temperature) > 0
 
-    def sampled(_):
-        scaled = logits / jnp.maximum(sampling.temperature, 1e-6)
-        needs_sort = (sampling.top_k > 0) | (sampling.top_p < 1.0)
-        scaled = jax.lax.cond(
-            needs_sort, lambda s: _truncate(s, sampling.top_k, sampling.top_p), lambda s: s, scaled
-        )
-        return jax.nn.softmax(scaled, axis=-1)
+    def rows(value: jax.Array) -> jax.Array:
+        # [B] per-row values -> [B, 1, ..., 1] against logits [B, ..., V]; scalars stay scalars.
+        return jnp.reshape(value, jnp.shape(value) + (1,) * (logits.ndim - jnp.ndim(value)))
+
+    temperature, top_k, top_p = rows(sampling.temperature), rows(sampling.top_k), rows(sampling.top_p)
 
     def greedy(_):
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
 
-    return jax.lax.cond(sampling.greedy, greedy, sampled, None)
+    def sampled(_):
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+        needs_sort = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1.0))
+        scaled = jax.lax.cond(needs_sort, lambda s: _truncate(s, top_k, top_p), lambda s: s, scaled)
+        probs = jax.nn.softmax(scaled, axis=-1)
+        if per_row:  # greedy rows beside sampled ones keep their exact one-hot argmax
+            probs = jnp.where(temperature <= 0.0, greedy(None), probs)
+        return probs
+
+    return jax.lax.cond(jnp.all(sampling.greedy), greedy, sampled, None)
 
 
 CDF_BLOCK = 128  # vocabulary entries per block of the two-level CDF in `sample`

@@ -1,0 +1,179 @@
+"""The continuous-batching engine: requests arriving while others are mid-generation give what
+each gives alone (greedy), per-request sampling values, caps, stop ids; cancel frees the slot at
+once; no compile after warm-up while requests come and go; adaptive K switches between compiled
+K variants without changing greedy output. Every drafter kind, sharded on a mesh, runs in a
+fresh process with 8 fake CPU devices (tests/engine_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from conftest import make_prompts
+
+from spec_jax.decoding.engine import AdaptiveK, Engine
+from spec_jax.decoding.generate import generate
+from spec_jax.drafters.draft_model import DraftModelDrafter
+from spec_jax.drafters.ngram import NGramDrafter
+
+# <= 16 tokens (one prompt bucket); rows 1 and 2 meet EOS mid-way (conftest).
+PROMPTS = make_prompts([3, 16, 1, 9, 12, 5], seed=0)
+MAX_NEW = [14, 24, 24, 10, 17, 12]
+WORKER = Path(__file__).with_name("engine_worker.py")
+
+
+@pytest.fixture(scope="module")
+def alone(models):
+    """Each prompt's greedy tokens and finish reason, generated alone (plain decoding)."""
+    out = []
+    for p, n in zip(PROMPTS, MAX_NEW):
+        r = generate(models.target, [p], max_new_tokens=n)
+        out.append((r.generated_ids[0], r.finish_reasons[0]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    e = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2)
+    e.warmup([16])
+    return e
+
+
+def run_staggered(engine, requests, cancel_after=None):
+    """Submit requests[0:2], then one more after every step; cancel `cancel_after` (an index)
+    after its first step. -> {index: (ids, finish_reason, stats)}."""
+    ids, out, pending = {}, {}, list(enumerate(requests))
+
+    def consume(events):
+        for e in events:
+            i = next(j for j, rid in ids.items() if rid == e.request_id)
+            got = out.setdefault(i, [[], None, None])
+            got[0] += e.new_ids
+            got[1], got[2] = e.finish_reason, e.stats
+
+    for _ in range(2):
+        i, (prompt, kw) = pending.pop(0)
+        ids[i] = engine.submit(prompt, **kw)
+    while engine.has_work() or pending:
+        consume(engine.step())
+        if cancel_after is not None and cancel_after in out:
+            engine.cancel(ids[cancel_after])
+            cancel_after = None
+        if pending:
+            i, (prompt, kw) = pending.pop(0)
+            ids[i] = engine.submit(prompt, **kw)
+    return {i: tuple(v) for i, v in out.items()}
+
+
+def test_staggered_requests_equal_each_alone(engine, alone):
+    got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
+    for i, (ids, reason) in enumerate(alone):
+        assert got[i][0] == ids and got[i][1] == reason, i
+        stats = got[i][2]
+        assert stats.completion_tokens == len(ids) and stats.prompt_tokens == len(PROMPTS[i])
+        assert stats.steps >= 1 and stats.drafted == 3 * stats.steps and stats.tau >= 1.0
+    assert {r for _, r in alone} == {"stop", "length"}
+    assert engine.num_live == 0 and not engine.live.any()
+
+
+def test_no_recompile_while_requests_come_and_go(engine, alone):
+    """New sampling values, caps, stop ids, seeds, prompt lengths and a cancel: no compile."""
+    compiles = []
+
+    def listener(name, *args, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        before = engine.compiles
+        requests = [
+            (PROMPTS[0], dict(max_new_tokens=14)),
+            (PROMPTS[1], dict(max_new_tokens=20, temperature=0.9, top_k=5, seed=3)),
+            (PROMPTS[2], dict(max_new_tokens=24, ignore_eos=True)),
+            (PROMPTS[3], dict(max_new_tokens=10, temperature=0.5, top_p=0.8, seed=11)),
+            (PROMPTS[4], dict(max_new_tokens=17, stop_ids=[alone[4][0][3]])),
+            (PROMPTS[5], dict(max_new_tokens=12)),
+        ]
+        got = run_staggered(engine, requests, cancel_after=3)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [] and engine.compiles == before
+    # Greedy rows beside sampled and cancelled ones still give their alone output.
+    assert got[0][:2] == alone[0] and got[5][:2] == alone[5]
+    stop_at = alone[4][0].index(alone[4][0][3]) + 1
+    assert got[4][0] == alone[4][0][:stop_at] and got[4][1] == "stop"  # its own stop id
+    assert len(got[2][0]) == 24 and got[2][0][: len(alone[2][0])] == alone[2][0]  # EOS ignored
+    assert got[3][1] == "cancelled" and len(got[3][0]) < 10
+    assert got[1][1] in ("stop", "length") and all(0 <= t < 101 for t in got[1][0])
+
+
+def test_cancel_frees_the_slot_at_once(engine, alone):
+    """Three slots busy and a fourth request waiting: cancelling one hands its slot over before
+    the next chunk."""
+    rids = [engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW[i]) for i in (1, 2, 4, 0)]
+    first = engine.step()
+    assert {e.request_id for e in first} == set(rids[:3]) and rids[3] not in engine.slot_of
+    engine.cancel(rids[0])
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events if e.finish_reason == "cancelled"] == [(rids[0], "cancelled")]
+    assert engine.slot_of[rids[3]] == 0  # the cancelled request's slot
+    done = engine.run_all()
+    waited = [e.new_ids for e in events if e.request_id == rids[3]][0] + done[rids[3]].new_ids
+    assert waited == alone[0][0]
+
+
+def test_request_errors_name_the_field(engine):
+    with pytest.raises(ValueError, match="max_new_tokens.*max_model_len 48"):
+        engine.check_request(PROMPTS[1], max_new_tokens=40)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.check_request(PROMPTS[0], temperature=-1.0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.check_request(PROMPTS[0], top_p=1.5, max_new_tokens=4)
+    with pytest.raises(ValueError, match="vocab"):
+        engine.check_request([5, 500], max_new_tokens=4)
+    with pytest.raises(ValueError, match="stop ids"):
+        engine.check_request(PROMPTS[0], stop_ids=list(range(20)), max_new_tokens=4)
+    with pytest.raises(ValueError, match="k_choices.*0.*state"):  # a draft model's cache
+        Engine((engine.model.cfg, engine.target_params), DraftModelDrafter(engine.model.cfg, 2),
+               engine.target_params, k_choices=(0, 2))
+
+
+def test_adaptive_k_switches_variants_and_keeps_greedy_output(models, alone):
+    engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2,
+                    k_choices=(0, 1, 3))
+    got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
+    assert [got[i][:2] for i in range(len(PROMPTS))] == alone
+    assert set(engine.k_history) == {0, 1, 3}  # each variant is timed once, then chosen by rate
+    assert engine.compiles == 3 + 1  # a chunk per K, one admit (one prompt bucket)
+
+
+def test_adaptive_k_prefers_speculation_only_when_it_pays():
+    chooser = AdaptiveK((0, 2, 4))
+    for k, step_s in ((0, 0.010), (2, 0.012), (4, 0.014)):
+        chooser.update(k, 1, steps=10, seconds=10 * step_s, accepted=16, rejecting_steps=4)
+    assert chooser.choose(1) == 4  # acceptance 0.8: 4 drafts pay for their step time
+    for k, step_s in ((0, 0.010), (2, 0.030), (4, 0.050)):
+        chooser.update(k, 8, steps=10, seconds=10 * step_s, accepted=2, rejecting_steps=10)
+    assert chooser.choose(8) == 0  # slow verify at 8 rows and low acceptance: plain decoding
+
+
+def test_every_drafter_kind_on_a_mesh():
+    """Staggered == alone for ngram, the draft model and DFlash (each behind prompt lookup) and
+    EAGLE-3, with the state's rows split over data=4 and heads over model=2; no compile
+    after warm-up."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=Path(__file__).parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(report) == {"ngram", "draft_model_lookup", "dflash_lookup", "eagle3"}
+    for kind, r in report.items():
+        assert r["equal"] == [True] * len(r["equal"]), (kind, r)
+        assert r["compiles_after_warmup"] == 0, (kind, r)
+        assert r["tau"] >= 1.0
