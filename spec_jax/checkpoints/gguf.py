@@ -1,9 +1,16 @@
 """GGUF files (llama.cpp) -> (ModelConfig, fp32 params, tokenizer), without torch.
 
 Tensors are dequantized with `gguf.quants.dequantize`. A GGUF tensor read as numpy has HF's
-[out, in] layout, so GGUF names are mapped to HF names and the HF table in `hf.py` does the rest.
-llama.cpp's converter permutes the rows of Llama q/k projections (per head, from HF's rotate-half
-order to interleaved pairs); `unpermute_rotary_rows` undoes that.
+[out, in] layout, so GGUF names are mapped to HF names and the family's HF table does the rest.
+What llama.cpp's converter changed is undone per architecture:
+  llama   q/k projection rows permuted (per head, from HF's rotate-half order to interleaved
+          pairs); `unpermute_rotary_rows` undoes that. Mistral files are written as `llama`.
+  qwen2   nothing (q/k/v biases as `attn_{q,k,v}.bias`).
+  gemma3  every `*norm.weight` stored as 1 + w (llama.cpp's RMSNorm has no offset): minus 1 here.
+          The file omits what llama.cpp hard-codes for Gemma 3, so those come from the same
+          rules: local RoPE base 10k (or `rope.freq_base_swa`), five sliding layers per full
+          one (or `attention.sliding_window_pattern`), attention scale head_dim ** -0.5
+          (hidden / heads for the 62-layer 27B).
 """
 
 from __future__ import annotations
@@ -16,9 +23,9 @@ import numpy as np
 
 from spec_jax.checkpoints.errors import CheckpointError, CheckpointNotFoundError
 from spec_jax.checkpoints.hf import check_hf_tensors, expected_hf_shapes, params_from_hf
-from spec_jax.models.config import ModelConfig
+from spec_jax.models.config import GLOBAL_WINDOW, LinearRopeScaling, ModelConfig
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 # GGUF tensor name -> HF name; `{i}` is the block index.
 _GGUF_TO_HF_LAYER = {
@@ -32,6 +39,15 @@ _GGUF_TO_HF_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four norms differently (see hf_names.py); q/k norms are per head.
+_GGUF_TO_HF_GEMMA3_LAYER = {
+    **_GGUF_TO_HF_LAYER,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_TO_HF_MODEL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -43,12 +59,13 @@ _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
 
-def hf_name_of(gguf_name: str) -> str | None:
+def hf_name_of(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GGUF_TO_HF_MODEL:
         return _GGUF_TO_HF_MODEL[gguf_name]
-    parts = gguf_name.split(".")  # blk.{i}.{kind}.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_TO_HF_LAYER:
-        return f"model.layers.{parts[1]}.{_GGUF_TO_HF_LAYER[parts[2]]}.{parts[3]}"
+    layer_names = _GGUF_TO_HF_GEMMA3_LAYER if arch == "gemma3" else _GGUF_TO_HF_LAYER
+    parts = gguf_name.split(".")  # blk.{i}.{kind}.weight (or .bias: Qwen2's q/k/v)
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -123,28 +140,57 @@ def config_from_gguf(
             raise CheckpointError("GGUF file has no token_embd.weight; it is not a complete model.")
         vocab = tensor_shapes["token_embd.weight"][0]
     scaling_type = meta.get(f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none"):
+    rope_scaling = None
+    if arch == "gemma3" and scaling_type == "linear":
+        rope_scaling = LinearRopeScaling(_short_float(need("rope.scaling.factor")))
+    elif scaling_type not in (None, "none"):
         raise CheckpointError(
             f"GGUF rope scaling {scaling_type!r} is not supported for GGUF files; use the HF checkpoint."
         )
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    num_layers = int(need("block_count"))
+    family: dict[str, Any] = {}
+    if arch == "qwen2":
+        family = dict(architecture="qwen2", qkv_bias=True)
+    elif arch == "gemma3":
+        family = _gemma3_fields(meta, num_layers, hidden, num_heads, head_dim, rope_scaling)
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=_short_float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=_short_float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         tie_embeddings="output.weight" not in tensor_shapes,
-        qk_norm=False,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 8192)),
-        architecture="llama",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         dtype=dtype,
+        **{"architecture": "llama", "qk_norm": False, **family},
+    )
+
+
+def _gemma3_fields(meta, num_layers, hidden, num_heads, head_dim, rope_scaling) -> dict[str, Any]:
+    """Gemma 3's config switches from GGUF metadata plus llama.cpp's hard-coded Gemma 3 rules."""
+    window = int(meta.get("gemma3.attention.sliding_window") or 0)
+    if not window:
+        raise CheckpointError("GGUF metadata lacks 'gemma3.attention.sliding_window'; re-convert the file.")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):  # per layer: True = sliding
+        sliding = [bool(pattern[i % len(pattern)]) for i in range(num_layers)]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(num_layers)]
+    # llama.cpp: attention scale 1/sqrt(hidden / heads) for the 27B (62 layers), else 1/sqrt(head_dim).
+    scalar = hidden // num_heads if num_layers == 62 else head_dim
+    return dict(
+        architecture="gemma3", qk_norm=True, norm_offset=1.0, sandwich_norms=True,
+        mlp_activation="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=float(scalar),
+        layer_windows=tuple(window if s else GLOBAL_WINDOW for s in sliding),
+        sliding_rope_theta=_short_float(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
+        rope_scaling=rope_scaling,
     )
 
 
@@ -157,11 +203,14 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]):
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_tokenizer(reader, meta)
     if kind != "gpt2":
         raise CheckpointError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); use the HF "
-            "checkpoint's tokenizer.json."
+            f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and sentencepiece "
+            "'llama' are); use the HF checkpoint's tokenizer.json."
         )
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     merges_field = reader.fields.get("tokenizer.ggml.merges")  # absent when a vocab has none
     merges = [tuple(m.split(" ", 1)) for m in merges_field.contents()] if merges_field is not None else []
@@ -177,6 +226,12 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]):
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level]
         )
+    elif pre in GGUF_PRE_TOKENIZER_SPLITS:
+        # Vocabularies whose merges were learned on another split than GPT-2's (qwen2, llama-bpe).
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
@@ -216,6 +271,46 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]):
     )
 
 
+def _sentencepiece_tokenizer(reader, meta: dict[str, Any]):
+    """A sentencepiece vocabulary (`tokenizer.ggml.model` 'llama': Gemma, Llama 2, Mistral) as a
+    fast tokenizer, built by transformers' torch-free GGUF tokenizer converters."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    spec: dict[str, Any] = {"tokenizer_type": "llama", "tokens": tokens}
+    for key, name in (("scores", "scores"), ("token_type", "token_type"), ("merges", "merges")):
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            spec[name] = field.contents()
+    if "scores" not in spec and "merges" not in spec:
+        spec["scores"] = [0.0] * len(tokens)
+    backend, _ = convert_gguf_tokenizer(meta.get("general.architecture"), spec)
+
+    def token(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+    bos = token("bos_token_id")
+    # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
+    if bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
+        )
+    else:
+        backend.post_processor = None
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+
+
 def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict, Any, str | None]:
     """(config, host numpy params, tokenizer, chat template) from a GGUF file.
 
@@ -231,15 +326,16 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     # GGUF shapes are listed fastest-axis first; reversed they are HF's [out, in].
     gguf_shapes = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in tensors.items()}
     cfg = config_from_gguf(meta, gguf_shapes, dtype)
+    arch = meta.get("general.architecture")
 
-    unknown = sorted(n for n in tensors if hf_name_of(n) is None)
+    unknown = sorted(n for n in tensors if hf_name_of(n, arch) is None)
     if unknown:
         raise CheckpointError(
             f"GGUF file {path} holds tensors spec_jax does not know: {unknown[:8]}; it is not a plain "
-            "Llama decoder."
+            f"{arch} decoder."
         )
-    by_hf = {hf_name_of(n): t for n, t in tensors.items()}
-    shapes = {hf_name_of(n): s for n, s in gguf_shapes.items()}
+    by_hf = {hf_name_of(n, arch): t for n, t in tensors.items()}
+    shapes = {hf_name_of(n, arch): s for n, s in gguf_shapes.items()}
     check_hf_tensors(shapes, expected_hf_shapes(cfg), str(path))
 
     np_dtype = jnp.dtype(dtype)
@@ -247,10 +343,12 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     def get_tensor(hf_name: str) -> np.ndarray:
         t = by_hf[hf_name]
         w = dequantize(t.data, t.tensor_type).reshape(shapes[hf_name])
-        if hf_name.endswith("self_attn.q_proj.weight"):
+        if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
             w = unpermute_rotary_rows(w, cfg.num_heads)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
+        elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
             w = unpermute_rotary_rows(w, cfg.num_kv_heads)
+        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w)
         return np.asarray(w, dtype=np_dtype)
 
     params = params_from_hf(get_tensor, cfg)

@@ -318,7 +318,9 @@ def forward_hidden(
     t = tokens.shape[1]
     positions = positions.astype(jnp.int32)
     style = layer_style(cfg)
-    inv_freqs = {}  # one per distinct (base, scaling): Gemma 3's sliding and full layers differ
+    # One per distinct (base, scaling): Gemma 3's sliding and full layers differ.
+    layer_ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
+    inv_freqs = {r: rope_inv_freq(cfg.head_dim, *r) for r in dict.fromkeys(layer_ropes)}
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] where the pass goes
     pass_mask = chain_mask(t) if mask is None else mask.astype(bool)
     pass_masks = {}  # one in-pass mask per distinct window: [B or 1, T, T]
@@ -327,9 +329,6 @@ def forward_hidden(
     new_k, new_v = [], []
     for i, lp in enumerate(params["layers"]):
         window = cfg.layer_windows[i]
-        rope_of_layer = cfg.layer_rope(i)
-        if rope_of_layer not in inv_freqs:
-            inv_freqs[rope_of_layer] = rope_inv_freq(cfg.head_dim, *rope_of_layer)
         if window not in pass_masks:
             in_window = positions[:, :, None] - positions[:, None, :] < window
             pass_masks[window] = pass_mask & in_window
@@ -346,7 +345,7 @@ def forward_hidden(
 
         with jax.named_scope(f"layer_{i}"):
             x, (k_cache, v_cache) = decoder_layer(
-                lp, x, positions, inv_freqs[rope_of_layer], cfg.rms_norm_eps, write_then_attend,
+                lp, x, positions, inv_freqs[layer_ropes[i]], cfg.rms_norm_eps, write_then_attend,
                 style=style,
             )
         new_k.append(k_cache)
