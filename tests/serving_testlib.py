@@ -20,6 +20,10 @@ CORPUS = [
     "for i in range(10):\n    print(i * i)\n",
 ]
 EOS_TOKEN = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def make_tokenizer(vocab_size: int = 320):
@@ -34,7 +38,9 @@ def make_tokenizer(vocab_size: int = 320):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def save_tiny_target(directory: Path, max_positions: int = 512) -> Path:

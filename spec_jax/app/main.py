@@ -4,6 +4,7 @@
     spec-jax generate --prompt-ids 1,2,3 --drafter ngram --k 4 --json
     spec-jax bench --drafters ngram,self --k 2,4,8 --num-prompts 10 --out results/
     spec-jax info --target path/to/hf_dir
+    spec-jax serve --port 8000            # OpenAI-compatible API with continuous batching
 
 Results go to stdout (with --json exactly one JSON object); logs and progress go to stderr.
 A user error prints one `error: ...` line to stderr and exits with status 2.
@@ -18,12 +19,12 @@ import os
 import sys
 from typing import Sequence
 
-from spec_jax.app import bench, info, train
+from spec_jax.app import bench, info, serve, train
 from spec_jax.app import generate as generate_command
 
 EXIT_USAGE = 2
 
-COMMANDS = {"generate": generate_command, "bench": bench, "info": info, "train": train}
+COMMANDS = {"generate": generate_command, "bench": bench, "info": info, "train": train, "serve": serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,254 @@
+"""`spec-jax serve` over real HTTP on 127.0.0.1 (ephemeral ports, bounded requests and time):
+completions and chat, streaming (SSE ending with [DONE]) equal to non-streamed, concurrent
+streams, a client that disconnects mid-stream frees its slot, bad requests get a 4xx naming the
+field while the server stays healthy, the official `openai` client, and SIGTERM on the command."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from serving_testlib import save_tiny_target
+
+from spec_jax.app.serve import ServerState, create_app
+from spec_jax.checkpoints import load_target
+from spec_jax.decoding.engine import Engine
+from spec_jax.decoding.generate import generate
+from spec_jax.drafters.ngram import NGramDrafter
+
+MAX_MODEL_LEN = 96
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    """The app on an in-process uvicorn (a thread), on a free port."""
+    import uvicorn
+
+    target = load_target(str(tiny_dir), dtype="float32")
+    engine = Engine(target, NGramDrafter(k=3), slots=3, max_model_len=MAX_MODEL_LEN, chunk_steps=2)
+    engine.warmup([16, 32])
+    state = ServerState(engine, target.tokenizer, target.chat_template, "tiny", "ngram")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + TIMEOUT
+    while not uv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert uv.started
+    yield {"port": sock.getsockname()[1], "target": target, "engine": engine}
+    uv.should_exit = True
+    thread.join(TIMEOUT)
+
+
+def request(port, method, path, body=None, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, json.loads(payload)
+
+
+def stream(port, path, body, stop_after=None):
+    """SSE events of a streaming request, as parsed JSON ([DONE] as the string); with stop_after=n
+    the connection is closed after n events."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    conn.request("POST", path, body=json.dumps(dict(body, stream=True)), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = []
+    for line in resp:
+        line = line.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+        if data == "[DONE]" or (stop_after is not None and len(events) >= stop_after):
+            break
+    conn.close()
+    return events
+
+
+def completion_text(events, chat):
+    if chat:
+        return "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    return "".join(e["choices"][0]["text"] for e in events[:-1])
+
+
+def test_health_and_models(server):
+    status, body = request(server["port"], "GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["slots"] == 3
+    status, body = request(server["port"], "GET", "/v1/models")
+    assert status == 200 and body["data"][0]["id"] == "tiny" and body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_completion_is_generate_and_streams_the_same(server):
+    tok = server["target"].tokenizer
+    body = {"model": "tiny", "prompt": "def is_prime(n):", "max_tokens": 24, "temperature": 0}
+    status, out = request(server["port"], "POST", "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    ids = tok.encode("def is_prime(n):")
+    ref = generate(server["target"], [ids], max_new_tokens=24)
+    assert choice["token_ids"] == ref.generated_ids[0] and choice["finish_reason"] == ref.finish_reasons[0]
+    assert choice["text"] == tok.decode(ref.generated_ids[0], skip_special_tokens=True)
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref.generated_ids[0]),
+                            "total_tokens": len(ids) + len(ref.generated_ids[0])}
+    spec = out["speculative"]
+    assert spec["drafted"] == 3 * spec["steps"] and spec["accepted"] <= spec["drafted"] and spec["tau"] >= 1
+    events = stream(server["port"], "/v1/completions", body)
+    assert events[-1] == "[DONE]" and completion_text(events[:-1], chat=False) == choice["text"]
+    last = events[-2]
+    assert last["choices"][0]["finish_reason"] == choice["finish_reason"] and last["usage"] == out["usage"]
+
+
+def test_concurrent_streams_equal_their_non_streamed_answers(server):
+    """Six chat streams at once on three slots (so some wait, then take freed slots)."""
+    bodies = [{"messages": [{"role": "user", "content": f"Question {i}: café {'x' * i}"}],
+               "max_tokens": 12 + 3 * i, "temperature": 0} for i in range(6)]
+    expected = []
+    for b in bodies:
+        status, out = request(server["port"], "POST", "/v1/chat/completions", b)
+        assert status == 200, out
+        expected.append(out["choices"][0]["message"]["content"])
+    results = [None] * len(bodies)
+
+    def run(i):
+        results[i] = stream(server["port"], "/v1/chat/completions", bodies[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    for events, text in zip(results, expected):
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert events[-1] == "[DONE]" and completion_text(events[1:-1], chat=True) == text
+        assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    engine, cancelled = server["engine"], []
+    engine_cancel = engine.cancel
+    engine.cancel = lambda rid: (cancelled.append(rid), engine_cancel(rid))  # the runner only cancels unfinished requests
+    body = {"prompt": "The quick brown fox", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
+            "temperature": 0}
+    try:
+        events = stream(server["port"], "/v1/completions", body, stop_after=2)
+        deadline = time.time() + TIMEOUT
+        while not cancelled and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.cancel = engine_cancel
+    assert len(cancelled) == 1
+    assert len(events) == 2 and events[-1] != "[DONE]"
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline:
+        status, health = request(server["port"], "GET", "/health")
+        if health["running"] == 0 and health["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert health["running"] == 0 and not server["engine"].live.any()
+    assert request(server["port"], "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4})[0] == 200
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", "{not json", 400, None),
+        ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+        ("/v1/completions", [1, 2], 400, None),
+    ],
+)
+def test_bad_requests_get_4xx_naming_the_field(server, path, body, status, param):
+    raw = body if isinstance(body, str) else None
+    got, out = request(server["port"], "POST", path, None if raw else body, raw=raw)
+    assert got == status, out
+    assert out["error"]["param"] == param and out["error"]["message"]
+    if param:
+        assert param in out["error"]["message"]
+    assert request(server["port"], "GET", "/health") == (200, request(server["port"], "GET", "/health")[1])
+
+
+def test_openai_client_streaming_and_not(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="unused", timeout=TIMEOUT,
+                           max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "Write a haiku about the sea 🌊"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert full.choices[0].finish_reason in ("stop", "length") and full.usage.completion_tokens >= 1
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == full.choices[0].message.content
+    text = client.completions.create(model="tiny", prompt="for i in", max_tokens=8, temperature=0.7, seed=1)
+    assert text.usage.prompt_tokens >= 1 and text.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="x", temperature=-2)
+
+
+def test_serve_command_drains_on_sigterm(tiny_dir):
+    """`spec-jax serve` in its own process: a stream running when SIGTERM arrives finishes with
+    [DONE], then the process exits 0."""
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spec_jax.app.main", "serve", "--target", str(tiny_dir), "--port", "0",
+         "--slots", "2", "--max-model-len", "48", "--drafter", "ngram", "--dtype", "float32",
+         "--drain-timeout", "20"],
+        stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).parent.parent,
+    )
+    try:
+        port, lines = None, []
+        deadline = time.time() + 240
+        while port is None and time.time() < deadline:
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+            port = int(match.group(1)) if match else None
+        assert port, "".join(lines)
+        events = []
+        body = {"prompt": "The quick", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+        thread = threading.Thread(target=lambda: events.extend(stream(port, "/v1/completions", body)))
+        thread.start()
+        while request(port, "GET", "/health")[1]["running"] == 0 and thread.is_alive():
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(TIMEOUT)
+        assert proc.wait(TIMEOUT) == 0
+        assert events and events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
