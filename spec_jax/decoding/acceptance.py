@@ -50,3 +50,104 @@ def accept(
     # Step 5: sample it (one-hot under greedy -> the target's argmax).
     next_token = sample(token_key, next_dist)
     return num_accepted.astype(jnp.int32), next_token
+
+
+def accept_tree(
+    key: jax.Array,
+    target_probs: jax.Array,
+    tokens: jax.Array,
+    parents: jax.Array,
+    max_depth: int,
+    draft_probs: jax.Array | None = None,
+    mode: str = "deterministic",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The acceptance rule over a token tree: the longest accepted root-to-leaf path.
+
+    target_probs: [B, N+1, V] warped p at every in-pass node (index 0 = the root)
+    tokens:       [B, N+1] int32 the nodes' tokens (the root's is the last committed token)
+    parents:      [B, N+1] int32 parent in-pass indices (the root's is -1; parents precede children)
+    max_depth:    static bound on the depth of any node (the drafter's K)
+    draft_probs:  [B, N+1, V] q each node was drawn from (siblings share it; row 0 unused), or
+                  None for deterministic candidates (distinct siblings, one-hot q)
+    mode:         "deterministic", "with_replacement" or "without_replacement" (see TreeDraft)
+    Returns (num_accepted [B] = the accepted path's depth, next_token [B], path [B, max_depth+1]:
+    the in-pass indices of the root and the accepted nodes, root first; entries past the path
+    are 0).
+
+    Invariant (per node, siblings tried in index order): the token emitted after reaching node x
+    is distributed as p_x. Deterministic candidates c_1..c_m: accepting c_i with probability
+    p'(c_i) and then zeroing it (p' <- normalise(p' - p'(c_i) e_{c_i})) is the same as drawing
+    t ~ p_x once and moving to the child whose token is t, emitting t when no child has it; that
+    is what runs here (one draw per node, all nodes at once). Drawn candidates: accept c_i with
+    probability min(1, p'(c_i) / q_i(c_i)); after a rejection p' <- normalise(max(p' - q_i, 0)),
+    where q_i = q for draws with replacement and q with c_1..c_{i-1} removed and renormalised for
+    draws without replacement. The token after the last rejection comes from the final p'.
+    """
+    batch, nodes, vocab = target_probs.shape
+    rows = jnp.arange(batch)
+    node_ids = jnp.arange(nodes)
+    is_node = node_ids[None, :] > 0
+    if mode == "deterministic":
+        # Step 1: one draw t_x ~ p_x per node (greedy: the argmax, whatever the key).
+        drawn = sample(key, target_probs)  # [B, N+1]
+        cur = jnp.zeros((batch,), jnp.int32)
+        alive = jnp.ones((batch,), bool)
+        path = [cur]
+        # Step 2: walk down while some child of the current node carries its draw.
+        for _ in range(max_depth):
+            want = drawn[rows, cur]
+            match = is_node & (parents == cur[:, None]) & (tokens == want[:, None]) & alive[:, None]
+            found = jnp.any(match, axis=-1)
+            cur = jnp.where(found, jnp.argmax(match, axis=-1), cur).astype(jnp.int32)
+            alive &= found
+            path.append(jnp.where(found, cur, 0))
+        path = jnp.stack(path, axis=1)
+        num_accepted = jnp.sum(path[:, 1:] > 0, axis=-1).astype(jnp.int32)
+        return num_accepted, drawn[rows, cur], path
+
+    if draft_probs is None or mode not in ("with_replacement", "without_replacement"):
+        raise ValueError(f"tree mode {mode!r} needs draft_probs (or use 'deterministic')")
+    # Sibling rank of each node among its parent's children (index order).
+    same_parent = (parents[:, :, None] == parents[:, None, :]) & is_node[:, :, None] & is_node[:, None, :]
+    rank = jnp.sum(same_parent & (node_ids[None, None, :] < node_ids[None, :, None]), axis=-1)
+    max_children = nodes - 1
+    keys = jax.random.split(key, max_depth * max_children + 1)
+    cur = jnp.zeros((batch,), jnp.int32)
+    alive = jnp.ones((batch,), bool)
+    residual = target_probs[:, 0]  # p' [B, V]
+    path = [cur]
+    for depth in range(max_depth):
+        chosen = jnp.full((batch,), -1, jnp.int32)
+        q_left = None  # without replacement: q with the tried siblings removed
+        for r in range(max_children):
+            is_child = is_node & (parents == cur[:, None]) & (rank == r)  # [B, N+1]
+            exists = jnp.any(is_child, axis=-1) & alive & (chosen < 0)
+            child = jnp.argmax(is_child, axis=-1)
+            c = tokens[rows, child]
+            q = draft_probs[rows, child]  # [B, V]
+            if mode == "without_replacement":
+                q_left = q if r == 0 else q_left  # the parent's q, less the tried siblings
+                q_eff = q_left / jnp.maximum(jnp.sum(q_left, -1, keepdims=True), 1e-30)
+            else:
+                q_eff = q
+            p_c = residual[rows, c]
+            q_c = q_eff[rows, c]
+            u = 1.0 - jax.random.uniform(keys[depth * max_children + r], (batch,))
+            accepted = exists & (u * q_c <= p_c)
+            rejected = exists & ~accepted
+            chosen = jnp.where(accepted, child, chosen)
+            left = jnp.maximum(residual - q_eff, 0.0)
+            mass = jnp.sum(left, -1, keepdims=True)
+            # Zero mass means p' <= q_eff everywhere, where a rejection cannot happen (p' = q_eff).
+            new_residual = jnp.where(mass > 0, left / jnp.maximum(mass, 1e-30), residual)
+            residual = jnp.where(rejected[:, None], new_residual, residual)
+            if mode == "without_replacement":
+                q_left = jnp.where(rejected[:, None], q_left.at[rows, c].set(0.0), q_left)
+        found = chosen >= 0
+        cur = jnp.where(found, chosen, cur)
+        residual = jnp.where(found[:, None], target_probs[rows, cur], residual)
+        alive &= found
+        path.append(jnp.where(found, cur, 0))
+    path = jnp.stack(path, axis=1)
+    num_accepted = jnp.sum(path[:, 1:] > 0, axis=-1).astype(jnp.int32)
+    return num_accepted, sample(keys[-1], residual), path

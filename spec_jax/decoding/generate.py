@@ -25,7 +25,9 @@ from spec_jax.decoding.loop import (
     generate_jit,
     generate_loop,
 )
+from spec_jax.decoding.loop import tree_budget
 from spec_jax.drafters.base import Drafter
+from spec_jax.drafters.tree import tree_budget as tree_budget_of
 from spec_jax.models.interface import Target, TargetModel, as_target_model, resolve_target
 from spec_jax.sampling import SamplingParams
 from spec_jax.sharding.placement import gather_to_host
@@ -147,6 +149,25 @@ def with_k(drafter: Drafter | None, k: int | None) -> Drafter | None:
     return drafter
 
 
+def with_tree(drafter: Drafter | None, tree: Any) -> Drafter | None:
+    """The drafter with the tree setting `tree` (None keeps its own; 0 = a chain of K; N = a
+    budget of N nodes; a tuple of paths = a static tree), for drafters that draft trees."""
+    if tree is None:
+        return drafter
+    if drafter is None:
+        if tree_budget_of(tree):
+            raise ValueError("tree needs a drafter: plain decoding (no drafter) verifies no drafts.")
+        return None
+    if not hasattr(drafter, "propose_tree"):
+        if tree_budget_of(tree):
+            raise ValueError(
+                f"{type(drafter).__name__} drafts chains only; tree drafting is available for "
+                "DFlash, Medusa, EAGLE-3, the draft model, n-gram and lookup-first drafters."
+            )
+        return drafter
+    return dataclasses.replace(drafter, tree=tree)
+
+
 def check_capacity(
     longest: int, max_new_tokens: int, k: int, capacity: int | None, max_positions: int
 ) -> int:
@@ -200,14 +221,16 @@ def prepare_inputs(
     stop_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     capacity: int | None = None,
+    tree: Any = None,
 ) -> PreparedCall:
     """Check everything a user can get wrong (before any compile), resolve the stop ids, pad the
     prompts to their bucket: the host half of `generate` (same arguments)."""
     resolved, own_stop = resolve_target(target)
     model = resolved.model
     k, capacity = validation.check_k(k), validation.check_capacity(capacity)
-    drafter = with_k(drafter, k)
-    k_eff = drafter.k if drafter is not None else 0
+    drafter = with_tree(with_k(drafter, k), tree)
+    # Slots a verify pass writes past the last committed token: K, or N for a tree.
+    k_eff = max(drafter.k, tree_budget(drafter)) if drafter is not None else 0
     checked = validation.check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     max_new_tokens, seed = checked["max_new_tokens"], checked["seed"]
     prompts = validation.check_prompts(prompts, model.vocab_size)
@@ -283,6 +306,7 @@ def generate(
     capacity: int | None = None,
     mesh: Any = None,
     sharding_rules: Any = None,
+    tree: Any = None,
 ) -> GenerationResult:
     """Generate continuations of token-id prompts (one batch) with an optional drafter.
 
@@ -290,6 +314,9 @@ def generate(
       params)` tuple whose model implements `spec_jax.models.TargetModel` (or is a built-in
       `ModelConfig`).
     drafter: None for the autoregressive baseline, else a Drafter; `k` overrides its K.
+    tree: overrides a tree-capable drafter's tree setting: 0 = a chain of K drafts, N = a tree
+      of N draft nodes verified in one pass (K bounds its depth), a tuple of paths = a static
+      tree (`spec_jax.drafters.tree`).
     stop_ids: default `default_stop_ids(target)`: EOS and, for a loaded model with a chat template,
       its end-of-turn token (so a chat prompt stops at the end of the assistant's turn);
       `ignore_eos=True` disables stopping.
@@ -303,7 +330,7 @@ def generate(
     call = prepare_inputs(
         target, prompts, drafter, drafter_params, k=k, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids,
-        ignore_eos=ignore_eos, capacity=capacity,
+        ignore_eos=ignore_eos, capacity=capacity, tree=tree,
     )
     model, inputs = call.target.model, call.inputs
     if mesh is not None:

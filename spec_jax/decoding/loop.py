@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax.decoding.acceptance import accept
+from spec_jax.decoding.acceptance import accept, accept_tree
 from spec_jax.drafters.base import Drafter
-from spec_jax.models.interface import Target, TargetModel, as_target_model
+from spec_jax.drafters.tree import node_depths, tree_budget as _tree_budget, with_root
+from spec_jax.models.interface import Target, TargetModel, ancestor_mask, as_target_model
 from spec_jax.models.weights import abstract_from_specs
 from spec_jax.sampling import SamplingParams, sample, warp
 
@@ -222,31 +223,37 @@ def speculative_step(
     rows = jnp.arange(batch)
     key, draft_key, accept_key = jax.random.split(state.key, 3)
 
-    # Step 1: draft K tokens per row.
-    if drafter is not None:
-        with jax.named_scope("draft"):
-            drafts, draft_probs, drafter_state = drafter.propose(
-                drafter_params, target, state.drafter_state, state.tokens, state.lengths,
-                draft_key, sampling,
-            )
-    else:
-        drafts, draft_probs, drafter_state = jnp.zeros((batch, 0), jnp.int32), None, ()
-
-    # Step 2: verify [last committed token, d_1..d_K] in one target pass.
-    start = state.lengths - 1  # [B]
+    start = state.lengths - 1  # [B] position of the last committed token (the root)
     last = state.tokens[rows, start]
-    verify_tokens = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, K+1]
-    offsets = jnp.arange(k + 1, dtype=jnp.int32)
-    verify_positions = start[:, None] + offsets  # [B, K+1]
-    with jax.named_scope("verify"):
-        hidden, captured, cache = target.forward(
-            verify_tokens, verify_positions, state.cache, capture=capture
+    if tree_budget(drafter) > 0:
+        drafts, num_accepted, next_token, path, cache, captured, drafter_state = _tree_step(
+            state, target, drafter, drafter_params, sampling, draft_key, accept_key, last
         )
-        logits = target.logits(hidden)  # [B, K+1, V] float32
+    else:
+        path = None
+        # Step 1: draft K tokens per row.
+        if drafter is not None:
+            with jax.named_scope("draft"):
+                drafts, draft_probs, drafter_state = drafter.propose(
+                    drafter_params, target, state.drafter_state, state.tokens, state.lengths,
+                    draft_key, sampling,
+                )
+        else:
+            drafts, draft_probs, drafter_state = jnp.zeros((batch, 0), jnp.int32), None, ()
 
-    # Step 3: accept a prefix of the drafts; sample the correction or bonus token.
-    with jax.named_scope("accept"):
-        num_accepted, next_token = accept(accept_key, warp(logits, sampling), drafts, draft_probs)
+        # Step 2: verify [last committed token, d_1..d_K] in one target pass.
+        verify_tokens = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, K+1]
+        verify_positions = start[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K+1]
+        with jax.named_scope("verify"):
+            hidden, captured, cache = target.forward(
+                verify_tokens, verify_positions, state.cache, capture=capture
+            )
+            logits = target.logits(hidden)  # [B, K+1, V] float32
+
+        # Step 3: accept a prefix of the drafts; sample the correction or bonus token.
+        with jax.named_scope("accept"):
+            num_accepted, next_token = accept(accept_key, warp(logits, sampling), drafts, draft_probs)
+    offsets = jnp.arange(k + 1, dtype=jnp.int32)
     out = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
     out = out.at[rows, num_accepted].set(next_token)  # [B, K+1]: d_1..d_n, next, (unused)
 
@@ -278,7 +285,7 @@ def speculative_step(
     stats = state.stats
     stats = Stats(
         steps=stats.steps + live,
-        drafted=stats.drafted + live * k,
+        drafted=stats.drafted + live * (tree_budget(drafter) or k),
         accepted=stats.accepted + live * num_accepted,
         emitted=stats.emitted + num_new,
         histogram=stats.histogram
@@ -292,12 +299,54 @@ def speculative_step(
         prompt_lengths=state.prompt_lengths,
         done=state.done | newly_stopped | hit_length,
         finish_reason=finish.astype(jnp.int32),
-        cache=target.model.commit(cache, lengths - 1),  # a chain: rejected drafts drop by length
+        # A chain: rejected drafts drop by length; a tree: the accepted path moves to contiguous
+        # slots first.
+        cache=target.model.commit(cache, lengths - 1, path),
         drafter_state=drafter_state,
         key=key,
         step=state.step + 1,
         stats=stats,
     )
+
+
+def tree_budget(drafter: Drafter | None) -> int:
+    """Draft nodes per verify step when the drafter proposes trees (its static `tree` setting),
+    else 0 (a chain of K)."""
+    return 0 if drafter is None else _tree_budget(getattr(drafter, "tree", 0))
+
+
+def _tree_step(state, target, drafter, drafter_params, sampling, draft_key, accept_key, last):
+    """Steps 1-3 for a tree: draft N nodes, verify root + N in one pass under the ancestor mask
+    (node position = start + depth), accept the longest accepted path. -> (the path's drafts
+    [B, K] (0 past it), num_accepted [B], next_token [B], path [B, K+1], the target cache,
+    the captured hidden states along the path [B, K+1, n*H] (or None), drafter state)."""
+    k = drafter.k
+    rows = jnp.arange(last.shape[0])
+    start = state.lengths - 1
+    with jax.named_scope("draft"):
+        tree, drafter_state = drafter.propose_tree(
+            drafter_params, target, state.drafter_state, state.tokens, state.lengths, draft_key,
+            sampling,
+        )
+    verify_tokens, parents = with_root(tree, last)  # [B, N+1]
+    positions = start[:, None] + node_depths(tree.parents)
+    with jax.named_scope("verify"):
+        hidden, captured, cache = target.forward(
+            verify_tokens, positions, state.cache, mask=ancestor_mask(parents),
+            capture=drafter.capture_layers,
+        )
+        logits = target.logits(hidden)  # [B, N+1, V] float32
+    draft_probs = None
+    if tree.probs is not None:
+        draft_probs = jnp.concatenate([jnp.zeros_like(tree.probs[:, :1]), tree.probs], axis=1)
+    with jax.named_scope("accept"):
+        num_accepted, next_token, path = accept_tree(
+            accept_key, warp(logits, sampling), verify_tokens, parents, k, draft_probs, tree.mode
+        )
+    drafts = jnp.where(jnp.arange(k)[None, :] < num_accepted[:, None], verify_tokens[rows[:, None], path[:, 1:]], 0)
+    if captured is not None:  # drafters read the path's hidden states as if it were a chain
+        captured = jnp.take_along_axis(captured, path[:, :, None], axis=1)
+    return drafts, num_accepted, next_token, path, cache, captured, drafter_state
 
 
 def generate_loop(

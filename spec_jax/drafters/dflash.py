@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from spec_jax.drafters.tree import check_tree_setting, tree_from_logprobs
 from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling, kv_bytes_per_token
@@ -436,6 +437,9 @@ class DFlashDrafter:
     sample_drafts: at temperature > 0, sample drafts from the warped draft logits and return their
                   probabilities (as the reference does); False keeps argmax drafts (one-hot q).
                   Under greedy sampling both give argmax drafts.
+    tree:         0 for a chain of K drafts; a node budget N for a best-first tree over the
+                  block's per-position distributions (DDTree); or a tuple of paths for a static
+                  tree (`spec_jax.drafters.tree`). Tree nodes are top-k candidates (deterministic).
     State: a `KVCache` of context k/v (per layer [B, Kv, capacity, D]) whose `lengths` [B] are the context
     lengths (lengths - 1 of the loop: every committed token but the last).
     """
@@ -443,6 +447,7 @@ class DFlashDrafter:
     cfg: DFlashConfig
     k: int | None = None
     sample_drafts: bool = True
+    tree: Any = 0
     # propose returns the state it was given (the context cache changes in commit only), so a
     # wrapper may skip it on steps where it needs no drafts from this drafter (LookupFirstDrafter).
     stateless_propose = True
@@ -455,6 +460,7 @@ class DFlashDrafter:
                 f"DFlash K must be in 1..block_size-1 = 1..{self.cfg.block_size - 1} (one block "
                 f"drafts block_size-1 tokens), got {self.k}."
             )
+        check_tree_setting(self.tree, self.k, static_ok=True, name="DFlash")
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -555,3 +561,9 @@ class DFlashDrafter:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, state
         probs = warp(logits, sampling)  # one-hot argmax under greedy
         return sample(key, probs), probs, state
+
+    def propose_tree(self, params, target: Target, state: KVCache, tokens, lengths, key, sampling):
+        """A tree from the block's one pass: its K per-position distributions, expanded best
+        first (or into the static shape) up to the `tree` budget."""
+        logits = self.draft_logits(params, target, state, tokens, lengths)  # [B, K, V]
+        return tree_from_logprobs(jax.nn.log_softmax(logits, axis=-1), self.tree), state

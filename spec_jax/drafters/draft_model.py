@@ -11,7 +11,14 @@ import jax.numpy as jnp
 from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import Decoder
-from spec_jax.models.interface import Target, TargetModel
+from spec_jax.drafters.tree import (
+    check_tree_setting,
+    expand_level,
+    expansion_width,
+    select_best_nodes,
+    tree_budget,
+)
+from spec_jax.models.interface import Target, TargetModel, ancestor_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +37,12 @@ class DraftModelDrafter:
 
     model: Any
     k: int = 4
+    tree: Any = 0  # 0: a chain; N: an EAGLE-2-style tree of N nodes (`propose_tree`)
 
     def __post_init__(self):
         if isinstance(self.model, ModelConfig):
             object.__setattr__(self, "model", Decoder(self.model))
+        check_tree_setting(self.tree, self.k, static_ok=False, name="The draft model")
 
     @property
     def cfg(self) -> ModelConfig | None:
@@ -68,6 +77,20 @@ class DraftModelDrafter:
             logits = jnp.pad(logits, ((0, 0), (0, target_vocab - vd)), constant_values=-jnp.inf)
         return warp(logits, sampling)
 
+    def _refeed(self, params, state, tokens, lengths):
+        """Rewind to L-K-1 (0 for short prompts) and re-feed the committed tokens from there, K+1
+        slots (past L-1 on short prompts: repeats of the last token, written beyond the committed
+        length and never seen). -> (float32 logits at position L-1 [B, V_d], the cache with the
+        first L tokens committed)."""
+        model = self.model
+        rows = jnp.arange(tokens.shape[0])
+        start = jnp.maximum(lengths - self.k - 1, 0)  # [B]
+        pos = start[:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)  # [B, K+1]
+        inputs = tokens[rows[:, None], jnp.minimum(pos, lengths[:, None] - 1)]
+        out = model.forward(params, inputs, pos, model.commit(state, start))
+        logits = model.logits(params, out.hidden[rows, lengths - 1 - start])  # [B, V_d]
+        return logits, model.commit(out.cache, lengths)
+
     def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
         batch, prompt_len = prompt_tokens.shape
         positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
@@ -81,17 +104,10 @@ class DraftModelDrafter:
         rows = jnp.arange(batch)
         vocab = target.vocab_size
         keys = jax.random.split(key, self.k)
-        # Draft step 1: rewind to L-K-1 (0 for short prompts) and re-feed the committed tokens
-        # from there, K+1 slots (past L-1 on short prompts: repeats of the last token, written
-        # beyond the committed length and never seen). Logits at position L-1 only.
-        start = jnp.maximum(lengths - self.k - 1, 0)  # [B]
-        pos = start[:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)  # [B, K+1]
-        inputs = tokens[rows[:, None], jnp.minimum(pos, lengths[:, None] - 1)]
-        out = model.forward(params, inputs, pos, model.commit(state, start))
-        logits = model.logits(params, out.hidden[rows, lengths - 1 - start])  # [B, V_d]
+        # Draft step 1: re-feed the committed tokens the draft model has not all seen.
+        logits, cache = self._refeed(params, state, tokens, lengths)
         probs = self._draft_probs(logits, vocab, sampling)  # [B, V]
         draft = sample(keys[0], probs)
-        cache = model.commit(out.cache, lengths)
 
         # Draft steps 2..K: feed the previous draft at the next position.
         def step(carry, step_key):
@@ -105,6 +121,50 @@ class DraftModelDrafter:
         drafts = jnp.concatenate([draft[:, None], rest.T], axis=1)  # [B, K]
         draft_probs = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_probs, 0, 1)], axis=1)
         return drafts, draft_probs, cache
+
+    def _target_logprobs(self, logits: jax.Array, target_vocab: int) -> jax.Array:
+        """Draft logits [..., V_d] -> log-probabilities over the target's vocabulary [..., V_t]."""
+        vd = logits.shape[-1]
+        if vd > target_vocab:
+            logits = logits[..., :target_vocab]
+        elif vd < target_vocab:
+            pad = [(0, 0)] * (logits.ndim - 1) + [(0, target_vocab - vd)]
+            logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+    def propose_tree(self, params, target: Target, state, tokens, lengths, key, sampling):
+        """An EAGLE-2-style tree: level by level, the top-W children of the W best frontier nodes
+        are scored by path log-probability and the W best kept (W from the budget and K, 2..8);
+        then the `tree` budget's best nodes of all levels form the tree (top-k candidates:
+        deterministic). Level d runs one draft pass over every node so far under their ancestor
+        mask, so each node sees the committed context and its own ancestors only."""
+        model, k, budget = self.model, self.k, tree_budget(self.tree)
+        width = expansion_width(budget, k)
+        batch = tokens.shape[0]
+        vocab = target.vocab_size
+        root_logits, cache = self._refeed(params, state, tokens, lengths)  # root committed
+        lp, tok = jax.lax.top_k(self._target_logprobs(root_logits, vocab), width)  # [B, W]
+        node_tokens, node_parents, node_scores = tok, jnp.full((batch, width), -1, jnp.int32), lp
+        node_depths = jnp.ones((batch, width), jnp.int32)
+        frontier = jnp.broadcast_to(jnp.arange(width), (batch, width))
+        for _ in range(k - 1):
+            pass_parents = jnp.where(node_parents >= 0, node_parents, -1)
+            # Nodes see the committed context (the root included) plus their in-pass ancestors.
+            out = model.forward(
+                params, node_tokens, lengths[:, None] - 1 + node_depths, cache,
+                mask=ancestor_mask(pass_parents),
+            )
+            hidden = jnp.take_along_axis(out.hidden, frontier[:, :, None], axis=1)  # [B, W, H]
+            level_lp = self._target_logprobs(model.logits(params, hidden), vocab)
+            new_tok, new_parent, new_score = expand_level(node_scores, frontier, level_lp, width)
+            frontier = node_tokens.shape[1] + jnp.broadcast_to(jnp.arange(width), (batch, width))
+            node_depths = jnp.concatenate(
+                [node_depths, jnp.take_along_axis(node_depths, new_parent, axis=1) + 1], axis=1)
+            node_tokens = jnp.concatenate([node_tokens, new_tok], axis=1)
+            node_parents = jnp.concatenate([node_parents, new_parent], axis=1)
+            node_scores = jnp.concatenate([node_scores, new_score], axis=1)
+        tree = select_best_nodes(node_tokens, node_parents, node_scores, node_depths, budget)
+        return tree, cache
 
     def commit(self, params, target, state, start, num_accepted, verify_captured):
         # Nothing to do: the next propose rewinds to what it re-feeds from.

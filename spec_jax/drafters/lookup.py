@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.drafters.ngram import NGramDrafter
+from spec_jax.drafters.tree import TreeDraft, branch_first, chain_tree
 from spec_jax.models.interface import TargetModel
 
 
@@ -43,12 +44,19 @@ class LookupFirstDrafter:
     k: int | None = None
     min_match: int = 2
     max_ngram: int = 4
+    tree: Any = None  # the model drafter's tree setting (None: the model's own); see propose_tree
 
     def __post_init__(self):
         if self.k is None:
             object.__setattr__(self, "k", self.model.k)
         elif self.model.k != self.k:  # `generate(k=...)` replaces k here: the model drafter follows
             object.__setattr__(self, "model", dataclasses.replace(self.model, k=self.k))
+        if self.tree is None:
+            object.__setattr__(self, "tree", getattr(self.model, "tree", 0))
+        elif self.tree != getattr(self.model, "tree", 0):  # `generate(tree=...)` lands here too
+            if not hasattr(self.model, "propose_tree"):
+                raise ValueError(f"{type(self.model).__name__} drafts chains only; it cannot draft trees.")
+            object.__setattr__(self, "model", dataclasses.replace(self.model, tree=self.tree))
 
     @property
     def lookup(self) -> NGramDrafter:
@@ -104,6 +112,22 @@ class LookupFirstDrafter:
             return looked_up, probs, state
 
         return jax.lax.cond(jnp.all(use_lookup), lookup_only, lookup_and_model)
+
+    def propose_tree(self, params, target, state, tokens, lengths, key, sampling):
+        """The lookup's branch alongside the model's tree: where the lookup matches, its K drafts
+        are the root's first child chain and the model's tree keeps its first N - K nodes behind
+        it (all N of them where it does not match; a tree budget of K or less takes the lookup's
+        first N drafts alone). The choice depends on committed tokens only, so it stays exact."""
+        looked_up, matched = self.lookup.lookup(tokens, lengths)
+        use_lookup = matched >= self.min_match  # [B]
+        tree, state = self.model.propose_tree(params, target, state, tokens, lengths, key, sampling)
+        budget = tree.budget
+        if budget > self.k:
+            return branch_first(tree, looked_up, use_lookup), state
+        lookup_chain = chain_tree(looked_up[:, :budget])
+        use = use_lookup[:, None]
+        return TreeDraft(tokens=jnp.where(use, lookup_chain.tokens, tree.tokens),
+                         parents=jnp.where(use, lookup_chain.parents, tree.parents)), state
 
     def commit(self, params, target, state, start, num_accepted, verify_captured):
         return self.model.commit(params, target, state, start, num_accepted, verify_captured)

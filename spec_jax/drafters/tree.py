@@ -1,0 +1,257 @@
+"""Token trees: what a tree-drafting step proposes, and the builders drafters share.
+
+A step verifies the root (the last committed token, in-pass index 0) plus a static budget of N
+draft nodes (in-pass indices 1..N). Node i has a token and a parent p < i (0 = the root); its
+depth is one more than its parent's, and it sits at position start + depth in the verify pass,
+which uses the ancestor mask (`spec_jax.models.interface.ancestor_mask`). Nodes are stored in
+insertion order, so the first M nodes of any tree are a tree too (lookup-first trees rely on it).
+Siblings are tried in index order by the acceptance (`spec_jax.decoding.acceptance.accept_tree`).
+
+How a tree is chosen is a drafter's static setting `tree`:
+- 0: a chain of K drafts (no tree);
+- N > 0: a budget of N nodes, built the drafter's own way (best-first over per-position
+  distributions for DFlash and Medusa, EAGLE-2-style expansion for the draft model and EAGLE-3,
+  several earlier matches for the n-gram lookup);
+- a tuple of paths: a static tree (Medusa / Sequoia style). Each path lists candidate ranks per
+  depth: (0,) is the top-1 token at depth 1, (0, 1) the second-best token at depth 2 under it.
+  Every prefix of a path must be a path too. Only drafters with per-position distributions take
+  static trees.
+The deepest a tree may go is the drafter's K, so K still bounds the tokens one step commits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT = "deterministic", "with_replacement", "without_replacement"
+CANDIDATE_MODES = (DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT)
+
+TreeSetting = Any  # int budget, or a tuple of paths
+
+
+@struct.dataclass
+class TreeDraft:
+    """One step's proposal for every row.
+
+    tokens:  [B, N] int32  the draft nodes' tokens (in-pass indices 1..N)
+    parents: [B, N] int32  each node's parent's in-pass index, 0 (the root) .. its own index - 1
+    probs:   [B, N, V] or None  the distribution q each node was drawn from (siblings share their
+             parent's q); None when the candidates are deterministic (top-k, lookup matches)
+    mode:    how siblings were chosen (static): DETERMINISTIC (distinct tokens, taken rather than
+             drawn; q is one-hot), WITH_REPLACEMENT (i.i.d. draws from q) or WITHOUT_REPLACEMENT
+             (draws from q, each excluding the earlier siblings' tokens)
+    """
+
+    tokens: jax.Array
+    parents: jax.Array
+    probs: jax.Array | None = None
+    mode: str = struct.field(pytree_node=False, default=DETERMINISTIC)
+
+    @property
+    def budget(self) -> int:
+        return self.tokens.shape[1]
+
+
+def check_tree_setting(tree: TreeSetting, k: int, *, static_ok: bool, name: str) -> None:
+    """Host-side check of a drafter's `tree` setting (raises ValueError naming the fix)."""
+    if isinstance(tree, (bool, np.bool_)):
+        raise ValueError(f"{name}: tree must be a node budget (int) or a tuple of paths, got {tree!r}.")
+    if isinstance(tree, (int, np.integer)):
+        if tree < 0:
+            raise ValueError(f"{name}: the tree budget must be >= 0 nodes (0 = a chain), got {tree}.")
+        return
+    if not static_ok:
+        raise ValueError(
+            f"{name} builds its own trees from a node budget; pass tree=N (an int), not a list of "
+            "paths (static trees need per-position distributions: DFlash, Medusa)."
+        )
+    paths = [tuple(p) for p in tree]
+    if not paths or any(len(p) == 0 for p in paths):
+        raise ValueError(f"{name}: a static tree needs at least one non-empty path, got {tree!r}.")
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"{name}: the static tree lists a path twice.")
+    known = set(paths)
+    for p in paths:
+        if any((not isinstance(r, (int, np.integer))) or r < 0 for r in p):
+            raise ValueError(f"{name}: path {p} must list candidate ranks (ints >= 0).")
+        if len(p) > 1 and p[:-1] not in known:
+            raise ValueError(f"{name}: path {p} needs its parent path {p[:-1]} in the tree too.")
+        if len(p) > k:
+            raise ValueError(f"{name}: path {p} is deeper than K={k}; raise K or shorten the path.")
+
+
+def tree_budget(tree: TreeSetting) -> int:
+    """The number of draft nodes a `tree` setting verifies per step (0 = a chain)."""
+    if isinstance(tree, (int, np.integer)):
+        return int(tree)
+    return len(tuple(tree))
+
+
+def node_depths(parents: jax.Array) -> jax.Array:
+    """parents [B, N] (in-pass indices, root excluded) -> depths [B, N + 1] (the root's is 0)."""
+    batch, n = parents.shape
+    depths = jnp.zeros((batch, n + 1), jnp.int32)
+    rows = jnp.arange(batch)
+    for i in range(n):  # parents precede children, so one pass in index order suffices
+        depths = depths.at[:, i + 1].set(depths[rows, parents[:, i]] + 1)
+    return depths
+
+
+def with_root(tree: TreeDraft, root_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """-> (the verify pass's tokens [B, N+1], parents [B, N+1] with the root's parent -1)."""
+    tokens = jnp.concatenate([root_tokens[:, None].astype(jnp.int32), tree.tokens], axis=1)
+    minus_one = jnp.full((tree.parents.shape[0], 1), -1, jnp.int32)
+    return tokens, jnp.concatenate([minus_one, tree.parents.astype(jnp.int32)], axis=1)
+
+
+def chain_tree(drafts: jax.Array) -> TreeDraft:
+    """A chain of drafts [B, K] as a tree: node i's parent is node i - 1."""
+    batch, k = drafts.shape
+    parents = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+    return TreeDraft(tokens=drafts.astype(jnp.int32), parents=parents)
+
+
+def best_first_tree(logprobs: jax.Array, budget: int, width: int = 8) -> TreeDraft:
+    """DDTree-style best-first tree over independent per-position distributions.
+
+    logprobs [B, D, V]: the drafter's log-probabilities for depths 1..D (a block drafter's one
+    pass, or Medusa's heads). A node's score is the sum of its path's log-probabilities; the tree
+    is the `budget` highest-scoring prefixes, taken best first. Each taken node puts two
+    successors on the frontier, its best child and its next-best sibling, so the frontier stays
+    O(budget) (the k-best paths through sorted lists). A node's parent and elder siblings score at
+    least as high, so they are always taken first: the result is a tree, siblings in rank order.
+    Candidates are the top `width` tokens per depth (deterministic, distinct)."""
+    batch, depth, _ = logprobs.shape
+    width = min(width, budget, logprobs.shape[-1])
+    top_lp, top_tokens = jax.lax.top_k(logprobs.astype(jnp.float32), width)  # [B, D, W]
+    rows = jnp.arange(batch)
+    size = 2 * budget + 1
+    neg = jnp.float32(-jnp.inf)
+    # The frontier: score, depth (0-based: depth 1 is index 0), rank, parent in-pass index.
+    f_score = jnp.full((batch, size), neg).at[:, 0].set(top_lp[:, 0, 0])
+    f_depth = jnp.zeros((batch, size), jnp.int32)
+    f_rank = jnp.zeros((batch, size), jnp.int32)
+    f_parent = jnp.zeros((batch, size), jnp.int32)
+    tokens = jnp.zeros((batch, budget), jnp.int32)
+    parents = jnp.zeros((batch, budget), jnp.int32)
+
+    def take(i, carry):
+        f_score, f_depth, f_rank, f_parent, tokens, parents = carry
+        j = jnp.argmax(f_score, axis=1)  # [B] best frontier entry (ties: the earliest pushed)
+        score, d, r, parent = f_score[rows, j], f_depth[rows, j], f_rank[rows, j], f_parent[rows, j]
+        tokens = tokens.at[:, i].set(top_tokens[rows, d, r])
+        parents = parents.at[:, i].set(parent)
+        f_score = f_score.at[rows, j].set(neg)
+        # Its best child (one level deeper) and its next sibling (same parent, next rank).
+        child_ok = d + 1 < depth
+        child_score = score + top_lp[rows, jnp.minimum(d + 1, depth - 1), 0]
+        sibling_ok = r + 1 < width
+        sibling_score = score - top_lp[rows, d, r] + top_lp[rows, d, jnp.minimum(r + 1, width - 1)]
+        slot = 2 * i + 1
+        f_score = f_score.at[:, slot].set(jnp.where(child_ok, child_score, neg))
+        f_depth = f_depth.at[:, slot].set(d + 1)
+        f_rank = f_rank.at[:, slot].set(0)
+        f_parent = f_parent.at[:, slot].set(i + 1)
+        f_score = f_score.at[:, slot + 1].set(jnp.where(sibling_ok, sibling_score, neg))
+        f_depth = f_depth.at[:, slot + 1].set(d)
+        f_rank = f_rank.at[:, slot + 1].set(r + 1)
+        f_parent = f_parent.at[:, slot + 1].set(parent)
+        return f_score, f_depth, f_rank, f_parent, tokens, parents
+
+    carry = (f_score, f_depth, f_rank, f_parent, tokens, parents)
+    *_, tokens, parents = jax.lax.fori_loop(0, budget, take, carry)
+    return TreeDraft(tokens=tokens, parents=parents)
+
+
+def static_tree_arrays(paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Paths (candidate ranks per depth) -> (depth-1 [N], rank [N], parent in-pass index [N]) in
+    an order where parents come first (by depth, then as listed)."""
+    ordered = sorted((tuple(p) for p in paths), key=len)
+    index = {p: i + 1 for i, p in enumerate(ordered)}
+    depth = np.asarray([len(p) - 1 for p in ordered], np.int32)
+    rank = np.asarray([p[-1] for p in ordered], np.int32)
+    parent = np.asarray([index[p[:-1]] if len(p) > 1 else 0 for p in ordered], np.int32)
+    return depth, rank, parent
+
+
+def static_tree(logprobs: jax.Array, paths: Sequence[Sequence[int]]) -> TreeDraft:
+    """A fixed tree shape (Medusa / Sequoia style) filled from per-position distributions
+    logprobs [B, D, V]: the node at path (r_1, .., r_d) takes the rank-r_d token at depth d."""
+    depth, rank, parent = static_tree_arrays(paths)
+    width = int(rank.max()) + 1
+    _, top_tokens = jax.lax.top_k(logprobs.astype(jnp.float32), width)  # [B, D, W]
+    batch = logprobs.shape[0]
+    tokens = top_tokens[:, depth, rank]  # [B, N]
+    return TreeDraft(tokens=tokens.astype(jnp.int32),
+                     parents=jnp.broadcast_to(jnp.asarray(parent), (batch, len(parent))))
+
+
+def tree_from_logprobs(logprobs: jax.Array, tree: TreeSetting, width: int = 8) -> TreeDraft:
+    """A drafter's `tree` setting over per-position distributions: best-first for a budget,
+    the given shape for a tuple of paths."""
+    if isinstance(tree, (int, np.integer)):
+        return best_first_tree(logprobs, int(tree), width)
+    return static_tree(logprobs, tree)
+
+
+def branch_first(tree: TreeDraft, branch: jax.Array, use_branch: jax.Array) -> TreeDraft:
+    """Put a chain `branch` [B, K] (a lookup's drafts) first, as the root's first child, and keep
+    the tree's first N - K nodes behind it, for rows where `use_branch` [B]; the tree is
+    unchanged elsewhere. Needs N > K and a deterministic tree (a point-mass branch among sampled
+    siblings would mix proposal distributions). The first nodes of a tree are a tree."""
+    if tree.probs is not None:
+        raise ValueError("a lookup branch goes only in front of a deterministic tree")
+    k = branch.shape[1]
+    keep = tree.budget - k
+    chain = chain_tree(branch)
+    shifted_parents = jnp.where(tree.parents[:, :keep] > 0, tree.parents[:, :keep] + k, 0)
+    tokens = jnp.concatenate([chain.tokens, tree.tokens[:, :keep]], axis=1)
+    parents = jnp.concatenate([chain.parents, shifted_parents], axis=1)
+    use = use_branch[:, None]
+    return TreeDraft(tokens=jnp.where(use, tokens, tree.tokens),
+                     parents=jnp.where(use, parents, tree.parents))
+
+
+def expansion_width(budget: int, depth: int) -> int:
+    """Frontier width of an EAGLE-2-style expansion with a node budget and a depth of K: enough
+    nodes per level that the best `budget` can spread over the levels (2..8)."""
+    return int(min(8, max(2, -(-budget // depth) + 1)))
+
+
+def expand_level(scores: jax.Array, frontier: jax.Array, level_logprobs: jax.Array, width: int):
+    """One EAGLE-2 expansion level: the top-`width` children of each frontier node, of which the
+    `width` best by path score are kept.
+
+    scores [B, M] path log-probabilities of the nodes so far; frontier [B, F] the node indices
+    (into the node list) being expanded; level_logprobs [B, F, V] their children's log-probs.
+    -> (new tokens [B, width], their parents' node indices [B, width], their scores [B, width])."""
+    batch, f, _ = level_logprobs.shape
+    child_lp, child_tok = jax.lax.top_k(level_logprobs.astype(jnp.float32), width)  # [B, F, W]
+    rows = jnp.arange(batch)[:, None]
+    parent_score = scores[rows, frontier]  # [B, F]
+    cand = (parent_score[:, :, None] + child_lp).reshape(batch, f * width)
+    best, idx = jax.lax.top_k(cand, width)
+    return child_tok.reshape(batch, f * width)[rows, idx], frontier[rows, idx // width], best
+
+
+def select_best_nodes(tokens: jax.Array, parents: jax.Array, scores: jax.Array, depths: jax.Array,
+                      budget: int) -> TreeDraft:
+    """The `budget` best of the generated nodes by path score, as a tree in insertion order.
+
+    tokens, parents (node-list indices, -1 = the root), scores, depths: [B, M] generated nodes.
+    A node's parent scores at least as high and is shallower, so sorting by (score desc, depth)
+    puts parents first and the best `budget` are closed under taking parents."""
+    batch, m = tokens.shape
+    rows = jnp.arange(batch)[:, None]
+    order = jnp.lexsort((depths, -scores), axis=-1)[:, :budget]  # [B, N] node-list indices
+    new_index = jnp.zeros((batch, m), jnp.int32).at[rows, order].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+    kept_parents = parents[rows, order]
+    return TreeDraft(
+        tokens=tokens[rows, order].astype(jnp.int32),
+        parents=jnp.where(kept_parents >= 0, new_index[rows, jnp.maximum(kept_parents, 0)], 0),
+    )

@@ -1,0 +1,316 @@
+"""Token trees: the builders, the tree acceptance rule (exact in distribution for every candidate
+mode), and greedy tree decoding token-identical to AR for every tree drafter.
+
+Statistical tests fail only at p < 1e-4 (see test_sampling_stats.py); seeds are fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_DFLASH, VOCAB, make_prompts
+from spec_jax.decoding import generate
+from spec_jax.decoding.acceptance import accept_tree
+from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
+from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
+from spec_jax.drafters.lookup import LookupFirstDrafter
+from spec_jax.drafters.ngram import NGramDrafter
+from spec_jax.drafters.tree import (
+    TreeDraft,
+    best_first_tree,
+    branch_first,
+    node_depths,
+    select_best_nodes,
+    static_tree,
+    tree_from_logprobs,
+)
+from spec_jax.sampling import SamplingParams, warp
+from test_sampling_stats import chi_square_ok
+
+
+def tree_paths(tokens, parents):
+    """One row's tree -> {node index: tuple of tokens from the root's child down to it}."""
+    paths = {0: ()}
+    for i, (t, p) in enumerate(zip(tokens, parents), start=1):
+        assert 0 <= p < i, "a parent must precede its child"
+        paths[i] = paths[int(p)] + (int(t),)
+    return paths
+
+
+# ------------------------------------------------------------------ builders
+def test_best_first_tree_takes_the_highest_scoring_prefixes():
+    """Against brute force: every prefix of ranks (<= width per depth) scored by its log-prob sum;
+    the tree is the budget best, it is prefix-closed and siblings come in rank order."""
+    depth, vocab, width, budget = 3, 6, 3, 9
+    logprobs = jax.nn.log_softmax(2.0 * jax.random.normal(jax.random.key(0), (2, depth, vocab)), -1)
+    tree = best_first_tree(logprobs, budget, width)
+    lp = np.asarray(logprobs)
+    for row in range(2):
+        order = np.argsort(-lp[row], axis=-1)[:, :width]
+        scored = []
+        for d in range(1, depth + 1):
+            for ranks in itertools.product(range(width), repeat=d):
+                toks = tuple(int(order[i, r]) for i, r in enumerate(ranks))
+                scored.append((sum(lp[row, i, t] for i, t in enumerate(toks)), toks))
+        best = sorted(scored, reverse=True)[:budget]
+        paths = tree_paths(np.asarray(tree.tokens[row]), np.asarray(tree.parents[row]))
+        assert sorted(paths.values())[1:] == sorted(t for _, t in best)
+        scores = [sum(lp[row, i, t] for i, t in enumerate(paths[n])) for n in range(1, budget + 1)]
+        assert np.all(np.diff(scores) <= 1e-6), "taken best first"
+
+
+def test_static_tree_follows_the_given_ranks():
+    logprobs = jnp.log(jnp.asarray([[[0.5, 0.3, 0.2, 0.0], [0.1, 0.6, 0.2, 0.1]]]) + 1e-9)
+    tree = static_tree(logprobs, [(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    paths = tree_paths(np.asarray(tree.tokens[0]), np.asarray(tree.parents[0]))
+    assert sorted(paths.values()) == [(), (0,), (0, 1), (0, 2), (1,), (1, 1)]
+
+
+def test_select_best_nodes_reindexes_parents_first():
+    # Generated in level order: a(-1), b(-1), then a's child c, b's child d, c's child e.
+    tokens = jnp.asarray([[10, 11, 12, 13, 14]])
+    parents = jnp.asarray([[-1, -1, 0, 1, 2]])
+    scores = jnp.asarray([[-0.1, -2.0, -0.5, -2.5, -0.9]])
+    depths = jnp.asarray([[1, 1, 2, 2, 3]])
+    tree = select_best_nodes(tokens, parents, scores, depths, 4)
+    assert tree_paths(np.asarray(tree.tokens[0]), np.asarray(tree.parents[0])) == {
+        0: (), 1: (10,), 2: (10, 12), 3: (10, 12, 14), 4: (11,),
+    }
+
+
+def test_ngram_tree_branches_are_earlier_matches_merged_into_a_trie():
+    # Suffix "1 2" occurs at 0 (-> 3 4), 4 (-> 3 5) and 8 (-> 7 7); the longest matches come
+    # first, the latest first among equals.
+    seq = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 7, 7, 1, 2]
+    tokens = jnp.asarray([seq + [0] * 6])
+    lengths = jnp.asarray([len(seq)])
+    tree, _ = NGramDrafter(k=2, max_ngram=2, min_ngram=2, tree=6).propose_tree(
+        None, None, (), tokens, lengths, None, None
+    )
+    paths = tree_paths(np.asarray(tree.tokens[0]), np.asarray(tree.parents[0]))
+    assert set(paths.values()) == {(), (7,), (7, 7), (3,), (3, 5), (3, 4)}
+
+
+def test_branch_first_puts_the_lookup_chain_first():
+    tree = TreeDraft(tokens=jnp.asarray([[5, 6, 7, 8]] * 2), parents=jnp.asarray([[0, 1, 0, 2]] * 2))
+    out = branch_first(tree, jnp.asarray([[1, 2]] * 2), jnp.asarray([True, False]))
+    assert tree_paths(np.asarray(out.tokens[0]), np.asarray(out.parents[0])) == {
+        0: (), 1: (1,), 2: (1, 2), 3: (5,), 4: (5, 6),
+    }
+    np.testing.assert_array_equal(out.tokens[1], tree.tokens[1])
+
+
+def test_tree_settings_are_checked_before_compiling():
+    with pytest.raises(ValueError, match="parent path"):
+        DFlashDrafter(TINY_DFLASH, 4, tree=((0,), (1, 0)))
+    with pytest.raises(ValueError, match="deeper than K"):
+        DFlashDrafter(TINY_DFLASH, 1, tree=((0,), (0, 0)))
+    with pytest.raises(ValueError, match="budget of N nodes|tuple of paths|not a list of paths"):
+        NGramDrafter(k=2, tree=((0,),))
+    with pytest.raises(ValueError, match=">= 0"):
+        NGramDrafter(k=2, tree=-1)
+
+
+# ------------------------------------------------------------------ acceptance, context-free
+V_ACC, N_RUNS = 6, 40000
+# Root -> 3 children; children 1 and 2 have 2 children each (max depth 2).
+PARENTS = np.asarray([-1, 0, 0, 0, 1, 1, 2, 2])
+
+
+def synthetic_target(key):
+    """A tree over a context-free synthetic "target": P1[t] after token t, P2[t1, t2] after two,
+    so nodes with the same path share p. Deterministic: distinct top tokens of a draft q; drawn
+    modes: candidates sampled from q per parent (with or without replacement)."""
+    k_p, k_q = jax.random.split(key)
+    kp = jax.random.split(k_p, 3)
+    p_root = jax.nn.softmax(1.5 * jax.random.normal(kp[0], (V_ACC,)))
+    p1 = jax.nn.softmax(1.5 * jax.random.normal(kp[1], (V_ACC, V_ACC)), -1)
+    p2 = jax.nn.softmax(1.5 * jax.random.normal(kp[2], (V_ACC, V_ACC, V_ACC)), -1)
+    kq = jax.random.split(k_q, 2)
+    q_root = jax.nn.softmax(jnp.log(p_root) + jax.random.normal(kq[0], (V_ACC,)))  # near p
+    q1 = jax.nn.softmax(jax.random.normal(kq[1], (V_ACC, V_ACC)), -1)  # unrelated to p1
+    return p_root, p1, p2, q_root, q1
+
+
+def draw_tree(mode, p_root, p1, p2, q_root, q1, key):
+    """Tokens [8], target probs per node [8, V], draft q per node [8, V] for one run."""
+    keys = jax.random.split(key, 3)
+
+    def children(q, n, k):
+        if mode == "deterministic":
+            return jnp.argsort(-q)[:n]
+        if mode == "with_replacement":
+            return jax.random.categorical(k, jnp.log(q), shape=(n,))
+        return jax.random.choice(k, V_ACC, (n,), replace=False, p=q)
+
+    c = children(q_root, 3, keys[0])  # nodes 1, 2, 3
+    g1 = children(q1[c[0]], 2, keys[1])  # nodes 4, 5
+    g2 = children(q1[c[1]], 2, keys[2])  # nodes 6, 7
+    root_token = jnp.zeros((1,), jnp.int32)
+    tokens = jnp.concatenate([root_token, c, g1, g2]).astype(jnp.int32)
+    probs = jnp.stack([p_root, p1[c[0]], p1[c[1]], p1[c[2]],
+                       p2[c[0], g1[0]], p2[c[0], g1[1]], p2[c[1], g2[0]], p2[c[1], g2[1]]])
+    q = jnp.stack([q_root, q_root, q_root, q_root, q1[c[0]], q1[c[0]], q1[c[1]], q1[c[1]]])
+    return tokens, probs, q
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "with_replacement", "without_replacement"])
+def test_accept_tree_reproduces_target_distribution(mode):
+    """Whatever the candidates, the first emitted token is ~ p_root, the next one after an
+    accepted node c is ~ p(.|c), and the one after two accepted nodes ~ p(.|c, g)."""
+    p_root, p1, p2, q_root, q1 = synthetic_target(jax.random.key(7))
+    parents = jnp.asarray(PARENTS)
+
+    def run(key):
+        k_tree, k_acc = jax.random.split(key)
+        tokens, probs, q = draw_tree(mode, p_root, p1, p2, q_root, q1, k_tree)
+        n, nxt, path = accept_tree(
+            k_acc, probs[None], tokens[None], parents[None], 2,
+            None if mode == "deterministic" else q[None], mode,
+        )
+        emitted = jnp.concatenate([tokens[path[0, 1:]], jnp.zeros((1,), jnp.int32)])
+        emitted = emitted.at[n[0]].set(nxt[0])
+        return emitted, n[0]
+
+    emitted, n = jax.jit(jax.vmap(run))(jax.random.split(jax.random.key(8), N_RUNS))
+    emitted, n = np.asarray(emitted), np.asarray(n)
+    p_root, p1, p2 = np.asarray(p_root), np.asarray(p1), np.asarray(p2)
+    chi_square_ok(np.bincount(emitted[:, 0], minlength=V_ACC), p_root, f"{mode}: first token")
+    for c in range(V_ACC):
+        after_c = emitted[(n >= 1) & (emitted[:, 0] == c), 1]
+        if len(after_c) >= 500:
+            chi_square_ok(np.bincount(after_c, minlength=V_ACC), p1[c], f"{mode}: after {c}")
+    deep = n >= 2
+    for c, g in {(int(a), int(b)) for a, b in emitted[deep, :2]}:
+        sel = deep & (emitted[:, 0] == c) & (emitted[:, 1] == g)
+        if sel.sum() >= 500:
+            chi_square_ok(np.bincount(emitted[sel, 2], minlength=V_ACC), p2[c, g], f"{mode}: after {c},{g}")
+    assert 0.05 < (n >= 1).mean() < 1 and (n == 2).mean() > 0.01, "the tree was exercised"
+
+
+def test_accept_tree_greedy_takes_a_later_sibling_and_the_longest_path():
+    # Greedy target: argmax 3 at the root, then 4 after 3, then 5 after 3, 4.
+    tokens = jnp.asarray([[9, 1, 3, 4, 5, 4]])
+    parents = jnp.asarray([[-1, 0, 0, 1, 3, 2]])  # 3 (node 2) has child 4 (node 5)
+    argmax = jnp.asarray([3, 0, 4, 0, 0, 5])
+    probs = jax.nn.one_hot(argmax, 8)[None]
+    n, nxt, path = accept_tree(jax.random.key(0), probs, tokens, parents, 3)
+    assert int(n[0]) == 2 and int(nxt[0]) == 5
+    np.testing.assert_array_equal(path[0], [0, 2, 5, 0])
+
+
+# ------------------------------------------------------------------ greedy end to end
+NEW = 40
+REPEAT = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+PROMPTS = {
+    1: make_prompts([3], seed=0),
+    3: make_prompts([3, 16], seed=0) + [REPEAT],
+    8: make_prompts([3, 16, 1, 12, 5, 9], seed=0) + [REPEAT, [72, 72, 72]],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTreeDrafter:
+    """A test drafter with per-position distributions that know the answer: its params are the
+    AR outputs, and at every other depth a decoy outranks the true token, so best-first
+    trees accept deep paths through later siblings (stressing the tree commit)."""
+
+    k: int = 4
+    tree: object = 8
+    vocab: int = VOCAB
+
+    @property
+    def capture_layers(self):
+        return ()
+
+    def weight_specs(self):
+        return None
+
+    def validate(self, target, capacity):
+        pass
+
+    def init(self, params, target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
+        return ()
+
+    def propose_tree(self, params, target, state, tokens, lengths, key, sampling):
+        batch = tokens.shape[0]
+        pos = jnp.minimum(lengths[:, None] + jnp.arange(self.k), params.shape[1] - 1)
+        truth = params[jnp.arange(batch)[:, None], pos]  # [B, K]
+        decoys = jax.random.randint(key, (batch, self.k, 2), 0, self.vocab)
+        b, d = jnp.arange(batch)[:, None], jnp.arange(self.k)
+        # Odd depths: a decoy ranks first and the truth second; even depths: the truth first.
+        scores = jnp.full((batch, self.k, self.vocab), -6.0)
+        scores = scores.at[b, d, decoys[:, :, 1]].set(-3.0)
+        scores = scores.at[b, d, decoys[:, :, 0]].set(jnp.where(d % 2 == 1, -0.1, -3.0))
+        scores = scores.at[b, d, truth].set(jnp.where(d % 2 == 1, -0.2, -0.1))
+        return tree_from_logprobs(scores, self.tree, width=4), state
+
+    def commit(self, params, target, state, start, num_accepted, verify_captured):
+        return state
+
+
+@pytest.fixture(scope="module")
+def ar(models):
+    return {b: generate(models.target, p, max_new_tokens=NEW) for b, p in PROMPTS.items()}
+
+
+def oracle_params(ar_result, prompts, width=128):
+    rows = [p + g for p, g in zip(prompts, ar_result.generated_ids)]
+    out = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return jnp.asarray(out)
+
+
+TREE_CASES = [  # (drafter, tree budget, batch): each drafter meets budgets 8/16/32 and batches 1/3/8
+    ("oracle", 8, 3), ("oracle", 16, 8), ("oracle", 32, 1),
+    ("dflash", 8, 8), ("dflash", 16, 1), ("dflash", 32, 3),
+    ("dflash_lookup", 16, 3), ("ngram", 8, 1), ("ngram", 16, 8),
+    ("draft", 8, 3), ("self", 16, 1), ("near", 8, 8),
+]
+
+
+@pytest.mark.parametrize("name,budget,batch", TREE_CASES, ids=[f"{n}-n{t}-b{b}" for n, t, b in TREE_CASES])
+def test_greedy_tree_equals_ar(models, drafters, ar, name, budget, batch):
+    prompts = PROMPTS[batch]
+    if name == "oracle":
+        drafter, params = OracleTreeDrafter(k=4, tree=budget), oracle_params(ar[batch], prompts)
+    elif name == "dflash":
+        drafter = DFlashDrafter(TINY_DFLASH, 4, tree=budget)
+        params = drafters["dflash_lookup"][1]
+    elif name == "dflash_lookup":
+        drafter = LookupFirstDrafter(DFlashDrafter(TINY_DFLASH, 4, tree=budget), min_match=1)
+        params = drafters["dflash_lookup"][1]
+    elif name == "ngram":
+        drafter, params = NGramDrafter(k=4, tree=budget), None
+    elif name == "draft":
+        drafter, params = DraftModelDrafter(models.draft_cfg, 4, tree=budget), models.draft_params
+    else:  # the target drafting for itself (self), or a noisy copy of it (near)
+        drafter = dataclasses.replace(self_drafter(models.cfg, 4), tree=budget)
+        params = models.params if name == "self" else models.near_params
+    r = generate(models.target, prompts, drafter, params, max_new_tokens=NEW)
+    assert r.generated_ids == ar[batch].generated_ids
+    s = r.stats
+    assert s.drafted == budget * s.steps and sum(s.acceptance_histogram) == s.steps
+    assert s.accepted == sum(i * h for i, h in enumerate(s.acceptance_histogram))
+    if name in ("oracle", "self"):
+        assert s.tau > 2.0, f"{name}: deep paths should be accepted (tau {s.tau:.2f})"
+
+
+def test_tree_option_errors(models):
+    with pytest.raises(ValueError, match="drafts chains only"):
+        from table_drafter import TableDrafter
+
+        generate(models.target, PROMPTS[1], TableDrafter(vocab=128), None, max_new_tokens=4, tree=8)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(models.target, PROMPTS[1], max_new_tokens=4, tree=8)
+
+
+def test_node_depths():
+    np.testing.assert_array_equal(node_depths(jnp.asarray([[0, 1, 0, 3, 2]])), [[0, 1, 2, 1, 2, 3]])
