@@ -31,7 +31,19 @@ from spec_jax.drafters.tree import (
     tree_from_logprobs,
 )
 from spec_jax.sampling import SamplingParams, warp
-from test_sampling_stats import chi_square_ok
+from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
+from test_sampling_stats import (  # noqa: F401  (e2e is a fixture)
+    E2E_CFG,
+    E2E_DFLASH_CFG,
+    E2E_DRAFT_CFG,
+    E2E_EAGLE3_CFG,
+    E2E_EAGLE3_TARGET_IDS,
+    PROMPT,
+    V_E2E,
+    chi_square_ok,
+    e2e,
+    exact_joint,
+)
 
 
 def tree_paths(tokens, parents):
@@ -273,6 +285,7 @@ TREE_CASES = [  # (drafter, tree budget, batch): each drafter meets budgets 8/16
     ("dflash", 8, 8), ("dflash", 16, 1), ("dflash", 32, 3),
     ("dflash_lookup", 16, 3), ("ngram", 8, 1), ("ngram", 16, 8),
     ("draft", 8, 3), ("self", 16, 1), ("near", 8, 8),
+    ("eagle3", 16, 3), ("eagle3", 32, 8),
 ]
 
 
@@ -291,6 +304,11 @@ def test_greedy_tree_equals_ar(models, drafters, ar, name, budget, batch):
         drafter, params = NGramDrafter(k=4, tree=budget), None
     elif name == "draft":
         drafter, params = DraftModelDrafter(models.draft_cfg, 4, tree=budget), models.draft_params
+    elif name == "eagle3":
+        cfg = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2),
+                           speculative_tokens=4)
+        drafter = Eagle3Drafter(cfg, tree=budget)
+        params = init_eagle3_params(cfg, jax.random.key(5), scale=3.0)
     else:  # the target drafting for itself (self), or a noisy copy of it (near)
         drafter = dataclasses.replace(self_drafter(models.cfg, 4), tree=budget)
         params = models.params if name == "self" else models.near_params
@@ -314,3 +332,39 @@ def test_tree_option_errors(models):
 
 def test_node_depths():
     np.testing.assert_array_equal(node_depths(jnp.asarray([[0, 1, 0, 3, 2]])), [[0, 1, 2, 1, 2, 3]])
+
+
+# ------------------------------------------------------------------ sampling end to end
+@pytest.mark.parametrize("drafter_kind,temperature,top_k,top_p", [
+    ("dflash", 0.7, 0, 1.0), ("dflash_lookup", 1.0, 3, 1.0), ("draft_model", 0.7, 0, 0.8),
+    ("eagle3", 0.7, 3, 1.0), ("ngram", 1.0, 0, 1.0),
+])
+def test_tree_sampling_reproduces_target_joint_distribution(e2e, drafter_kind, temperature, top_k, top_p):
+    """The first 3 tokens (prefill token + tree steps of depth <= 2, 6 nodes, widths >= 2) over
+    5 seeds x 2048 rows against the exact warped joint (as test_sampling_stats does for chains)."""
+    params, draft_params, logits = e2e
+    k, budget = 2, 6
+    if drafter_kind == "dflash":
+        drafter = DFlashDrafter(E2E_DFLASH_CFG, tree=budget)
+        dparams = init_dflash_params(E2E_DFLASH_CFG, jax.random.key(12), scale=1.5)
+    elif drafter_kind == "dflash_lookup":
+        drafter = LookupFirstDrafter(DFlashDrafter(E2E_DFLASH_CFG, tree=budget), min_match=1, max_ngram=2)
+        dparams = init_dflash_params(E2E_DFLASH_CFG, jax.random.key(12), scale=1.5)
+    elif drafter_kind == "eagle3":
+        drafter = Eagle3Drafter(E2E_EAGLE3_CFG, tree=budget)
+        dparams = init_eagle3_params(E2E_EAGLE3_CFG, jax.random.key(13), scale=1.5)
+        dparams["d2t"] = jnp.asarray(E2E_EAGLE3_TARGET_IDS - np.arange(6), jnp.int32)
+    elif drafter_kind == "ngram":
+        drafter, dparams = NGramDrafter(k=k, max_ngram=2, tree=budget), None
+    else:
+        drafter, dparams = DraftModelDrafter(E2E_DRAFT_CFG, k, tree=budget), draft_params
+    counts = np.zeros((V_E2E,) * 3)
+    accepted = 0
+    for seed in range(5):
+        r = generate((E2E_CFG, params), [PROMPT] * 2048, drafter, dparams, max_new_tokens=3,
+                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, capacity=32)
+        ids = np.asarray(r.generated_ids)
+        np.add.at(counts, tuple(ids.T), 1)
+        accepted += r.stats.accepted
+    assert accepted > 0
+    chi_square_ok(counts, exact_joint(logits, temperature, top_k, top_p), f"{drafter_kind} tree joint")

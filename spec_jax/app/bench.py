@@ -37,6 +37,7 @@ from spec_jax.app.common import (
 )
 from spec_jax.app.inputs import DrafterSpec, Prompt, build_drafter
 from spec_jax.checkpoints import LoadedModel
+from spec_jax.decoding.loop import tree_budget
 from spec_jax.humaneval import humaneval_problems
 
 AR = DrafterSpec("none")
@@ -47,14 +48,17 @@ def humaneval_prompts(num_prompts: int) -> list[Prompt]:
     return [Prompt(text=p["prompt"], source=p["task_id"]) for p in humaneval_problems()[:num_prompts]]
 
 
-def expand_methods(specs: Sequence[DrafterSpec], ks: Sequence[int | None]) -> list[DrafterSpec]:
-    """AR first, then every drafter at every K (duplicates dropped)."""
+def expand_methods(
+    specs: Sequence[DrafterSpec], ks: Sequence[int | None], trees: Sequence[int | None] = (None,)
+) -> list[DrafterSpec]:
+    """AR first, then every drafter at every K and tree budget (duplicates dropped)."""
     methods = [AR]
     for spec in specs:
         for k in ks:
-            method = dataclasses.replace(spec, k=k)
-            if method not in methods:
-                methods.append(method)
+            for tree in trees:
+                method = dataclasses.replace(spec, k=k, tree=tree)
+                if method not in methods:
+                    methods.append(method)
     return methods
 
 
@@ -124,11 +128,15 @@ def run_bench(
             bar.update(1)
         tokens = sum(len(o) for o in outputs)
         k = 0 if drafter is None else int(drafter.k)
+        tree = tree_budget(drafter)
+        steps, hist = totals["steps"], totals["acceptance_histogram"]
         row = {
             "method": name,
             "drafter": method.kind,
             "path": method.path,
             "k": k,
+            "tree": tree,  # draft nodes per step (0 = a chain of K)
+            "verify_tokens": (tree or k) + 1,
             "tokens": tokens,
             "generate_s": generate_s,
             "tokens_per_second": tokens / generate_s if generate_s > 0 else 0.0,
@@ -139,7 +147,9 @@ def run_bench(
             "accepted": totals["accepted"],
             "tau": totals["emitted"] / totals["steps"] if totals["steps"] else 0.0,
             "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
-            "acceptance_histogram": totals["acceptance_histogram"],
+            "acceptance_histogram": hist,
+            # Per depth d = 1..K: the share of steps that accepted a draft at depth d.
+            "depth_acceptance": [sum(hist[d:]) / steps if steps else 0.0 for d in range(1, len(hist))],
             "finish_reasons": {r: finish.count(r) for r in sorted(set(finish))},
             "generated_ids": outputs,
         }
@@ -208,7 +218,7 @@ def _histogram_text(hist: Sequence[int]) -> str:
 def print_table(report: dict[str, Any], file=None) -> None:
     """A table (rich when available) of tokens/s, speedup, tau, acceptance histogram, exactness."""
     file = file or sys.stdout
-    header = ["method", "K", "tok/s", "speedup", "tau", "accept", "histogram % (0..K accepted)", "= AR"]
+    header = ["method", "K", "tree", "tok/s", "speedup", "tau", "accept", "histogram % (0..K accepted)", "= AR"]
     lines = []
     for row in report["results"]:
         if "mismatches" in row:
@@ -218,6 +228,7 @@ def print_table(report: dict[str, Any], file=None) -> None:
         lines.append([
             row["method"],
             str(row["k"]),
+            str(row.get("tree", 0) or "-"),
             f"{row['tokens_per_second']:.1f}",
             f"{row['speedup']:.2f}x",
             f"{row['tau']:.2f}",
@@ -280,22 +291,24 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         hist = row["acceptance_histogram"]
         total = sum(hist) or 1
         xs = [x + (i - (len(drafted) - 1) / 2) * width for x in range(len(hist))]
-        ax_hist.bar(xs, [h / total for h in hist], width=width, label=f"{row['method']} K={row['k']}")
+        tree = f" tree={row['tree']}" if row.get("tree") else ""
+        ax_hist.bar(xs, [h / total for h in hist], width=width, label=f"{row['method']} K={row['k']}{tree}")
     ax_hist.set_xlabel("drafts accepted per step")
     ax_hist.set_ylabel("fraction of steps")
     ax_hist.set_title("Acceptance histogram")
     if drafted:
         ax_hist.legend(fontsize="small")
     by_method: dict[str, list[tuple[int, float]]] = {}
-    for row in drafted:
-        by_method.setdefault(row["method"], []).append((row["k"], row["speedup"]))
+    for row in drafted:  # chains and trees of a drafter as two lines, against the verify width
+        name = row["method"] + (" tree" if row.get("tree") else "")
+        by_method.setdefault(name, []).append((row.get("verify_tokens", row["k"] + 1), row["speedup"]))
     for name, points in by_method.items():
         points.sort()
         ax_speed.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     ax_speed.axhline(1.0, color="gray", linestyle="--", label="AR")
-    ax_speed.set_xlabel("K (drafts per step)")
+    ax_speed.set_xlabel("tokens per verify pass (K + 1, or tree nodes + 1)")
     ax_speed.set_ylabel("speedup over AR (tokens/s)")
-    ax_speed.set_title("Speedup against K")
+    ax_speed.set_title("Speedup against the verify width")
     ax_speed.legend(fontsize="small")
     fig.suptitle(f"{report['target']} | {report['prompt_set']} | batch {report['batch_size']}", fontsize="small")
     fig.tight_layout()
@@ -318,6 +331,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "lookup in front of a model drafter, e.g. dflash+ngram (default ngram)",
     )
     p.add_argument("--k", default=None, help="comma list of K values to sweep, e.g. 2,4,8")
+    p.add_argument(
+        "--tree", default=None, metavar="N[,N..]",
+        help="comma list of tree budgets (draft nodes per step) to sweep; 0 = a chain of K, e.g. 0,16,32 "
+        "compares the chain with trees (K bounds a tree's depth)",
+    )
     p.add_argument("--batch-size", type=int, default=1)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -336,6 +354,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_tree_budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise inputs.UsageError(f"--tree {text!r} is not a comma list of integers, e.g. 0,16,32.") from None
+    if not budgets or any(b < 0 for b in budgets):
+        raise inputs.UsageError(f"--tree values must be integers >= 0 (0 = a chain), got {text!r}.")
+    return budgets
+
+
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.roofline:
         from spec_jax.app import roofline
@@ -343,6 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         return roofline.run_command(args)
     sampling = sampling_kwargs(args)
     ks = [None] if args.k is None else list(parse_positive_ints(args.k, "--k", "2,4,8"))
+    trees = [None] if args.tree is None else parse_tree_budgets(args.tree)
     kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
     specs = [inputs.parse_drafter_spec(d) for d in kinds if d != "none"]
     if args.batch_size < 1:
@@ -359,7 +388,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     target = inputs.load_target_or_fail(args.target, args.dtype)
     log(f"loaded {target.source}")
     prompt_ids = inputs.encode_prompts(target, prompts, args.chat)
-    methods = expand_methods(specs, ks)
+    methods = expand_methods(specs, ks, trees)
     report = run_bench(
         target,
         prompt_ids,

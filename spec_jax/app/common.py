@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any, Sequence
@@ -119,6 +120,11 @@ def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
         f"follows '='). {default_help}",
     )
     p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
+    p.add_argument(
+        "--tree", type=int, default=None, metavar="N",
+        help="verify a token tree of N draft nodes per step (0 = a chain of K, the default; K bounds "
+        "its depth): dflash, draft-model, self, ngram and their +ngram forms",
+    )
 
 
 def drafter_spec_from_args(
@@ -129,10 +135,14 @@ def drafter_spec_from_args(
 
     The old two-word form `--drafter dflash PATH` cannot be told apart from a prompt, so it is
     refused (naming the one-word form) when the word after it is an existing path."""
+    tree = getattr(args, "tree", None)
+    if tree is not None and tree < 0:
+        raise UsageError(f"--tree must be >= 0 draft nodes (0 = a chain), got {tree}.")
     if args.drafter is None:
-        return default_drafter_spec(args.target, args.k, batch=batch,
+        spec = default_drafter_spec(args.target, args.k, batch=batch,
                                     temperature=getattr(args, "temperature", 0.0))
-    spec = parse_drafter_spec(args.drafter, args.k)
+        return spec if tree is None else dataclasses.replace(spec, tree=tree)
+    spec = dataclasses.replace(parse_drafter_spec(args.drafter, args.k), tree=tree)
     if spec.kind in DRAFTER_KINDS_WITH_PATH and spec.path is None and prompts:
         if os.path.exists(prompts[0]):
             raise UsageError(

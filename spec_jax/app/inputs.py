@@ -160,11 +160,13 @@ class DrafterSpec:
     path: str | None = None
     k: int | None = None
     reason: str = dataclasses.field(default="", compare=False)  # why it was chosen, when by default
+    tree: int | None = None  # draft nodes per step for a tree (0 = a chain; None = the drafter's)
 
     @property
     def label(self) -> str:
         name = self.kind if self.path is None else f"{self.kind}:{Path(self.path).name or self.path}"
-        return name if self.k is None else f"{name} k={self.k}"
+        name = name if self.k is None else f"{name} k={self.k}"
+        return name if not self.tree else f"{name} tree={self.tree}"
 
 
 def parse_drafter_spec(text: str, k: int | None = None) -> DrafterSpec:
@@ -197,7 +199,15 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
     """(drafter, drafter_params) for `generate`; (None, None) for the AR baseline."""
     if spec is None:
         return None, None
-    return load_drafter(spec.kind, target, spec.path, spec.k)
+    drafter, params = load_drafter(spec.kind, target, spec.path, spec.k)
+    if spec.tree is not None:
+        from spec_jax.decoding.generate import with_tree
+
+        try:
+            drafter = with_tree(drafter, spec.tree)
+        except ValueError as e:
+            raise UsageError(f"--tree {spec.tree}: {e}") from None
+    return drafter, params
 
 
 def default_drafter_spec(

@@ -46,7 +46,14 @@ from spec_jax.models.decoder import (
     rope_inv_freq,
     write_kv,
 )
-from spec_jax.models.interface import Target, TargetModel
+from spec_jax.drafters.tree import (
+    check_tree_setting,
+    expand_level,
+    expansion_width,
+    select_best_nodes,
+    tree_budget,
+)
+from spec_jax.models.interface import Target, TargetModel, ancestor_mask
 from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
 from spec_jax.sampling import SamplingParams, sample, warp
 
@@ -85,6 +92,9 @@ class Eagle3Config:
     speculative_tokens: int = 3  # the checkpoint's proposal length: the default K
 
     def __post_init__(self):
+        # The draft layers run the plain Llama/Qwen3 math whatever the target's family (a config
+        # copied from a Gemma or Qwen2 target would otherwise claim its norms and biases).
+        object.__setattr__(self, "layer", self.layer.plain_decoder())
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
         if not self.aux_layer_ids:
             raise ValueError("EAGLE-3 aux_layer_ids is empty; name the target layers it reads.")
@@ -265,12 +275,14 @@ class Eagle3Drafter:
     cfg: Eagle3Config
     k: int | None = None
     sample_drafts: bool = True
+    tree: Any = 0  # 0: a chain; N: an EAGLE-2-style tree of N nodes (`propose_tree`)
 
     def __post_init__(self):
         if self.k is None:
             object.__setattr__(self, "k", self.cfg.speculative_tokens)
         if self.k < 1:
             raise ValueError(f"EAGLE-3 K must be >= 1, got {self.k}.")
+        check_tree_setting(self.tree, self.k, static_ok=False, name="EAGLE-3")
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -318,19 +330,11 @@ class Eagle3Drafter:
         # for propose; the cache already holds every pair before `start`.
         return state.replace(pending=verify_captured.astype(state.pending.dtype))
 
-    def draft_logits(
-        self,
-        params: Params,
-        target: Target,
-        state: Eagle3State,
-        tokens: jax.Array,
-        lengths: jax.Array,
-        choose: Any = None,
-    ) -> tuple[jax.Array, jax.Array, Eagle3State]:
-        """Run the pending pairs, then the chain. -> (target-vocabulary logits [B, K, V] f32,
-        drafts [B, K], new state). choose(step, logits [B, V]) -> draft [B] picks each chain
-        input (default argmax); tests pass the true tokens to compare with teacher forcing."""
-        choose = choose or (lambda step, logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    def _run_pending(self, params: Params, target: Target, state: Eagle3State, tokens, lengths):
+        """Run the pending pairs (the verified tokens the cache has not seen): they attend to the
+        cached pairs and causally to each other, and their keys are written at their slots
+        (padding writes past the last pair, never visible, later overwritten). -> (the cache
+        holding every real pair, the last pair's draft logits [B, 1, Vd] and hidden [B, 1, H])."""
         cfg = self.cfg
         cache: KVCache = state.cache
         batch, seq = tokens.shape
@@ -340,9 +344,6 @@ class Eagle3Drafter:
         window = self.k + 1
         pairs = done[:, None] + jnp.arange(window, dtype=jnp.int32)  # [B, K+1]; > last_pair: padding
 
-        # 1) The pending pairs: attend to the cached pairs and causally to each other; their keys
-        # are written at their slots (padding writes past the last pair, never visible, later
-        # overwritten).
         hidden = fuse_features(cfg, params, state.pending)
         token_embeds = self._embed(params, target, tokens[rows[:, None], jnp.minimum(pairs + 1, seq - 1)])
         own_visible = causal_window_mask(pairs, pairs, GLOBAL_WINDOW)
@@ -362,6 +363,26 @@ class Eagle3Drafter:
         ).with_lengths(last_pair + 1)
         last = jnp.clip(last_pair - done, 0, window - 1)
         step_logits, step_hidden = eagle3_head(cfg, params, out[rows, last][:, None])  # [B, 1, .]
+
+        return cache, step_logits, step_hidden
+
+    def draft_logits(
+        self,
+        params: Params,
+        target: Target,
+        state: Eagle3State,
+        tokens: jax.Array,
+        lengths: jax.Array,
+        choose: Any = None,
+    ) -> tuple[jax.Array, jax.Array, Eagle3State]:
+        """Run the pending pairs, then the chain. -> (target-vocabulary logits [B, K, V] f32,
+        drafts [B, K], new state). choose(step, logits [B, V]) -> draft [B] picks each chain
+        input (default argmax); tests pass the true tokens to compare with teacher forcing."""
+        choose = choose or (lambda step, logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        cfg = self.cfg
+        batch = tokens.shape[0]
+        last_pair = lengths - 2  # [B] the newest complete pair: (features of L-2, token L-1)
+        cache, step_logits, step_hidden = self._run_pending(params, target, state, tokens, lengths)
 
         # 2) The chain: each draft becomes the next pair's token, one position further; it sees
         # every real pair and the chain's own keys.
@@ -394,6 +415,68 @@ class Eagle3Drafter:
                                    step_hidden, position, chain_attend)
             step_logits, step_hidden = eagle3_head(cfg, params, out)
         return jnp.stack(logits_out, 1), jnp.stack(drafts, 1), Eagle3State(cache=cache, pending=state.pending)
+
+    def propose_tree(self, params, target: Target, state: Eagle3State, tokens, lengths, key, sampling):
+        """An EAGLE-2-style tree: the top-W children of the root, then level by level the top-W
+        children of the W frontier nodes, keeping the W best by path log-probability (W from the
+        budget and K); the `tree` budget's best nodes of all levels form the tree (top-k
+        candidates: deterministic). A level's nodes run in one pass: each reads its parent's
+        output hidden state and sees the real pairs plus its own fed ancestors."""
+        cfg, k, budget = self.cfg, self.k, tree_budget(self.tree)
+        width = expansion_width(budget, k)
+        batch = tokens.shape[0]
+        rows = jnp.arange(batch)[:, None]
+        last_pair = lengths - 2
+        cache, step_logits, step_hidden = self._run_pending(params, target, state, tokens, lengths)
+
+        def logprobs(draft_logits):  # [B, T, Vd] -> [B, T, V] over the target vocabulary
+            mapped = to_target_vocab(draft_logits, params["d2t"], cfg.layer.vocab_size)
+            return jax.nn.log_softmax(mapped.astype(jnp.float32), axis=-1)
+
+        lp, tok = jax.lax.top_k(logprobs(step_logits)[:, 0], width)  # the root's children
+        node_tokens, node_scores = tok, lp
+        node_parents = jnp.full((batch, width), -1, jnp.int32)
+        node_depths = jnp.ones((batch, width), jnp.int32)
+        # Hidden state each node's children read: the root's for level 1, then each fed node's.
+        parent_hidden = jnp.broadcast_to(step_hidden, (batch, width, step_hidden.shape[-1]))
+        fed_k: list[list[jax.Array]] = [[] for _ in params["layers"]]
+        fed_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
+        fed_hidden = []
+        for level in range(1, k):
+            frontier = (level - 1) * width + jnp.arange(width)  # this level's nodes
+            fed = level * width  # nodes fed once this pass runs: levels 1..level
+            visible = ancestor_mask(node_parents)[:, frontier, :fed]  # [B, W, fed]
+            position = (last_pair + 1 + level)[:, None] + jnp.zeros((1, width), jnp.int32)
+
+            def level_attend(i, visible=visible, position=position):
+                def attend_to(q, k_new, v_new):
+                    fed_k[i].append(k_new)
+                    fed_v[i].append(v_new)
+                    own = (jnp.concatenate(fed_k[i], axis=2), jnp.concatenate(fed_v[i], axis=2))
+                    # cache.lengths = last_pair + 1: every real pair; pair index = position - 1.
+                    out = attend_cache_and_pass(
+                        q, cache.k[i], cache.v[i], cache.lengths, position - 1, GLOBAL_WINDOW,
+                        *own, visible,
+                    )
+                    return out, None
+                return attend_to
+
+            level_tokens = node_tokens[:, (level - 1) * width:]
+            out, _ = eagle3_layers(cfg, params, self._embed(params, target, level_tokens),
+                                   parent_hidden, position, level_attend)
+            level_logits, level_hidden = eagle3_head(cfg, params, out)  # [B, W, .]
+            fed_hidden.append(level_hidden)
+            new_tok, new_parent, new_score = expand_level(
+                node_scores, jnp.broadcast_to(frontier, (batch, width)), logprobs(level_logits), width
+            )
+            all_hidden = jnp.concatenate(fed_hidden, axis=1)  # [B, fed, H]
+            parent_hidden = all_hidden[rows, new_parent]
+            node_depths = jnp.concatenate([node_depths, node_depths[rows, new_parent] + 1], axis=1)
+            node_tokens = jnp.concatenate([node_tokens, new_tok], axis=1)
+            node_parents = jnp.concatenate([node_parents, new_parent], axis=1)
+            node_scores = jnp.concatenate([node_scores, new_score], axis=1)
+        tree = select_best_nodes(node_tokens, node_parents, node_scores, node_depths, budget)
+        return tree, Eagle3State(cache=cache, pending=state.pending)
 
     def propose(self, params, target: Target, state: Eagle3State, tokens, lengths, key, sampling: SamplingParams):
         if not self.sample_drafts:
