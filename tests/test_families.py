@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from spec_jax.checkpoints import CheckpointError, load_hf_dir, load_target, save_hf_dir  # noqa: E402
+from spec_jax.checkpoints import load_hf_dir, load_target, save_hf_dir  # noqa: E402
 from spec_jax.decoding import generate  # noqa: E402
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params  # noqa: E402
 from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
@@ -279,3 +279,28 @@ def test_real_size_presets_have_the_models_shapes(preset, billions):
         lambda p, c: forward(p, cfg, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32), c)[0],
         shapes, cache)
     assert logits.shape == (1, 4, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("preset", ["gemma-3-27b", "qwen2.5-7b"])
+def test_sharding_rules_cover_the_new_weights(preset):
+    """Biases split over the model axis with their heads; Gemma's extra norms are replicated
+    (a data=2 x model=4 mesh, shapes only: no devices needed)."""
+    import types
+
+    from jax.sharding import PartitionSpec
+
+    from spec_jax.models.presets import preset_config
+    from spec_jax.models.weights import is_spec, model_weight_specs
+    from spec_jax.sharding.rules import DEFAULT_RULES, logical_to_partition_spec
+
+    mesh = types.SimpleNamespace(shape={"data": 2, "model": 4})
+    specs = model_weight_specs(preset_config(preset))
+    layer = {name: logical_to_partition_spec(s.shape, s.axes, mesh, DEFAULT_RULES)
+             for name, s in specs["layers"][0].items()}
+    assert layer["wq"] == PartitionSpec(None, "model") and layer["w_up"] == PartitionSpec(None, "model")
+    if preset == "qwen2.5-7b":  # 28 query heads, 4 KV heads: both divide model=4
+        assert layer["bq"] == layer["bk"] == layer["bv"] == PartitionSpec("model")
+    else:
+        assert layer["post_attn_norm"] == layer["post_mlp_norm"] == PartitionSpec()
+    for s in jax.tree_util.tree_leaves(specs, is_leaf=is_spec):  # every logical axis is known
+        logical_to_partition_spec(s.shape, s.axes, mesh, DEFAULT_RULES)

@@ -13,7 +13,6 @@ transpose plus a reshape, fixed by how many leading axes of our layout are the i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os

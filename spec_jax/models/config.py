@@ -141,6 +141,17 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def plain_decoder(self) -> "ModelConfig":
+        """These shapes as a plain decoder (Llama, or Qwen3 when it has q/k norms): every family
+        switch off. A drafter that copies a target's config for its own layers (EAGLE-3) runs the
+        plain layer math, so this is the config that describes it."""
+        return self.replace(
+            architecture="qwen3" if self.qk_norm else "llama", qkv_bias=False, norm_offset=0.0,
+            sandwich_norms=False, mlp_activation="silu", scale_embeddings=False,
+            query_pre_attn_scalar=None, final_logit_softcapping=None, sliding_rope_theta=None,
+            sliding_rope_scaling=None,
+        )
+
     def layer_rope(self, layer: int) -> tuple[float, AnyRopeScaling | None]:
         """(RoPE base, scaling) of decoder layer `layer`."""
         if self.sliding_rope_theta is not None and self.layer_windows[layer] != GLOBAL_WINDOW:
