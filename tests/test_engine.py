@@ -124,8 +124,23 @@ def test_cancel_frees_the_slot_at_once(engine, alone):
     assert [(e.request_id, e.finish_reason) for e in events if e.finish_reason == "cancelled"] == [(rids[0], "cancelled")]
     assert engine.slot_of[rids[3]] == 0  # the cancelled request's slot
     done = engine.run_all()
-    waited = [e.new_ids for e in events if e.request_id == rids[3]][0] + done[rids[3]].new_ids
+    waited = sum((e.new_ids for e in events if e.request_id == rids[3]), []) + done[rids[3]].new_ids
     assert waited == alone[0][0]
+
+
+def test_max_admits_per_step_bounds_prefills_between_chunks(engine, alone):
+    engine.max_admits_per_step = 1
+    try:
+        # 30 tokens each, EOS ignored: nobody finishes within two chunks (<= 1 + 2 x 4 tokens).
+        rids = [engine.submit(PROMPTS[i], max_new_tokens=30, ignore_eos=True) for i in (0, 3, 5)]
+        events = engine.step()
+        assert list(engine.slot_of) == rids[:1]
+        events += engine.step()
+        assert list(engine.slot_of) == rids[:2]
+        events += list(engine.run_all().values())
+    finally:
+        engine.max_admits_per_step = None
+    assert [sum(len(e.new_ids) for e in events if e.request_id == r) for r in rids] == [30, 30, 30]
 
 
 def test_request_errors_name_the_field(engine):
@@ -146,11 +161,14 @@ def test_request_errors_name_the_field(engine):
 
 def test_adaptive_k_switches_variants_and_keeps_greedy_output(models, alone):
     engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2,
-                    k_choices=(0, 1, 3))
+                    k_choices=(0, 3))
+    engine.warmup([16])  # a chunk per K, an admit per K's stats (K=3's are the module engine's)
+    assert sorted(engine._exes) == [("admit", 16, 0), ("admit", 16, 3), ("chunk", 0), ("chunk", 3)]
+    compiled = engine.compiles
     got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
     assert [got[i][:2] for i in range(len(PROMPTS))] == alone
-    assert set(engine.k_history) == {0, 1, 3}  # each variant is timed once, then chosen by rate
-    assert engine.compiles == 3 + 1  # a chunk per K, one admit (one prompt bucket)
+    assert set(engine.k_history) == {0, 3}  # each variant is timed once, then chosen by rate
+    assert engine.compiles == compiled
 
 
 def test_adaptive_k_prefers_speculation_only_when_it_pays():

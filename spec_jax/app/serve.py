@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most prompt + generated tokens per request (default min(1024, the model's positions))")
     p.add_argument("--chunk-steps", type=int, default=4,
                    help="verify steps between hand-outs (default 4; lower = smoother streams)")
+    p.add_argument("--max-admits", type=int, default=None,
+                   help="prefills between two chunks (default: every free slot; fewer = smoother running streams)")
     p.add_argument("--k-choices", default=None, metavar="0,2,4",
                    help="adaptive K: the drafter's K variants to choose from live (0 = plain decoding, ngram only)")
     p.add_argument("--served-model-name", default=None, help="the model id in /v1/models (default: the target)")
@@ -476,6 +478,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         raise inputs.UsageError(f"--port must be in 0..65535, got {args.port}.")
     if args.slots < 1:
         raise inputs.UsageError(f"--slots must be >= 1, got {args.slots}.")
+    if args.max_admits is not None and args.max_admits < 1:
+        raise inputs.UsageError(f"--max-admits must be >= 1, got {args.max_admits}.")
     if args.chunk_steps < 1:
         raise inputs.UsageError(f"--chunk-steps must be >= 1, got {args.chunk_steps}.")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -497,7 +501,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     drafter, drafter_params = inputs.build_drafter(spec, target)
     mesh = inputs.mesh_kwargs(args.mesh, target).get("mesh")
     engine = Engine(target, drafter, drafter_params, slots=args.slots, max_model_len=args.max_model_len,
-                    chunk_steps=args.chunk_steps, k_choices=k_choices, mesh=mesh)
+                    chunk_steps=args.chunk_steps, k_choices=k_choices, max_admits_per_step=args.max_admits,
+                    mesh=mesh)
     t0 = time.perf_counter()
     engine.warmup()
     label = spec.label if spec.kind != "none" else "none"

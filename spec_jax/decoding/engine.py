@@ -40,12 +40,16 @@ from spec_jax.decoding import validation
 from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
 from spec_jax.decoding.generate import prompt_bucket, stop_id_array, with_k
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, MAX_STOP_IDS, LoopState, Stats, prefill
+from spec_jax.decoding.stream import signature
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.interface import Target, resolve_target
 from spec_jax.sampling import SamplingParams
 from spec_jax.sharding.placement import gather_to_host
 
 NO_BATCH_AXIS = -1
+# Programs by full configuration, shared between engines (newest last, bounded).
+_SHARED_PROGRAMS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+MAX_SHARED_PROGRAMS = 64
 DEFAULT_MAX_MODEL_LEN = 1024
 CAPACITY_MULTIPLE = 128
 
@@ -199,8 +203,10 @@ class Engine:
 
     target: as `generate` takes it. drafter: None for plain decoding, else any Drafter (its K, or
     `k_choices` for adaptive K). max_model_len: the most prompt + new tokens one request may use
-    (default min(1024, the model's positions)). mesh / sharding_rules: as `generate`'s; the
-    state's rows are split over `data`. `submit` and `cancel` may be called from other threads.
+    (default min(1024, the model's positions)). max_admits_per_step: prefills between two chunks
+    (default: fill every free slot; a bound caps the pause running streams see while new
+    requests are admitted, at the cost of their time to first token). mesh / sharding_rules: as
+    `generate`'s; the state's rows are split over `data`. `submit` and `cancel` may be called from other threads.
     """
 
     def __init__(
@@ -213,6 +219,7 @@ class Engine:
         max_model_len: int | None = None,
         chunk_steps: int = 4,
         k_choices: Sequence[int] | None = None,
+        max_admits_per_step: int | None = None,
         mesh: Any = None,
         sharding_rules: Any = None,
         seed: int = 0,
@@ -222,6 +229,8 @@ class Engine:
         self.default_stop_ids = tuple(own_stop if own_stop is not None else self.model.stop_ids)
         self.slots = validation.check_int("slots", slots, minimum=1)
         self.chunk_steps = validation.check_int("chunk_steps", chunk_steps, minimum=1)
+        self.max_admits_per_step = None if max_admits_per_step is None else validation.check_int(
+            "max_admits_per_step", max_admits_per_step, minimum=1)
         validation.check_mesh(mesh)
         validation.check_drafter_params(drafter, drafter_params)
         self.mesh = mesh
@@ -318,9 +327,10 @@ class Engine:
         self.running: dict[int, _Running] = {}  # by slot
         self.slot_of: dict[int, int] = {}  # request id -> slot
         self._exes: dict[Any, Any] = {}
-        self.compiles = 0  # programs this engine compiled (chunks per K, admits per bucket)
+        self.compiles = 0  # programs this engine compiled (chunks per K, admits per bucket; not shared ones)
         self.compile_s = 0.0
         self.chunks_run = 0
+        self.first_token_early = True  # hand out prefill's token before the chunk (one more sync)
         self._host_step = 0
         self.k_history: list[int] = []
 
@@ -343,16 +353,27 @@ class Engine:
         return place(x, self._rep)
 
     def _compile(self, key: Any, fn: Any, args: tuple) -> Any:
+        """The program for `key` (("chunk", K) or ("admit", bucket, stats K)): this engine's, else
+        one an engine of the same configuration compiled (shared: a process that builds several
+        engines compiles each program once), else compiled now."""
         exe = self._exes.get(key)
         if exe is None:
-            t0 = time.perf_counter()
-            kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
-            jitted = jax.jit(fn, donate_argnums=0, **kw)
-            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-                exe = jitted.lower(*args).compile()
+            config = (key, self.model, self.drafters[key[1]] if key[0] == "chunk" else self.drafters[max(self.drafters)],
+                      self.capacity, self.slots, self.mesh, str(self.state_shardings),
+                      signature(args, self.mesh))
+            exe = _SHARED_PROGRAMS.get(config)
+            if exe is None:
+                t0 = time.perf_counter()
+                kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
+                jitted = jax.jit(fn, donate_argnums=0, **kw)
+                with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+                    exe = jitted.lower(*args).compile()
+                _SHARED_PROGRAMS[config] = exe
+                while len(_SHARED_PROGRAMS) > MAX_SHARED_PROGRAMS:
+                    _SHARED_PROGRAMS.popitem(last=False)
+                self.compiles += 1
+                self.compile_s += time.perf_counter() - t0
             self._exes[key] = exe
-            self.compiles += 1
-            self.compile_s += time.perf_counter() - t0
         return exe
 
     def _stats_for(self, state: LoopState, k: int) -> LoopState:
@@ -541,17 +562,32 @@ class Engine:
             k = self.adaptive.choose(live_after_admit) if live_after_admit else k
         self.state = self._stats_for(self.state, k)
         self.current_k = k
+        admitted = []
         for slot in range(self.slots):
             if slot in self.running:
                 continue
+            if self.max_admits_per_step is not None and len(admitted) >= self.max_admits_per_step:
+                break  # bound how long running rows wait on prefills between two chunks
             with self._lock:
                 if not self.waiting:
                     break
                 rid, params, t = self.waiting.popleft()
             self._admit(slot, rid, params, t)
+            admitted.append(slot)
         if not self.running:
             return events
-        # One chunk; each admitted row's first token (from its prefill) goes out with it.
+        if admitted and self.first_token_early:
+            # Each admitted row's first token (sampled by its prefill) goes out now, not after
+            # the chunk: time to first token is the prefill's time, not prefill + a chunk.
+            tokens = gather_to_host(self.state.tokens) if self.mesh is not None else np.asarray(self.state.tokens)
+            for slot in admitted:
+                running = self.running[slot]
+                first = int(tokens[slot, running.emitted_to])
+                running.emitted_to += 1
+                running.stats.completion_tokens += 1
+                running.first_token_at = time.perf_counter()
+                events.append(EngineEvent(running.rid, [first]))
+        # One chunk.
         live = len(self.running)
         args = self._chunk_args(k)
         exe = self._chunk_exe(k, args)

@@ -1,0 +1,211 @@
+"""Load test of `spec-jax serve` on loopback: N concurrent streaming clients, mixed prompt and
+answer lengths, with and without speculation.
+
+For each concurrency N and each drafter, the server runs in this process (an engine with N slots
+behind uvicorn on 127.0.0.1, an ephemeral port); N client threads stream chat completions
+(HumanEval prompts, chat-formatted, greedy, max_tokens cycling over --max-tokens) until the
+bounded request list is done. Reported per run: output tokens/s over the run, time to first token
+(TTFT) p50/p99, inter-token latency (the gap between streamed events, ITL) p50/p99, and time per
+output token after the first (TPOT) p50. A multi-token event (a step that accepted drafts) is one
+gap, so ITL is per event and TPOT per token.
+
+    python benchmarks/load_test.py --concurrency 1 4 16 --out benchmarks/results/load_test
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import queue
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def stream_request(port: int, body: dict) -> dict:
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(body, stream=True)),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    arrivals, usage, spec = [], None, None
+    for line in resp:
+        line = line.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event["choices"] and event["choices"][0]["delta"].get("content"):
+            arrivals.append(time.perf_counter())
+        usage = event.get("usage") or usage
+        spec = event.get("speculative") or spec
+    conn.close()
+    tokens = usage["completion_tokens"]
+    return {
+        "ttft": arrivals[0] - t0 if arrivals else float("nan"),
+        "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+        "tpot": (arrivals[-1] - arrivals[0]) / (tokens - 1) if len(arrivals) > 1 and tokens > 1 else None,
+        "tokens": tokens,
+        "tau": spec["tau"] if spec else 0.0,
+        "end": time.perf_counter(),
+    }
+
+
+def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, k_choices=None) -> dict:
+    import uvicorn
+
+    from spec_jax.app.serve import ServerState, create_app
+    from spec_jax.decoding.engine import Engine
+
+    engine = Engine(target, drafter, drafter_params, slots=concurrency, max_model_len=args.max_model_len,
+                    chunk_steps=args.chunk_steps, k_choices=k_choices, max_admits_per_step=args.max_admits)
+    t0 = time.perf_counter()
+    engine.warmup([len(b["prompt_ids"]) for b in bodies])
+    compile_s = time.perf_counter() - t0
+    state = ServerState(engine, target.tokenizer, target.chat_template, "default", label)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = sock.getsockname()[1]
+    work: queue.Queue = queue.Queue()
+    for b in bodies:
+        work.put({"messages": b["messages"], "max_tokens": b["max_tokens"], "temperature": 0})
+    results, lock = [], threading.Lock()
+
+    def client():
+        while True:
+            try:
+                body = work.get_nowait()
+            except queue.Empty:
+                return
+            r = stream_request(port, body)
+            with lock:
+                results.append(r)
+
+    start = time.perf_counter()
+    clients = [threading.Thread(target=client) for _ in range(concurrency)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    wall = time.perf_counter() - start
+    server.should_exit = True
+    thread.join(60)
+    tokens = sum(r["tokens"] for r in results)
+    gaps = [g for r in results for g in r["gaps"]]
+    row = {
+        "drafter": label, "concurrency": concurrency, "requests": len(results), "output_tokens": tokens,
+        "wall_s": wall, "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in results], 50),
+        "ttft_p99_ms": 1e3 * percentile([r["ttft"] for r in results], 99),
+        "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
+        "tpot_p50_ms": 1e3 * percentile([r["tpot"] for r in results if r["tpot"] is not None], 50),
+        "tau_mean": statistics.fmean(r["tau"] for r in results),
+        "compile_s": compile_s, "chunks": engine.chunks_run, "max_admits": args.max_admits,
+    }
+    if engine.adaptive is not None:
+        row["k_used"] = {str(k): engine.k_history.count(k) for k in sorted(set(engine.k_history))}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for label in dict.fromkeys(r["drafter"] for r in rows):
+        mine = [r for r in rows if r["drafter"] == label]
+        n = [r["concurrency"] for r in mine]
+        axes[0].plot(n, [r["tokens_per_s"] for r in mine], "o-", label=label)
+        axes[1].plot(n, [r["ttft_p50_ms"] for r in mine], "o-", label=f"{label} p50")
+        axes[1].plot(n, [r["ttft_p99_ms"] for r in mine], "x--", label=f"{label} p99")
+        axes[2].plot(n, [r["tpot_p50_ms"] for r in mine], "o-", label=f"{label} TPOT p50")
+        axes[2].plot(n, [r["itl_p99_ms"] for r in mine], "x--", label=f"{label} ITL p99")
+    for ax, title in zip(axes, ("output tokens/s", "time to first token (ms)", "per-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients (= engine slots)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle("spec-jax serve, default model on CPU, loopback load test")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests-per-client", type=float, default=2.0,
+                   help="requests per run = max(4, this x concurrency)")
+    p.add_argument("--max-tokens", type=int, nargs="+", default=[32, 64, 96])
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--chunk-steps", type=int, default=4)
+    p.add_argument("--drafters", nargs="+", default=["none", "default"],
+                   help="none, default (the default drafter at batch 1), adaptive (that drafter with "
+                        "adaptive K over --k-choices), or a --drafter KIND")
+    p.add_argument("--k-choices", type=int, nargs="+", default=[1, 2, 4, 7])
+    p.add_argument("--max-admits", type=int, default=None, help="the engine's max_admits_per_step")
+    p.add_argument("--out", default=None, help="directory for load_test.json and load_test.png")
+    args = p.parse_args()
+
+    from spec_jax.app.inputs import build_drafter, parse_drafter_spec
+    from spec_jax.checkpoints import apply_chat_template, load_target
+    from spec_jax.checkpoints.shipped import default_drafter, default_drafter_choice
+    from spec_jax.humaneval import humaneval_problems
+
+    target = load_target(None, dtype="float32")
+    problems = humaneval_problems()
+    # Mixed prompt lengths: every 7th HumanEval problem (short and long ones alternate).
+    bodies = []
+    for i, prob in enumerate(problems[::7]):
+        messages = [{"role": "user", "content": "Complete this Python function:\n" + prob["prompt"]}]
+        ids = apply_chat_template(target.tokenizer, messages, target.chat_template)
+        max_tokens = args.max_tokens[i % len(args.max_tokens)]
+        if len(ids) + max_tokens <= args.max_model_len:
+            bodies.append({"messages": messages, "prompt_ids": ids, "max_tokens": max_tokens})
+    rows = []
+    for name in args.drafters:
+        k_choices = None
+        if name == "none":
+            drafter, params, label = None, None, "none"
+        elif name in ("default", "adaptive"):
+            drafter, params, reason = default_drafter(target, batch_size=1)
+            kind = default_drafter_choice(True, None, 1)[0]
+            label = f"{kind} K={drafter.k} (default at batch 1)"
+            if name == "adaptive":
+                k_choices = args.k_choices
+                label = f"{kind} adaptive K {args.k_choices}"
+        else:
+            drafter, params = build_drafter(parse_drafter_spec(name), target)
+            label = name
+        for n in args.concurrency:
+            count = max(4, int(round(args.requests_per_client * n)))
+            run_bodies = [bodies[i % len(bodies)] for i in range(count)]
+            rows.append(run_load(target, drafter, params, label, n, run_bodies, args, k_choices))
+    report = {"rows": rows, "args": vars(args), "prompt_lengths": sorted(len(b["prompt_ids"]) for b in bodies)}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "load_test.json").write_text(json.dumps(report, indent=1))
+        plot(rows, out / "load_test.png")
+        print(f"wrote {out / 'load_test.json'} and {out / 'load_test.png'}")
+
+
+if __name__ == "__main__":
+    main()
