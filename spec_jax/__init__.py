@@ -17,6 +17,7 @@ from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_pa
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.lookup import LookupFirstDrafter
+from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models.interface import Target, TargetModel
 
@@ -33,6 +34,8 @@ __all__ = [
     "GenerationResult",
     "LoadedModel",
     "LookupFirstDrafter",
+    "MedusaConfig",
+    "MedusaDrafter",
     "NGramDrafter",
     "Target",
     "TargetModel",
@@ -42,6 +45,7 @@ __all__ = [
     "generate_stream",
     "init_dflash_params",
     "init_eagle3_params",
+    "init_medusa_params",
     "load_dflash",
     "load_drafter",
     "load_target",

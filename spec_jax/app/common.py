@@ -115,7 +115,7 @@ def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
         "--drafter",
         default=None,
         metavar="KIND[=PATH]",
-        help="none | ngram | self | draft-model[=PATH] | dflash[=PATH] | eagle3=PATH, or a model drafter "
+        help="none | ngram | self | draft-model[=PATH] | dflash[=PATH] | eagle3=PATH | medusa=PATH, or a model drafter "
         "with prompt lookup in front: dflash+ngram[=PATH] etc. (one word; a checkpoint "
         f"follows '='). {default_help}",
     )

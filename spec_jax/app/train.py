@@ -1,4 +1,4 @@
-"""`spec-jax train data|text|dflash|draft-model|eagle3`: resumable; re-run the same command to continue."""
+"""`spec-jax train data|text|dflash|draft-model|eagle3|medusa`: resumable; re-run the same command to continue."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 from spec_jax.app import inputs
 from spec_jax.app.common import add_target_args, log
 
-HELP = "build self-distillation (or standard-library text) data; train DFlash, a draft model or EAGLE-3"
+HELP = "build self-distillation (or standard-library text) data; train DFlash, a draft model, EAGLE-3 or Medusa heads"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=["data", "text", "dflash", "draft-model", "eagle3"])
+    p.add_argument("kind", choices=["data", "text", "dflash", "draft-model", "eagle3", "medusa"])
     add_target_args(p)
     p.add_argument("--data", required=True, nargs="+", metavar="NPZ|DIR",
                    help="token dataset: written by `train data|text`, read (several are joined) by the "
@@ -39,17 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learning-rate", type=float, default=6e-4)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--block-size", type=int, default=8, help="dflash: block size (K = block - 1)")
-    p.add_argument("--layers", type=int, default=None, help="drafter layers (default: eagle3 1, others 2)")
+    p.add_argument("--layers", type=int, default=None, help="drafter layers (default: eagle3 1, others 2; medusa: residual blocks per "
+                   "head, default 1)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="eagle3/dflash: draft vocabulary size, the data's most frequent answer tokens "
                         "(default: eagle3 8192; dflash the target's whole vocabulary through its LM head)")
     p.add_argument("--ttt-steps", type=int, default=3,
                    help="eagle3: training steps per pair fed the drafter's own features")
-    p.add_argument("--k", type=int, default=4, help="eagle3: drafts per verify step (eval and export)")
+    p.add_argument("--k", type=int, default=4, help="eagle3: drafts per verify step (eval and export); medusa: heads "
+                   "(drafts per step)")
     p.add_argument("--hidden", type=int, default=256, help="draft-model: width")
     p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
     p.add_argument("--answer-positions", type=int, default=64,
-                   help="draft-model: answer positions per sequence that get the losses")
+                   help="draft-model/medusa: answer positions per sequence that get the losses")
     p.add_argument("--kl-weight", type=float, default=None,
                    help="weight of KL to the target's logits (default: dflash 0, draft-model 1)")
     p.add_argument("--teacher-labels", action="store_true",
@@ -148,8 +150,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                 f"--data-sequences {args.data_sequences}: --data holds {len(dataset)} sequences; pass 2..{len(dataset)}."
             )
         _, dataset = dataset.split(args.data_sequences / len(dataset), args.seed)
-    layers = args.layers or (1 if args.kind == "eagle3" else 2)
-    if args.kind == "eagle3":
+    layers = args.layers or (1 if args.kind in ("eagle3", "medusa") else 2)
+    if args.kind == "medusa":
+        from spec_jax.training.medusa import train_medusa
+
+        _, _, result = train_medusa(
+            target, dataset, args.out, cfg, num_heads=args.k, num_res_blocks=layers,
+            positions=args.answer_positions, eval_prompts=args.eval_prompts,
+            eval_tokens=args.eval_tokens, features=args.target_features,
+            feature_cache=args.feature_cache, progress=progress, init_from=args.init_from,
+        )
+    elif args.kind == "eagle3":
         _, _, result = training.train_eagle3(
             target, dataset, args.out, cfg, num_layers=layers, draft_vocab_size=args.draft_vocab or 8192,
             ttt_steps=args.ttt_steps, k=args.k, eval_prompts=args.eval_prompts,

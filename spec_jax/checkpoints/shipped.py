@@ -18,7 +18,7 @@ from spec_jax.checkpoints import LoadedModel, load_target
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # spec_jax/assets
 
-MODEL_DRAFTERS = ("draft-model", "dflash", "eagle3")
+MODEL_DRAFTERS = ("draft-model", "dflash", "eagle3", "medusa")
 # "KIND+ngram": prompt lookup in front of a model drafter (spec_jax/drafters/lookup.py).
 LOOKUP = "+ngram"
 DRAFTER_KINDS = ("none", "ngram", "self", *MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
@@ -34,6 +34,8 @@ NOT_SHIPPED = {
               "`spec-jax train eagle3 --data DATA --out runs/eagle3` (spec_jax/assets/README.md has "
               "the command that made the retired one) and pass --drafter eagle3=runs/eagle3/drafter, "
               "or use --drafter dflash.",
+    "medusa": "no Medusa heads ship with spec_jax (benchmarks/RESULTS.md has the measurement). Train them with `spec-jax train medusa --data DATA --out runs/medusa` "
+              "and pass --drafter medusa=runs/medusa/drafter.",
 }
 
 
@@ -94,6 +96,10 @@ def load_drafter(kind: str, target: LoadedModel, path: str | None = None, k: int
         from spec_jax.checkpoints.dflash import load_dflash
 
         drafter, params = load_dflash(path, dtype=target.cfg.dtype, k=k)
+    elif kind == "medusa":
+        from spec_jax.checkpoints.medusa import load_medusa
+
+        drafter, params = load_medusa(path, dtype=target.cfg.dtype, k=k)
     else:
         from spec_jax.checkpoints.eagle3 import load_eagle3
 

@@ -1,0 +1,121 @@
+"""Medusa head checkpoints: a directory with config.json + model.safetensors.
+
+    drafter, params = load_medusa("runs/medusa/drafter")      # host numpy params
+    save_medusa("out_dir", drafter.cfg, params)               # atomic (hf.write_checkpoint_dir)
+
+config.json (`MedusaConfig.to_hf_config`): architectures ["SpecJaxMedusaHeads"], `medusa_num_heads`,
+`medusa_num_layers` (residual blocks per head, the original Medusa configs' names), `hidden_size`,
+`num_target_layers`, `vocab_size`, `rms_norm_eps`. Weights, HF layout ([out, in] matrices), named
+as in the original Medusa heads plus each head's norm:
+`medusa_head.{i}.norm.weight`, `medusa_head.{i}.{j}.linear.weight`, `medusa_head.{i}.{j}.linear.bias`.
+The heads share the target's LM head, so there is no `medusa_head.{i}.{R}.weight`. Weights stored as
+int8 with scales (`spec_jax.checkpoints.quantized`) load like float ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from spec_jax.checkpoints.errors import CheckpointError
+from spec_jax.checkpoints.hf import (
+    SafetensorsFiles,
+    check_hf_tensors,
+    from_hf,
+    hf_shape,
+    refuse_to_clobber,
+    to_hf,
+    write_checkpoint_dir,
+)
+from spec_jax.drafters.medusa import ARCHITECTURE, MedusaConfig, MedusaDrafter, medusa_weight_specs
+from spec_jax.models.weights import check_params_match_specs
+
+__all__ = ["load_medusa", "save_medusa", "read_medusa_config", "is_medusa_checkpoint"]
+
+
+def _names(cfg: MedusaConfig):
+    """(our params path (head, block or None, key), HF name, HF shape, in_axes) of every weight."""
+    specs = medusa_weight_specs(cfg)
+    for i, head in enumerate(specs["heads"]):
+        yield (i, None, "norm"), f"medusa_head.{i}.norm.weight", head["norm"].shape, 0
+        for j, block in enumerate(head["blocks"]):
+            yield (i, j, "w"), f"medusa_head.{i}.{j}.linear.weight", block["w"].shape, 1
+            yield (i, j, "b"), f"medusa_head.{i}.{j}.linear.bias", block["b"].shape, 0
+
+
+def is_medusa_checkpoint(hf: Mapping[str, Any]) -> bool:
+    return ARCHITECTURE in (hf.get("architectures") or ()) or "medusa_num_heads" in hf
+
+
+def read_medusa_config(directory: str | os.PathLike, dtype: str = "float32") -> MedusaConfig:
+    """The MedusaConfig of a checkpoint dir, with a clear error for a missing or malformed config."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"Medusa checkpoint {str(directory)!r} is not a directory; pass the dir holding config.json "
+            "and model.safetensors (e.g. runs/medusa/drafter from `spec-jax train medusa`)."
+        )
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(
+            f"{directory} has no config.json; a Medusa checkpoint dir needs config.json next to its "
+            "model.safetensors (written by `spec-jax train medusa` / save_medusa)."
+        )
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file} is not valid JSON ({e}); fix or re-export it.") from e
+    if not isinstance(hf, dict) or not is_medusa_checkpoint(hf):
+        raise CheckpointError(
+            f"{config_file} is not a Medusa heads config (architectures [{ARCHITECTURE!r}], "
+            "medusa_num_heads); pass a dir written by `spec-jax train medusa`."
+        )
+    try:
+        return MedusaConfig.from_hf_config(hf, dtype=dtype)
+    except KeyError as e:
+        raise CheckpointError(f"{config_file} lacks the field {e}; not a complete Medusa config.") from e
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{config_file}: {e}") from e
+
+
+def load_medusa(
+    path: str | os.PathLike, dtype: str = "float32", k: int | None = None
+) -> tuple[MedusaDrafter, dict[str, Any]]:
+    """(drafter, host numpy params) from a Medusa checkpoint dir; every tensor name and shape is
+    checked against config.json before any tensor is read."""
+    directory = Path(path).expanduser()
+    cfg = read_medusa_config(directory, dtype)
+    source = f"{directory} (Medusa heads)"
+    names = list(_names(cfg))
+    with SafetensorsFiles(directory) as files:
+        check_hf_tensors(files.shapes, {name: hf_shape(shape, ax) for _, name, shape, ax in names}, source)
+        heads: list[dict[str, Any]] = [{"blocks": [{} for _ in range(cfg.num_res_blocks)]}
+                                       for _ in range(cfg.num_heads)]
+        for (i, j, key), name, shape, in_axes in names:
+            value = from_hf(files.get_tensor(name, dtype), shape, in_axes)
+            if j is None:
+                heads[i][key] = value
+            else:
+                heads[i]["blocks"][j][key] = value
+    params = {"heads": heads}
+    check_params_match_specs(params, medusa_weight_specs(cfg), what=source)
+    return MedusaDrafter(cfg, k=k), params
+
+
+def save_medusa(
+    path: str | os.PathLike, cfg: MedusaConfig, params: Mapping[str, Any], overwrite: bool = False
+) -> Path:
+    """Write config.json + model.safetensors atomically (see hf.write_checkpoint_dir)."""
+    check_params_match_specs(params, medusa_weight_specs(cfg), what="Medusa params")
+    path = Path(path).expanduser().absolute()
+    refuse_to_clobber(path, overwrite)
+    tensors = {}
+    for (i, j, key), name, _, in_axes in _names(cfg):
+        head = params["heads"][i]
+        value = np.asarray(head[key] if j is None else head["blocks"][j][key], np.float32)
+        tensors[name] = np.ascontiguousarray(to_hf(value, in_axes))
+    return write_checkpoint_dir(path, cfg.to_hf_config(), tensors)
