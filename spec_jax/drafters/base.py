@@ -29,7 +29,14 @@ DrafterState = Any
 class Drafter(Protocol):
     """Optionally a drafter may set the class attribute `stateless_propose = True` when its
     propose returns the state unchanged (DFlash); `LookupFirstDrafter` then skips the call on
-    steps where every row drafts from the lookup."""
+    steps where every row drafts from the lookup.
+
+    Trees (`spec_jax.drafters.tree`): a drafter that drafts token trees has a static `tree`
+    setting (0 = a chain; N = a budget of N nodes; or a tuple of paths) and
+        propose_tree(params, target, state, tokens, lengths, key, sampling) -> (TreeDraft, state)
+    which the loop calls instead of `propose` when `tree` is not 0. Its tree's depth is at most
+    K, and `commit` then receives the captured hidden states of the accepted path [B, K+1, n*H]
+    (root first), exactly as for a chain whose first `num_accepted` drafts were accepted."""
 
     k: int  # drafts per verify step (static)
 
