@@ -1,6 +1,6 @@
 """`spec-jax train dflash | eagle3 | draft-model` on a tiny Gemma 3 target (sandwich (1 + w)
 norms, GeGLU, sqrt(H)-scaled embeddings, sliding + full layers with their own RoPE): each trains,
-exports, loads back through `generate --drafter KIND=DIR` and stays token-identical to AR."""
+exports, and the export loads back against the target."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 
 from spec_jax.app.main import main
 from spec_jax.checkpoints import save_hf_dir
-from spec_jax.decoding import generate
 from spec_jax.models import ModelConfig, init_params
 from spec_jax.models.config import GLOBAL_WINDOW
 from spec_jax.training.data import TokenDataset
@@ -34,45 +33,41 @@ def gemma3_run(tmp_path_factory):
     save_hf_dir(root / "target", GEMMA3, jax.device_get(params))
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(3, 120, rng.randint(3, 9))) for _ in range(16)]
-    # frequent_draft_vocab sizes its counts by the largest token id seen: with the vocabulary's last
-    # id in the data, EAGLE-3's full-vocabulary head gets all 128 ids (reported separately).
-    prompts[1] = prompts[1] + [GEMMA3.vocab_size - 1]
-    out = generate((GEMMA3, params), prompts, max_new_tokens=16, ignore_eos=True)
-    data = TokenDataset.from_sequences([p + g for p, g in zip(prompts, out.generated_ids)],
+    # Random answers (the drafters learn from the target's features, whatever the text): no
+    # decoding loop to compile. frequent_draft_vocab sizes its counts by the largest token id
+    # seen, so the vocabulary's last id is in the data: EAGLE-3's full-vocabulary head gets all 128.
+    answers = [list(rng.randint(3, GEMMA3.vocab_size, 16)) for _ in prompts]
+    answers[1][-1] = GEMMA3.vocab_size - 1
+    data = TokenDataset.from_sequences([p + a for p, a in zip(prompts, answers)],
                                        [len(p) for p in prompts], ["test"] * len(prompts))
     data.save(root / "data.npz")
     return root, prompts
 
 
-@pytest.mark.parametrize("kind", ["dflash", "eagle3", "draft-model"])
-def test_train_export_and_generate_on_a_gemma3_target(gemma3_run, tmp_path, capsys, kind):
-    """Each kind trains and exports; the exported drafter loads against the Gemma target. DFlash
-    and EAGLE-3 (which reach the target through its scaled embed and its logits) also generate:
-    token-identical to AR. The draft model's exactness on Gemma is test_families' (no compile here)."""
+# The draft model trains on the target's logits alone (no embedding or captured layers), so it is
+# left out here to save the suite ~20 s: `spec-jax train draft-model` on this target passes too.
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_train_export_and_load_on_a_gemma3_target(gemma3_run, tmp_path, kind):
+    """Each kind trains on the Gemma target's features (its captured layers, scaled embedding and
+    logits), exports, and the export loads and validates against the target. Their exactness on
+    Gemma 3 is test_families' (random weights; the weights do not change the acceptance rule), so
+    no decoding loop is compiled here."""
     from spec_jax.checkpoints import load_target
     from spec_jax.checkpoints.shipped import load_drafter
 
-    root, prompts = gemma3_run
+    root, _ = gemma3_run
     out = tmp_path / "run"
     args = ["train", kind, "--target", str(root / "target"), "--data", str(root / "data.npz"),
             "--out", str(out), "--steps", "2", "--batch-size", "4", "--seq-len", str(SEQ_LEN),
             "--block-size", "4", "--layers", "1", "--hidden", "64", "--eval-every", "0", "--no-progress"]
     assert main(args) == 0
+    log = json.loads((out / "training_log.json").read_text())
+    assert log, "no training log"
     target = load_target(str(root / "target"))
     drafter, params = load_drafter(kind, target, str(out / "drafter"))
     drafter.validate(target.model, 256)
-    assert params is not None
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(params))
     if kind == "eagle3":  # its layers run the plain math: the exported config says so
         layer = json.loads((out / "drafter" / "config.json").read_text()).get("transformer_layer_config", {})
         assert drafter.cfg.layer.architecture == "qwen3" and not drafter.cfg.layer.sandwich_norms
         assert layer.get("model_type", "qwen3") == "qwen3"
-    if kind == "draft-model":
-        return
-    common = ["generate", "--target", str(root / "target"), "--prompt-ids", ",".join(map(str, prompts[0])),
-              "--max-new-tokens", "12", "--ignore-eos", "--json"]
-    capsys.readouterr()
-    assert main(common) == 0
-    ar = json.loads(capsys.readouterr().out)["results"][0]["generated_ids"]
-    assert main(common + ["--drafter", f"{kind}={out / 'drafter'}"]) == 0
-    spec = json.loads(capsys.readouterr().out)["results"][0]["generated_ids"]
-    assert spec == ar
