@@ -107,3 +107,16 @@ def test_train_text_without_a_tokenizer_is_a_clear_error(tmp_path, capsys):
     assert main(["train", "text", "--target", "random:tiny", "--data", str(tmp_path / "t.npz")]) != 0
     assert "ships no tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "t.npz").exists()
+
+
+def test_frequent_draft_vocab_has_the_asked_size_when_the_data_uses_few_ids():
+    """Data over ids 0..9 and a draft vocabulary of 16: 16 sorted ids, the used ones first chosen."""
+    import numpy as np
+
+    from spec_jax.training.data import TokenDataset, frequent_draft_vocab
+
+    tokens = np.asarray([1, 2, 3, 4, 5, 9, 9, 8], np.int32)
+    data = TokenDataset(tokens, np.asarray([0, 4, 8]), np.asarray([1, 1]), ["a", "b"])
+    ids = frequent_draft_vocab(data, 16, always=(2,))
+    assert len(ids) == 16 and list(ids) == sorted(set(ids.tolist()))
+    assert {2, 3, 4, 5, 8, 9} <= set(ids.tolist())

@@ -578,7 +578,9 @@ def iterate_batches(
 def frequent_draft_vocab(data: TokenDataset, size: int, always: tuple[int, ...] = ()) -> np.ndarray:
     """The `size` most frequent answer tokens of `data` (plus `always`, e.g. EOS), sorted: the
     reduced draft vocabulary's target ids, as EAGLE-3 and speculators build it."""
-    counts = np.zeros(int(max(int(data.tokens.max()) + 1, max(always, default=0) + 1)), np.int64)
+    # At least `size` entries: data that never uses the top of the vocabulary still yields `size`
+    # ids (unused ones, count 0), so the drafter's vocabulary map has the configured shape.
+    counts = np.zeros(int(max(int(data.tokens.max()) + 1, max(always, default=0) + 1, size)), np.int64)
     for i in range(len(data)):
         answer = data.sequence(i)[int(data.prompt_lengths[i]):]
         np.add.at(counts, answer, 1)
