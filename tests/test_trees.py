@@ -362,3 +362,26 @@ def test_tree_sampling_reproduces_target_joint_distribution(e2e, drafter_kind, t
         accepted += r.stats.accepted
     assert accepted > 0
     chi_square_ok(counts, exact_joint(logits, temperature, top_k, top_p), f"{drafter_kind} tree joint")
+
+
+# ------------------------------------------------------------------ streaming and the engine
+def test_trees_stream_and_serve_like_generate(models, drafters, ar):
+    """A tree drafter through `generate_stream` (chunks of 2 steps) and through the engine
+    (requests arriving while others decode) gives plain decoding's tokens."""
+    from spec_jax.decoding.engine import Engine
+    from spec_jax.decoding.stream import generate_stream
+
+    prompts = PROMPTS[3]
+    drafter = LookupFirstDrafter(DFlashDrafter(TINY_DFLASH, 4, tree=8), min_match=1)
+    params = drafters["dflash_lookup"][1]
+    streamed = [[] for _ in prompts]
+    for update in generate_stream(models.target, prompts, drafter, params, max_new_tokens=NEW, chunk_steps=2):
+        for row, ids in enumerate(update.new_ids):
+            streamed[row] += ids
+    assert streamed == ar[3].generated_ids
+
+    engine = Engine(models.target, NGramDrafter(k=4, tree=8), slots=2, max_model_len=64, chunk_steps=2)
+    ids = [engine.submit(p, max_new_tokens=NEW) for p in prompts]  # 3 requests, 2 slots
+    out = engine.run_all()
+    assert [out[i].new_ids for i in ids] == ar[3].generated_ids
+    assert all(out[i].stats.drafted == 8 * out[i].stats.steps for i in ids)

@@ -39,7 +39,7 @@ import numpy as np
 from spec_jax.decoding import validation
 from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
 from spec_jax.decoding.generate import prompt_bucket, stop_id_array, with_k
-from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, MAX_STOP_IDS, LoopState, Stats, prefill
+from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, MAX_STOP_IDS, LoopState, Stats, prefill, tree_budget
 from spec_jax.decoding.stream import signature
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.interface import Target, resolve_target
@@ -245,16 +245,18 @@ class Engine:
                 raise ValueError(f"k_choices {ks} need a drafter; without one the engine decodes plainly.")
         self.drafters: dict[int, Drafter | None] = {k: with_k(drafter, k) if k else None for k in ks}
         k_max = max(ks)
+        # Slots one verify pass writes past the last committed token: K, or N for a tree drafter.
+        pass_max = max(k_max, tree_budget(drafter))
         max_positions = int(self.model.max_positions)
         if max_model_len is None:
-            max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_positions - k_max - 1)
+            max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_positions - pass_max - 1)
         self.max_model_len = validation.check_int("max_model_len", max_model_len, minimum=2)
-        if self.max_model_len + k_max + 1 > max_positions:
+        if self.max_model_len + pass_max + 1 > max_positions:
             raise ValueError(
-                f"max_model_len {self.max_model_len} + K={k_max} + 1 exceeds the model's "
-                f"{max_positions} positions; lower max_model_len to {max_positions - k_max - 1} or less."
+                f"max_model_len {self.max_model_len} + K={pass_max} + 1 exceeds the model's "
+                f"{max_positions} positions; lower max_model_len to {max_positions - pass_max - 1} or less."
             )
-        self.capacity = min(-(-(self.max_model_len + k_max + 1) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE,
+        self.capacity = min(-(-(self.max_model_len + pass_max + 1) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE,
                             max_positions)
         for d in self.drafters.values():
             if d is not None:
