@@ -71,12 +71,17 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for name in dict.fromkeys(r["method"] for r in rows if r["k"]):
-        pts = sorted((r["verify_tokens"], r) for r in rows if r["method"] == name)
+    def line(r):  # the chain (one point) apart from the trees of the same drafter
+        return r["method"] + (" trees" if r["tree"] else " chain")
+
+    for name in dict.fromkeys(line(r) for r in rows if r["k"]):
+        pts = sorted(((r["verify_tokens"], r) for r in rows if r["k"] and line(r) == name), key=lambda p: p[0])
         xs = [x for x, _ in pts]
-        axes[0].plot(xs, [r["tau"] for _, r in pts], marker="o", label=name)
-        axes[1].plot(xs, [r["cpu_speedup"] for _, r in pts], marker="o", label=name)
-        axes[2].plot(xs, [r["h100_projected_speedup"] for _, r in pts], marker="o", label=name)
+        style = dict(marker="s" if name.endswith("chain") else "o", label=name,
+                     linestyle="none" if len(xs) == 1 else "-")
+        axes[0].plot(xs, [r["tau"] for _, r in pts], **style)
+        axes[1].plot(xs, [r["cpu_speedup"] for _, r in pts], **style)
+        axes[2].plot(xs, [r["h100_projected_speedup"] for _, r in pts], **style)
     for ax, title in zip(axes, ["tau (tokens per target pass)", "CPU speedup over AR (measured)",
                                 f"H100 speedup over AR (projected, d={args.draft_cost})"]):
         ax.set_xlabel("tokens per verify pass (chain K+1 = 8; trees N+1)")

@@ -385,3 +385,19 @@ def test_trees_stream_and_serve_like_generate(models, drafters, ar):
     out = engine.run_all()
     assert [out[i].new_ids for i in ids] == ar[3].generated_ids
     assert all(out[i].stats.drafted == 8 * out[i].stats.steps for i in ids)
+
+
+def test_default_tree_choice_follows_the_measured_table(monkeypatch):
+    """CPU: the chain (trees lost there, the reason cites the run); an unmeasured backend: the
+    chain too; a table entry with a budget reaches the CLI's default drafter spec."""
+    from spec_jax.app.inputs import default_drafter_spec
+    from spec_jax.checkpoints import shipped
+
+    tree, why = shipped.default_tree_choice(1, 0.0, backend="cpu")
+    assert tree == 0 and "RESULTS.md" in why
+    assert shipped.default_tree_choice(8, 0.7, backend="gpu")[0] == 0
+    monkeypatch.setitem(shipped.MEASURED_DEFAULT_TREE, (jax.default_backend(), "greedy"),
+                        ((1, 16, "measured"), (None, 0, "bigger batches: chain")))
+    assert default_drafter_spec(None, None, batch=1).tree == 16
+    assert default_drafter_spec(None, None, batch=4).tree is None
+    assert "bigger batches" in default_drafter_spec(None, None, batch=4).reason

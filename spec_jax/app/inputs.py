@@ -19,6 +19,7 @@ from spec_jax.checkpoints.shipped import (
     LOOKUP,
     MODEL_DRAFTERS,
     default_drafter_choice,
+    default_tree_choice,
     load_drafter,
 )
 
@@ -216,7 +217,10 @@ def default_drafter_spec(
     """`generate` without --drafter: `default_drafter_choice` for the default model (no --target)
     at this batch size and temperature, with the reason in `DrafterSpec.reason`."""
     kind, k, reason = default_drafter_choice(target_arg is None, k, batch, temperature)
-    return DrafterSpec(kind, None, k, reason=reason)
+    if kind == "none":
+        return DrafterSpec(kind, None, k, reason=reason)
+    tree, why = default_tree_choice(batch, temperature)
+    return DrafterSpec(kind, None, k, reason=f"{reason}; {why}", tree=tree or None)
 
 
 def drafter_k(drafter: Any) -> int:

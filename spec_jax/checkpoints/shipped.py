@@ -11,6 +11,7 @@ line pick the same drafter for the same call.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,43 @@ UNMEASURED_DEFAULT_DRAFTER = (
 )
 
 
+# Chain or token tree for that default drafter, per backend and decoding mode: (largest batch, tree
+# budget (0 = a chain), why), read like the table above. Trees raise tau by 1.1-1.3x on the default
+# model, but a CPU verify pass of N + 1 tokens is compute-bound, so on CPU every tree measured lost
+# to the chain. On GPU/TPU a verify pass of up to ~64 tokens costs about one token, so trees should
+# pay there (a projection in benchmarks/RESULTS.md, "Token trees"); no GPU/TPU run has measured
+# one yet, so those backends keep the chain until one does.
+MEASURED_DEFAULT_TREE: dict[tuple[str, str], tuple[tuple[int | None, int, str], ...]] = {
+    ("cpu", "greedy"): (
+        (None, 0,
+         "a chain: on CPU every tree lost to it (benchmarks/RESULTS.md, 2026-11-25, HumanEval[:20], "
+         "batch 1, DFlash with prompt lookup, K=7: chain 1.18x plain decoding at tau 3.40; trees "
+         "of 7 / 16 / 32 nodes 0.78x / 0.89x / 0.94x at tau 3.72 / 4.14 / 4.31)"),
+    ),
+    ("cpu", "sampled"): (
+        (None, 0,
+         "a chain: trees lost to it on CPU under greedy decoding, where they gain the most tau "
+         "(benchmarks/RESULTS.md, Token trees), and the verify pass costs the same when sampling"),
+    ),
+}
+UNMEASURED_DEFAULT_TREE = (
+    (None, 0, "a chain: no tree has been measured on this backend yet (on GPU/TPU trees of 16-32 "
+              "nodes are projected to pay: pass --tree 16)"),
+)
+
+
+def default_tree_choice(batch_size: int = 1, temperature: float = 0.0, backend: str | None = None) -> tuple[int, str]:
+    """(tree budget, reason) for the default drafter: 0 (a chain) or N nodes, per backend,
+    decoding mode and batch size, from the measurements in MEASURED_DEFAULT_TREE."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    mode = "greedy" if temperature <= 0 else "sampled"
+    entries = MEASURED_DEFAULT_TREE.get((backend, mode), UNMEASURED_DEFAULT_TREE)
+    return next((tree, why) for largest, tree, why in entries if largest is None or batch_size <= largest)
+
+
 def default_drafter_choice(
     default_model: bool, k: int | None = None, batch_size: int = 1, temperature: float = 0.0,
     backend: str | None = None,
@@ -183,4 +221,9 @@ def default_drafter(
     reason) where plain decoding is the fastest measured."""
     kind, k, reason = default_drafter_choice(is_default_target(target), k, batch_size, temperature)
     drafter, params = load_drafter(kind, target, None, k)
+    tree, why = default_tree_choice(batch_size, temperature)
+    if drafter is not None and hasattr(drafter, "propose_tree"):
+        reason += f"; {why}"
+        if tree:
+            drafter = dataclasses.replace(drafter, tree=tree)
     return drafter, params, reason
