@@ -37,6 +37,7 @@ Options:
   --max-new-tokens N     new tokens per prompt (default: 128)
   --drafters LIST        spec-jax bench --drafters (default: ngram)
   --num-prompts N        spec-jax bench --num-prompts (default: 10)
+  --tree LIST            spec-jax bench --tree, chain vs token trees, e.g. 0,16,32 (default: none)
   --source DIR           spec_jax checkout to install (default: the repository holding this script)
   --results DIR          local directory for the results (default: ./gpu_results/HOST)
   --skip-install         do not copy and install, only run
@@ -56,6 +57,7 @@ PROMPT="Write a Python function that checks whether a number is prime."
 MAX_NEW_TOKENS=128
 DRAFTERS="ngram"
 NUM_PROMPTS=10
+TREE=""
 SOURCE_DIR="$(cd "${SCRIPT_DIR}/.." && pwd)"
 RESULTS=""
 SKIP_INSTALL=0
@@ -75,6 +77,7 @@ while [[ $# -gt 0 ]]; do
     --max-new-tokens) need_value "$1" "${2:-}"; MAX_NEW_TOKENS="$2"; shift 2 ;;
     --drafters) need_value "$1" "${2:-}"; DRAFTERS="$2"; shift 2 ;;
     --num-prompts) need_value "$1" "${2:-}"; NUM_PROMPTS="$2"; shift 2 ;;
+    --tree) need_value "$1" "${2:-}"; TREE="$2"; shift 2 ;;
     --source) need_value "$1" "${2:-}"; SOURCE_DIR="$2"; shift 2 ;;
     --results) need_value "$1" "${2:-}"; RESULTS="$2"; shift 2 ;;
     --skip-install) SKIP_INSTALL=1; shift ;;
@@ -117,6 +120,9 @@ measurements() {
     job+=" > ${out}/generate.json"
     job+=" && spec-jax bench --mesh $(quote "${MESH}") --drafters $(quote "${DRAFTERS}")"
     job+=" --num-prompts $(quote "${NUM_PROMPTS}") --max-new-tokens $(quote "${MAX_NEW_TOKENS}")"
+    if [[ -n "${TREE}" ]]; then
+      job+=" --tree $(quote "${TREE}")"
+    fi
     job+=" --no-progress --out ${out}/bench"
   fi
   printf '%s' "${job}"
