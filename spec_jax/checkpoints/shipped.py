@@ -35,7 +35,8 @@ NOT_SHIPPED = {
               "`spec-jax train eagle3 --data DATA --out runs/eagle3` (spec_jax/assets/README.md has "
               "the command that made the retired one) and pass --drafter eagle3=runs/eagle3/drafter, "
               "or use --drafter dflash.",
-    "medusa": "no Medusa heads ship with spec_jax (benchmarks/RESULTS.md has the measurement). Train them with `spec-jax train medusa --data DATA --out runs/medusa` "
+    "medusa": "no Medusa heads ship with spec_jax (trained on this CPU they lost to plain decoding; "
+              "benchmarks/RESULTS.md). Train them with `spec-jax train medusa --data DATA --out runs/medusa` "
               "and pass --drafter medusa=runs/medusa/drafter.",
 }
 
