@@ -251,6 +251,8 @@ def test_default_drafter_api_for_another_target_is_plain_decoding(tiny_dir):
     with pytest.raises(ValueError, match="needs a checkpoint for this target"):
         spec_jax.load_drafter("dflash+ngram", target)
     with pytest.raises(ValueError, match="unknown drafter"):
+        spec_jax.load_drafter("hydra", target)
+    with pytest.raises(ValueError, match="medusa.*needs a checkpoint for this target"):
         spec_jax.load_drafter("medusa", target)
 
 
