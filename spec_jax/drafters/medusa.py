@@ -169,7 +169,9 @@ def check_compatible(cfg: MedusaConfig, target_cfg: TargetModel | ModelConfig) -
             f"this target has {target_cfg.num_layers} layers"
         )
     if cfg.vocab_size is not None and cfg.vocab_size != target_cfg.vocab_size:
-        problems.append(f"their vocab size {cfg.vocab_size} differs from the target's {target_cfg.vocab_size}")
+        problems.append(
+            f"their vocab size {cfg.vocab_size} differs from the target's {target_cfg.vocab_size}"
+        )
     if problems:
         raise ValueError(
             "Medusa heads do not fit this target: " + "; ".join(problems) + ". Use heads trained for "
@@ -177,7 +179,9 @@ def check_compatible(cfg: MedusaConfig, target_cfg: TargetModel | ModelConfig) -
         )
 
 
-def head_hidden(cfg: MedusaConfig, params: Params, hidden: jax.Array, num_heads: int | None = None) -> jax.Array:
+def head_hidden(
+    cfg: MedusaConfig, params: Params, hidden: jax.Array, num_heads: int | None = None
+) -> jax.Array:
     """Captured last-layer hidden states [..., H] -> the first `num_heads` heads' outputs
     [..., K, H], ready for the target's LM head. Shared by drafting and training."""
     outs = []
@@ -212,7 +216,8 @@ class MedusaDrafter:
     def __post_init__(self):
         if self.k is None:
             object.__setattr__(self, "k", self.cfg.num_heads)
-        if isinstance(self.k, bool) or not isinstance(self.k, numbers.Integral) or not 1 <= self.k <= self.cfg.num_heads:
+        is_int = isinstance(self.k, numbers.Integral) and not isinstance(self.k, bool)
+        if not is_int or not 1 <= self.k <= self.cfg.num_heads:
             raise ValueError(
                 f"Medusa K must be in 1..{self.cfg.num_heads} (one draft per head; these heads "
                 f"number {self.cfg.num_heads}), got {self.k!r}."
