@@ -156,20 +156,21 @@ UNMEASURED_DEFAULT_DRAFTER = (
 
 # Chain or token tree for that default drafter, per backend and decoding mode: (largest batch, tree
 # budget (0 = a chain), why), read like the table above. Trees raise tau by 1.1-1.3x on the default
-# model, but a CPU verify pass of N + 1 tokens is compute-bound, so on CPU every tree measured lost
-# to the chain. On GPU/TPU a verify pass of up to ~64 tokens costs about one token, so trees should
+# model, but a CPU verify pass of N + 1 tokens is compute-bound, so on CPU trees lost to the chain
+# in most runs. On GPU/TPU a verify pass of up to ~64 tokens costs about one token, so trees should
 # pay there (a projection in benchmarks/RESULTS.md, "Token trees"); no GPU/TPU run has measured
 # one yet, so those backends keep the chain until one does.
 MEASURED_DEFAULT_TREE: dict[tuple[str, str], tuple[tuple[int | None, int, str], ...]] = {
     ("cpu", "greedy"): (
         (None, 0,
-         "a chain: on CPU every tree lost to it (benchmarks/RESULTS.md, 2026-11-25, HumanEval[:20], "
-         "batch 1, DFlash with prompt lookup, K=7: chain 1.18x plain decoding at tau 3.40; trees "
-         "of 7 / 16 / 32 nodes 0.78x / 0.89x / 0.94x at tau 3.72 / 4.14 / 4.31)"),
+         "a chain: on CPU trees lost to it in 2 of 3 runs (benchmarks/RESULTS.md, 2026-11-25, "
+         "batch 1, DFlash with prompt lookup, K=7: HumanEval[:20] chain 1.18x plain decoding at tau "
+         "3.40, trees of 7 / 16 / 32 nodes 0.78x / 0.89x / 0.94x at tau 3.72 / 4.14 / 4.31; "
+         "HumanEval[:10] tree 16 1.39x and 0.83x against the chain's 1.28x and 1.26x)"),
     ),
     ("cpu", "sampled"): (
         (None, 0,
-         "a chain: trees lost to it on CPU under greedy decoding, where they gain the most tau "
+         "a chain: trees lost to it on CPU in most greedy runs, where they gain the most tau "
          "(benchmarks/RESULTS.md, Token trees), and the verify pass costs the same when sampling"),
     ),
 }
