@@ -12,19 +12,8 @@ models are outside the decoding tests' remit.
 from __future__ import annotations
 
 import dataclasses
-import os
 
-# The suite checks tokens and distributions, not speed, and its time is mostly XLA compiling tiny
-# models: unoptimised CPU codegen compiles them about twice as fast (tests/fake_devices.py does
-# the same for the subprocess workers). Not on a GPU/TPU host, and not with
-# SPEC_JAX_TEST_OPTIMIZED=1. Set before JAX starts its backend.
-_ACCELERATOR = any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/accel0", "/dev/vfio/0"))
-if not _ACCELERATOR and not os.environ.get("SPEC_JAX_TEST_OPTIMIZED"):
-    _CHEAP = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    if _CHEAP not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CHEAP).strip()
-
-import jax  # noqa: E402  (after XLA_FLAGS)
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -18,7 +18,7 @@ from conftest import TINY_DFLASH, VOCAB, make_prompts
 from spec_jax.decoding import generate
 from spec_jax.decoding.acceptance import accept_tree
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
-from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
+from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.drafters.tree import (
@@ -281,10 +281,8 @@ def oracle_params(ar_result, prompts, width=128):
 
 TREE_CASES = [  # (drafter, tree budget, batch): budgets 8/16/32 and batches 1/3/8 spread over drafters
     ("oracle", 8, 3), ("oracle", 32, 1), ("oracle", 16, 8),
-    ("dflash", 8, 8), ("dflash", 32, 3),
-    ("dflash_lookup", 16, 1), ("ngram", 16, 8), ("ngram", 8, 3),
-    ("draft", 8, 3), ("self", 16, 1), ("near", 32, 8),
-    ("eagle3", 16, 3), ("eagle3", 8, 1),
+    ("dflash", 32, 3), ("dflash_lookup", 16, 1), ("ngram", 16, 8),
+    ("draft", 8, 3), ("eagle3", 16, 3),
 ]
 
 
@@ -303,20 +301,17 @@ def test_greedy_tree_equals_ar(models, drafters, ar, name, budget, batch):
         drafter, params = NGramDrafter(k=4, tree=budget), None
     elif name == "draft":
         drafter, params = DraftModelDrafter(models.draft_cfg, 4, tree=budget), models.draft_params
-    elif name == "eagle3":
+    else:  # eagle3
         cfg = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2),
                            speculative_tokens=4)
         drafter = Eagle3Drafter(cfg, tree=budget)
         params = init_eagle3_params(cfg, jax.random.key(5), scale=3.0)
-    else:  # the target drafting for itself (self), or a noisy copy of it (near)
-        drafter = dataclasses.replace(self_drafter(models.cfg, 4), tree=budget)
-        params = models.params if name == "self" else models.near_params
     r = generate(models.target, prompts, drafter, params, max_new_tokens=NEW)
     assert r.generated_ids == ar[batch].generated_ids
     s = r.stats
     assert s.drafted == budget * s.steps and sum(s.acceptance_histogram) == s.steps
     assert s.accepted == sum(i * h for i, h in enumerate(s.acceptance_histogram))
-    if name in ("oracle", "self"):
+    if name == "oracle":
         assert s.tau > 2.0, f"{name}: deep paths should be accepted (tau {s.tau:.2f})"
 
 
@@ -340,7 +335,7 @@ def test_node_depths():
 ])
 def test_tree_sampling_reproduces_target_joint_distribution(e2e, drafter_kind, temperature, top_k, top_p):
     """The first 3 tokens (prefill token + tree steps of depth <= 2, 6 nodes, widths >= 2) over
-    5 seeds x 2048 rows against the exact warped joint (as test_sampling_stats does for chains)."""
+    3 seeds x 2048 rows against the exact warped joint (as test_sampling_stats does for chains)."""
     params, draft_params, logits = e2e
     k, budget = 2, 6
     if drafter_kind == "dflash_lookup":
@@ -354,7 +349,7 @@ def test_tree_sampling_reproduces_target_joint_distribution(e2e, drafter_kind, t
         drafter, dparams = DraftModelDrafter(E2E_DRAFT_CFG, k, tree=budget), draft_params
     counts = np.zeros((V_E2E,) * 3)
     accepted = 0
-    for seed in range(5):
+    for seed in range(3):
         r = generate((E2E_CFG, params), [PROMPT] * 2048, drafter, dparams, max_new_tokens=3,
                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, capacity=32)
         ids = np.asarray(r.generated_ids)
