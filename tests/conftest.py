@@ -12,12 +12,15 @@ models are outside the decoding tests' remit.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spec_jax import clear_compiled
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
 from spec_jax.drafters.lookup import LookupFirstDrafter
@@ -43,6 +46,28 @@ class Models:
     @property
     def target(self):
         return (self.cfg, self.params)
+
+
+# Each CPU executable holds its own memory mappings; one process of this suite compiles thousands of
+# programs, and past Linux's vm.max_map_count (65530) XLA aborts mid-compile. Between test files
+# the compiled programs are released once the count passes this mark (they recompile on next use).
+MAP_COUNT_MARK = 25_000
+
+
+def memory_map_count() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bounded_memory_maps():
+    yield
+    if memory_map_count() > MAP_COUNT_MARK:
+        clear_compiled()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

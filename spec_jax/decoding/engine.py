@@ -38,7 +38,7 @@ import numpy as np
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
-from spec_jax.decoding.generate import prompt_bucket, stop_id_array, with_k
+from spec_jax.decoding.generate import PROGRAM_CACHES, prompt_bucket, stop_id_array, with_k
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, MAX_STOP_IDS, LoopState, Stats, prefill, tree_budget
 from spec_jax.decoding.stream import signature
 from spec_jax.drafters.base import Drafter
@@ -50,6 +50,7 @@ NO_BATCH_AXIS = -1
 # Programs by full configuration, shared between engines (newest last, bounded).
 _SHARED_PROGRAMS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 MAX_SHARED_PROGRAMS = 64
+PROGRAM_CACHES.append(_SHARED_PROGRAMS)
 DEFAULT_MAX_MODEL_LEN = 1024
 CAPACITY_MULTIPLE = 128
 

@@ -263,6 +263,21 @@ def prepare_inputs(
 # that sweeps shapes keeps only the newest ones.
 _COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 MAX_COMPILED = 16
+# Every program cache spec_jax keeps (streaming and the engine register theirs), for clear_compiled.
+PROGRAM_CACHES: list[collections.OrderedDict[Any, Any]] = [_COMPILED]
+
+
+def clear_compiled() -> None:
+    """Release every compiled program spec_jax and JAX hold in this process.
+
+    Each CPU executable keeps its machine code in its own memory mappings, and Linux caps a process
+    at `vm.max_map_count` (65530 by default): a process that compiles thousands of distinct
+    programs (a sweep over shapes, a test suite) aborts inside XLA once it reaches the cap. Calling
+    this between phases keeps the count bounded; the next call of each program recompiles it.
+    """
+    for cache in PROGRAM_CACHES:
+        cache.clear()
+    jax.clear_caches()
 
 
 def compiled_loop(

@@ -25,7 +25,7 @@ import numpy as np
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.chunked import chunk_jit, prefill_jit
-from spec_jax.decoding.generate import GenerationResult, prepare_inputs, unpack
+from spec_jax.decoding.generate import PROGRAM_CACHES, GenerationResult, prepare_inputs, unpack
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, GenerateOutput, LoopState
 from spec_jax.drafters.base import Drafter
 from spec_jax.sharding.placement import gather_to_host
@@ -35,6 +35,7 @@ DEFAULT_CHUNK_STEPS = 4
 # AOT executables by (function, static arguments, argument shapes and shardings), newest last.
 _COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 MAX_COMPILED = 32
+PROGRAM_CACHES.append(_COMPILED)
 
 
 def signature(args: Any, mesh: Any = None) -> str:
