@@ -15,7 +15,25 @@ import dataclasses
 import gc
 import os
 
-import jax
+# The suite checks tokens and distributions, not speed, and its time is mostly XLA compiling tiny
+# models: unoptimised CPU codegen compiles them about twice as fast (tests/fake_devices.py does
+# the same for the subprocess workers, and the CLI's subprocesses inherit it). Not on a GPU/TPU
+# host, and not with SPEC_JAX_TEST_OPTIMIZED=1. Set before JAX starts its backend. (It once looked
+# as if this codegen crashed XLA after hundreds of compiles; the cause was the memory-map cap that
+# bounded_memory_maps below handles, which aborted the optimised codegen as well.)
+_ACCELERATOR = any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/accel0", "/dev/vfio/0"))
+if not _ACCELERATOR and not os.environ.get("SPEC_JAX_TEST_OPTIMIZED"):
+    _CHEAP = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    if _CHEAP not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CHEAP).strip()
+
+# The README's command runs the suite in two pytest-xdist worker processes (this machine has two
+# cores and the suite is mostly single-threaded compiling). On a GPU host the two workers must not
+# each preallocate most of the device's memory.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp
 import numpy as np
 import pytest
