@@ -31,6 +31,7 @@ from spec_jax.drafters.tree import (
     tree_from_logprobs,
 )
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
+from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params
 from test_sampling_stats import (  # noqa: F401  (e2e is a fixture)
     E2E_CFG,
     E2E_DFLASH_CFG,
@@ -279,10 +280,12 @@ def oracle_params(ar_result, prompts, width=128):
     return jnp.asarray(out)
 
 
-TREE_CASES = [  # (drafter, tree budget, batch): budgets 8/16/32 and batches 1/3/8 spread over drafters
-    ("oracle", 8, 3), ("oracle", 32, 1), ("oracle", 16, 8),
-    ("dflash", 32, 3), ("dflash_lookup", 16, 1), ("ngram", 16, 8),
-    ("draft", 8, 3), ("eagle3", 16, 3),
+# Every tree drafter at batch 1, 3 and 8, and each at budgets 8, 16 and 32 (a Latin square: the
+# budget turns with the batch), plus an oracle that forces deep paths through later siblings.
+TREE_DRAFTERS = ["dflash", "dflash_lookup", "ngram", "draft", "eagle3", "medusa"]
+TREE_CASES = [("oracle", 8, 3), ("oracle", 32, 1), ("oracle", 16, 8)] + [
+    (name, (8, 16, 32)[(i + j) % 3], batch)
+    for i, name in enumerate(TREE_DRAFTERS) for j, batch in enumerate((1, 3, 8))
 ]
 
 
@@ -301,11 +304,14 @@ def test_greedy_tree_equals_ar(models, drafters, ar, name, budget, batch):
         drafter, params = NGramDrafter(k=4, tree=budget), None
     elif name == "draft":
         drafter, params = DraftModelDrafter(models.draft_cfg, 4, tree=budget), models.draft_params
-    else:  # eagle3
+    elif name == "eagle3":
         cfg = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2),
                            speculative_tokens=4)
         drafter = Eagle3Drafter(cfg, tree=budget)
         params = init_eagle3_params(cfg, jax.random.key(5), scale=3.0)
+    else:  # medusa
+        cfg = MedusaConfig.for_target(models.cfg, num_heads=4)
+        drafter, params = MedusaDrafter(cfg, k=4, tree=budget), init_medusa_params(cfg, jax.random.key(6), scale=3.0)
     r = generate(models.target, prompts, drafter, params, max_new_tokens=NEW)
     assert r.generated_ids == ar[batch].generated_ids
     s = r.stats
