@@ -11,7 +11,7 @@ from spec_jax.checkpoints.dflash import load_dflash, save_dflash
 from spec_jax.checkpoints.shipped import default_drafter, load_drafter
 from spec_jax.decoding import GenerationResult, generate, make_generate_fn
 from spec_jax.decoding.engine import Engine
-from spec_jax.decoding.generate import clear_compiled
+from spec_jax.decoding.programs import clear_compiled
 from spec_jax.decoding.stream import generate_stream
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params

@@ -24,7 +24,6 @@ current number of live rows.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import itertools
 import math
@@ -38,9 +37,9 @@ import numpy as np
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
-from spec_jax.decoding.generate import PROGRAM_CACHES, prompt_bucket, stop_id_array, with_k
+from spec_jax.decoding.generate import prompt_bucket, stop_id_array, with_k
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, MAX_STOP_IDS, LoopState, Stats, prefill, tree_budget
-from spec_jax.decoding.stream import signature
+from spec_jax.decoding.programs import ProgramCache, signature
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.interface import Target, resolve_target
 from spec_jax.sampling import SamplingParams
@@ -48,9 +47,7 @@ from spec_jax.sharding.placement import gather_to_host
 
 NO_BATCH_AXIS = -1
 # Programs by full configuration, shared between engines (newest last, bounded).
-_SHARED_PROGRAMS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-MAX_SHARED_PROGRAMS = 64
-PROGRAM_CACHES.append(_SHARED_PROGRAMS)
+_SHARED_PROGRAMS = ProgramCache(max_size=64)
 DEFAULT_MAX_MODEL_LEN = 1024
 CAPACITY_MULTIPLE = 128
 
@@ -364,18 +361,12 @@ class Engine:
             config = (key, self.model, self.drafters[key[1]] if key[0] == "chunk" else self.drafters[max(self.drafters)],
                       self.capacity, self.slots, self.mesh, str(self.state_shardings),
                       signature(args, self.mesh))
-            exe = _SHARED_PROGRAMS.get(config)
-            if exe is None:
-                t0 = time.perf_counter()
-                kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
-                jitted = jax.jit(fn, donate_argnums=0, **kw)
-                with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-                    exe = jitted.lower(*args).compile()
-                _SHARED_PROGRAMS[config] = exe
-                while len(_SHARED_PROGRAMS) > MAX_SHARED_PROGRAMS:
-                    _SHARED_PROGRAMS.popitem(last=False)
+            kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
+            exe, seconds = _SHARED_PROGRAMS.get_or_compile(
+                config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh)
+            if seconds:  # compiled now, not shared from another engine
                 self.compiles += 1
-                self.compile_s += time.perf_counter() - t0
+                self.compile_s += seconds
             self._exes[key] = exe
         return exe
 

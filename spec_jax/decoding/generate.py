@@ -6,8 +6,6 @@ a user's own `jax.jit`."""
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -17,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.decoding import validation
+from spec_jax.decoding.programs import ProgramCache
 from spec_jax.decoding.loop import (
     FINISH_NAMES,
     MAX_STOP_IDS,
@@ -258,26 +257,8 @@ def prepare_inputs(
     return PreparedCall(resolved, drafter, capacity, inputs)
 
 
-# Compiled loops by static configuration and input shapes, most recently used last. Bounded: each
-# entry holds an executable (and, through its static drafter, configs), so a long-lived process
-# that sweeps shapes keeps only the newest ones.
-_COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-MAX_COMPILED = 16
-# Every program cache spec_jax keeps (streaming and the engine register theirs), for clear_compiled.
-PROGRAM_CACHES: list[collections.OrderedDict[Any, Any]] = [_COMPILED]
-
-
-def clear_compiled() -> None:
-    """Release every compiled program spec_jax and JAX hold in this process.
-
-    Each CPU executable keeps its machine code in its own memory mappings, and Linux caps a process
-    at `vm.max_map_count` (65530 by default): a process that compiles thousands of distinct
-    programs (a sweep over shapes, a test suite) aborts inside XLA once it reaches the cap. Calling
-    this between phases keeps the count bounded; the next call of each program recompiles it.
-    """
-    for cache in PROGRAM_CACHES:
-        cache.clear()
-    jax.clear_caches()
+# Compiled loops by static configuration and input shapes.
+_COMPILED = ProgramCache(max_size=16)
 
 
 def compiled_loop(
@@ -291,17 +272,8 @@ def compiled_loop(
     if mesh is not None:
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, inputs)
         cache_key += (mesh, str(shardings))
-    compiled = _COMPILED.get(cache_key)
-    if compiled is not None:
-        _COMPILED.move_to_end(cache_key)
-        return compiled, 0.0
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        compiled = generate_jit.lower(inputs, model=model, drafter=drafter, capacity=capacity).compile()
-    _COMPILED[cache_key] = compiled
-    while len(_COMPILED) > MAX_COMPILED:
-        _COMPILED.popitem(last=False)
-    return compiled, time.perf_counter() - t0
+    return _COMPILED.get_or_compile(
+        cache_key, lambda: generate_jit.lower(inputs, model=model, drafter=drafter, capacity=capacity), mesh)
 
 
 def generate(

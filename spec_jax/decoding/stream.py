@@ -13,8 +13,6 @@ greedy or sampled with the same seed.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import time
 from typing import Any, Iterator, Sequence
@@ -25,25 +23,16 @@ import numpy as np
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.chunked import chunk_jit, prefill_jit
-from spec_jax.decoding.generate import PROGRAM_CACHES, GenerationResult, prepare_inputs, unpack
+from spec_jax.decoding.generate import GenerationResult, prepare_inputs, unpack
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, GenerateOutput, LoopState
+from spec_jax.decoding.programs import ProgramCache, signature
 from spec_jax.drafters.base import Drafter
 from spec_jax.sharding.placement import gather_to_host
 
 DEFAULT_CHUNK_STEPS = 4
 
-# AOT executables by (function, static arguments, argument shapes and shardings), newest last.
-_COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-MAX_COMPILED = 32
-PROGRAM_CACHES.append(_COMPILED)
-
-
-def signature(args: Any, mesh: Any = None) -> str:
-    """What a compiled program depends on besides its static arguments: every argument's shape and
-    dtype (and sharding on a mesh)."""
-    if mesh is None:
-        return str(jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x)), args))
-    return str(jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x), x.sharding), args))
+# AOT executables by (function, static arguments, argument shapes and shardings).
+_COMPILED = ProgramCache(max_size=32)
 
 
 def compiled(jitted: Any, args: tuple, static: dict[str, Any], mesh: Any = None,
@@ -52,17 +41,7 @@ def compiled(jitted: Any, args: tuple, static: dict[str, Any], mesh: Any = None,
     compiling now). `sig` skips recomputing `signature(args, mesh)` when the caller holds it."""
     key = (jitted, tuple(sorted(static.items(), key=lambda kv: kv[0])),
            sig if sig is not None else signature(args, mesh), mesh)
-    exe = _COMPILED.get(key)
-    if exe is not None:
-        _COMPILED.move_to_end(key)
-        return exe, 0.0
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        exe = jitted.lower(*args, **static).compile()
-    _COMPILED[key] = exe
-    while len(_COMPILED) > MAX_COMPILED:
-        _COMPILED.popitem(last=False)
-    return exe, time.perf_counter() - t0
+    return _COMPILED.get_or_compile(key, lambda: jitted.lower(*args, **static), mesh)
 
 
 @dataclasses.dataclass
