@@ -242,23 +242,42 @@ def test_trained_eagle3_multi_step_stays_exact_and_drafts_better(setup):
     assert spec.stats.acceptance_histogram[2] + spec.stats.acceptance_histogram[3] > 0  # chains accepted
 
 
-@pytest.mark.parametrize("kind", ["dflash", "draft-model", "eagle3"])
-def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kind):
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory, setup):
+    """kind -> (the `spec-jax train KIND` arguments without --out/--steps, the out dir of a 6-step
+    run with them, the target dir): each kind trains once, shared by the tests that load it and
+    continue from it."""
+    from spec_jax.app.main import main
     from spec_jax.checkpoints import save_hf_dir
+
+    target_params, data, _, _ = setup
+    root = tmp_path_factory.mktemp("cli_runs")
+    save_hf_dir(root / "target", TARGET, jax.device_get(target_params))
+    data.save(root / "data.npz")
+    runs = {}
+
+    def run(kind):
+        if kind not in runs:
+            common = ["train", kind, "--target", str(root / "target"), "--data", str(root / "data.npz"),
+                      "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--block-size", "4", "--layers", "1",
+                      "--hidden", "64", "--eval-every", "0", "--no-progress"]
+            assert main(common + ["--out", str(root / kind), "--steps", "6"]) == 0
+            runs[kind] = (common, root / kind, root / "target")
+        return runs[kind]
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["dflash", "draft-model", "eagle3"])
+def test_cli_train_exports_a_drafter_generate_loads(setup, capsys, cli_run, kind):
     from spec_jax.app.main import main
 
-    target_params, data, _, prompts = setup
-    save_hf_dir(tmp_path / "target", TARGET, jax.device_get(target_params))
-    data.save(tmp_path / "data.npz")
-    out = tmp_path / "run"
-    args = ["train", kind, "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
-            "--out", str(out), "--steps", "6", "--batch-size", "4", "--seq-len", str(SEQ_LEN),
-            "--block-size", "4", "--layers", "1", "--hidden", "64", "--eval-every", "0", "--no-progress"]
-    assert main(args) == 0
+    prompts = setup[3]
+    _, out, target_dir = cli_run(kind)
     assert (out / "training_curve.png").stat().st_size > 0
     assert (out / "training_log.json").is_file()
     ids = ",".join(map(str, prompts[0]))
-    common = ["generate", "--target", str(tmp_path / "target"), "--prompt-ids", ids,
+    common = ["generate", "--target", str(target_dir), "--prompt-ids", ids,
               "--max-new-tokens", "12", "--json"]
     capsys.readouterr()
     assert main(common) == 0
@@ -271,24 +290,18 @@ def test_cli_train_exports_a_drafter_generate_loads(tmp_path, setup, capsys, kin
 
 
 @pytest.mark.parametrize("kind", ["dflash", "draft-model", "eagle3"])
-def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsys, kind):
+def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsys, cli_run, kind):
     """--init-from starts from the exported drafter's exact weights (the schedule's first step has
     learning rate 0, so a 1-step run exports them unchanged), a DFlash one also into another block
     size; a drafter of another shape and a bad --data-sequences are clear errors."""
     import json
 
     from spec_jax.app.main import main
-    from spec_jax.checkpoints import save_hf_dir
     from spec_jax.checkpoints.hf import load_hf_dir
 
-    target_params, data, _, _ = setup
-    save_hf_dir(tmp_path / "target", TARGET, jax.device_get(target_params))
-    data.save(tmp_path / "data.npz")
-    common = ["train", kind, "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
-              "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--block-size", "4", "--layers", "1",
-              "--hidden", "64", "--eval-every", "0", "--no-progress"]
-    first, second = tmp_path / "first", tmp_path / "second"
-    assert main(common + ["--out", str(first), "--steps", "6"]) == 0
+    data = setup[1]
+    common, first, _ = cli_run(kind)
+    second = tmp_path / "second"
     assert main(common + ["--out", str(second), "--steps", "1", "--init-from", str(first / "drafter"),
                           "--data-sequences", "20"]) == 0
 
@@ -333,24 +346,18 @@ def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsy
     assert f"holds {len(data)} sequences" in capsys.readouterr().err
 
 
-def test_cli_dflash_draft_vocab_from_a_full_vocabulary_drafter(tmp_path, setup, capsys):
+def test_cli_dflash_draft_vocab_from_a_full_vocabulary_drafter(tmp_path, setup, capsys, cli_run):
     """`train dflash --draft-vocab N --init-from FULL`: the full-vocabulary drafter's weights carry
     over, its head becomes the target's rows of the data's N most frequent answer tokens, the export
     is in the speculators format and generates AR-identically; continuing from it keeps its vocabulary."""
     import json
 
     from spec_jax.app.main import main
-    from spec_jax.checkpoints import save_hf_dir
     from spec_jax.training.run import held_out_prompts
 
     target_params, data, _, prompts = setup
-    save_hf_dir(tmp_path / "target", TARGET, jax.device_get(target_params))
-    data.save(tmp_path / "data.npz")
-    common = ["train", "dflash", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
-              "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--block-size", "4", "--layers", "1",
-              "--eval-every", "0", "--no-progress"]
-    full, reduced, again = tmp_path / "full", tmp_path / "reduced", tmp_path / "again"
-    assert main(common + ["--out", str(full), "--steps", "6"]) == 0
+    common, full, _ = cli_run("dflash")  # 6 steps of the full-vocabulary drafter
+    reduced, again = tmp_path / "reduced", tmp_path / "again"
     assert main(common + ["--out", str(reduced), "--steps", "1", "--draft-vocab", "40",
                           "--init-from", str(full / "drafter")]) == 0
     assert json.loads((reduced / "drafter" / "config.json").read_text())["speculators_model_type"] == "dflash"
