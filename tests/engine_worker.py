@@ -18,6 +18,7 @@ from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_pa
 from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params  # noqa: E402
 from spec_jax.drafters.lookup import LookupFirstDrafter  # noqa: E402
+from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params  # noqa: E402
 from spec_jax.drafters.ngram import NGramDrafter  # noqa: E402
 from spec_jax.models import ModelConfig, init_params  # noqa: E402
 from spec_jax.sharding import make_mesh  # noqa: E402
@@ -30,6 +31,7 @@ DFLASH = DFlashConfig(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2,
                       mask_token_id=VOCAB - 1, num_target_layers=2, vocab_size=VOCAB)
 EAGLE3 = Eagle3Config(layer=CFG.replace(num_layers=1, layer_windows=()), draft_vocab_size=VOCAB - 20,
                       aux_layer_ids=(1, 2))
+MEDUSA = MedusaConfig.for_target(CFG, num_heads=K)
 rng = np.random.RandomState(0)
 PROMPTS = [rng.randint(0, VOCAB, n).tolist() for n in (3, 16, 1, 9, 12)]
 PROMPTS[3] = [5, 6, 7, 8, 5, 6, 7, 8, 5]  # repetitive: the lookup drafts from it
@@ -48,6 +50,7 @@ def drafters(params):
         "draft_model_lookup": (LookupFirstDrafter(DraftModelDrafter(draft_cfg, K), min_match=1), draft_params),
         "dflash_lookup": (LookupFirstDrafter(DFlashDrafter(DFLASH, K), min_match=1), dflash_params),
         "eagle3": (Eagle3Drafter(EAGLE3, K), init_eagle3_params(EAGLE3, jax.random.key(4), scale=3.0)),
+        "medusa": (MedusaDrafter(MEDUSA, K), init_medusa_params(MEDUSA, jax.random.key(5), scale=3.0)),
     }
 
 

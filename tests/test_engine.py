@@ -182,15 +182,15 @@ def test_adaptive_k_prefers_speculation_only_when_it_pays():
 
 
 def test_every_drafter_kind_on_a_mesh():
-    """Staggered == alone for ngram, the draft model and DFlash (each behind prompt lookup) and
-    EAGLE-3, with the state's rows split over data=4 and heads over model=2; no compile
+    """Staggered == alone for ngram, the draft model and DFlash (each behind prompt lookup),
+    EAGLE-3 and Medusa, with the state's rows split over data=4 and heads over model=2; no compile
     after warm-up."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
     proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env,
                           timeout=900, cwd=Path(__file__).parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(report) == {"ngram", "draft_model_lookup", "dflash_lookup", "eagle3"}
+    assert set(report) == {"ngram", "draft_model_lookup", "dflash_lookup", "eagle3", "medusa"}
     for kind, r in report.items():
         assert r["equal"] == [True] * len(r["equal"]), (kind, r)
         assert r["compiles_after_warmup"] == 0, (kind, r)

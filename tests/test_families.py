@@ -28,6 +28,7 @@ from spec_jax.decoding import generate  # noqa: E402
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params  # noqa: E402
 from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params  # noqa: E402
+from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params  # noqa: E402
 from spec_jax.drafters.ngram import NGramDrafter  # noqa: E402
 from spec_jax.models import Decoder, ModelConfig, forward, init_cache  # noqa: E402
 from spec_jax.models.config import GLOBAL_WINDOW, LinearRopeScaling  # noqa: E402
@@ -228,10 +229,14 @@ PROMPTS = {
 # only through the verify pass the others exercise too: it runs on two families (b1, b4). That
 # is 11 compiled loops instead of 24. The reference is transformers' greedy generate per prompt
 # (our AR loop equals it: test_greedy_64_tokens_equal_transformers_generate), which costs no compile.
+# Every drafter kind on every family, each kind at batch 1 on some families and batch 4 on others.
 SPEC_CASES = [
     ("gemma3", "ngram", 1), ("gemma3", "draft", 4), ("gemma3", "dflash", 1), ("gemma3", "eagle3", 4),
+    ("gemma3", "medusa", 1),
     ("qwen2", "ngram", 4), ("qwen2", "draft", 1), ("qwen2", "dflash", 4), ("qwen2", "eagle3", 1),
-    ("mistral", "draft", 4), ("mistral", "dflash", 1), ("mistral", "eagle3", 4),
+    ("qwen2", "medusa", 4),
+    ("mistral", "ngram", 1), ("mistral", "draft", 4), ("mistral", "dflash", 1), ("mistral", "eagle3", 4),
+    ("mistral", "medusa", 1),
 ]
 
 
@@ -250,6 +255,9 @@ def _drafter(kind, cfg: ModelConfig, target_params):
                             intermediate_size=96, block_size=4, target_layer_ids=(0, 1), mask_token_id=VOCAB - 1,
                             num_target_layers=cfg.num_layers, vocab_size=VOCAB)
         return DFlashDrafter(dcfg), init_dflash_params(dcfg, key, scale=3.0)
+    if kind == "medusa":
+        mcfg = MedusaConfig.for_target(cfg, num_heads=3)
+        return MedusaDrafter(mcfg, k=3), init_medusa_params(mcfg, key, scale=3.0)
     layer = ModelConfig(vocab_size=VOCAB, hidden_size=cfg.hidden_size, intermediate_size=96, num_layers=1,
                         num_heads=4, num_kv_heads=2, head_dim=16)
     ecfg = Eagle3Config(layer=layer, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2), own_embedding=False,
