@@ -163,10 +163,10 @@ UNMEASURED_DEFAULT_DRAFTER = (
 MEASURED_DEFAULT_TREE: dict[tuple[str, str], tuple[tuple[int | None, int, str], ...]] = {
     ("cpu", "greedy"): (
         (None, 0,
-         "a chain: on CPU trees lost to it in 2 of 3 runs (benchmarks/RESULTS.md, 2026-11-25, "
-         "batch 1, DFlash with prompt lookup, K=7: HumanEval[:20] chain 1.18x plain decoding at tau "
-         "3.40, trees of 7 / 16 / 32 nodes 0.78x / 0.89x / 0.94x at tau 3.72 / 4.14 / 4.31; "
-         "HumanEval[:10] tree 16 1.39x and 0.83x against the chain's 1.28x and 1.26x)"),
+         "a chain: on CPU trees lost to it in 4 of 5 runs (benchmarks/RESULTS.md, 2026-11-25, "
+         "batch 1, DFlash with prompt lookup, K=7; on a quiet machine, HumanEval[:20], two passes in "
+         "both orders: chain 1.74x and 1.75x plain decoding at tau 3.40, a tree of 16 nodes 0.99x "
+         "and 0.96x at tau 4.14, its step 2.2x the chain's)"),
     ),
     ("cpu", "sampled"): (
         (None, 0,
