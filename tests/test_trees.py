@@ -402,3 +402,16 @@ def test_default_tree_choice_follows_the_measured_table(monkeypatch):
     assert default_drafter_spec(None, None, batch=1).tree == 16
     assert default_drafter_spec(None, None, batch=4).tree is None
     assert "bigger batches" in default_drafter_spec(None, None, batch=4).reason
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compiler regression guard")
+def test_tree_builders_keep_top_k_off_a_full_vocabulary_sort():
+    """XLA:CPU folded the gathers that read best_first_tree's top-k into the sort top_k expands to,
+    sorting the whole vocabulary every step (40-70 ms at 7 x 49k, slower than the DFlash pass);
+    tree.top_k keeps it a top-k."""
+    vocab = 4096
+    logprobs = jnp.zeros((1, 7, vocab))
+    for build in (lambda lp: best_first_tree(lp, 16), lambda lp: static_tree(lp, ((0,), (1,), (0, 0)))):
+        hlo = jax.jit(build).lower(logprobs).compile().as_text()
+        sorts = [line for line in hlo.splitlines() if " sort(" in line and str(vocab) in line]
+        assert not sorts, sorts[0]

@@ -16,6 +16,7 @@ from spec_jax.drafters.tree import (
     expand_level,
     expansion_width,
     select_best_nodes,
+    top_k,
     tree_budget,
 )
 from spec_jax.models.interface import Target, TargetModel, ancestor_mask
@@ -143,7 +144,7 @@ class DraftModelDrafter:
         batch = tokens.shape[0]
         vocab = target.vocab_size
         root_logits, cache = self._refeed(params, state, tokens, lengths)  # root committed
-        lp, tok = jax.lax.top_k(self._target_logprobs(root_logits, vocab), width)  # [B, W]
+        lp, tok = top_k(self._target_logprobs(root_logits, vocab), width)  # [B, W]
         node_tokens, node_parents, node_scores = tok, jnp.full((batch, width), -1, jnp.int32), lp
         node_depths = jnp.ones((batch, width), jnp.int32)
         frontier = jnp.broadcast_to(jnp.arange(width), (batch, width))

@@ -51,6 +51,7 @@ from spec_jax.drafters.tree import (
     expand_level,
     expansion_width,
     select_best_nodes,
+    top_k,
     tree_budget,
 )
 from spec_jax.models.interface import Target, TargetModel, ancestor_mask
@@ -433,7 +434,7 @@ class Eagle3Drafter:
             mapped = to_target_vocab(draft_logits, params["d2t"], cfg.layer.vocab_size)
             return jax.nn.log_softmax(mapped.astype(jnp.float32), axis=-1)
 
-        lp, tok = jax.lax.top_k(logprobs(step_logits)[:, 0], width)  # the root's children
+        lp, tok = top_k(logprobs(step_logits)[:, 0], width)  # the root's children
         node_tokens, node_scores = tok, lp
         node_parents = jnp.full((batch, width), -1, jnp.int32)
         node_depths = jnp.ones((batch, width), jnp.int32)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from spec_jax.drafters.tree import TreeDraft, check_tree_setting, tree_budget
+from spec_jax.drafters.tree import TreeDraft, check_tree_setting, top_k, tree_budget
 
 from spec_jax.models.interface import TargetModel
 
@@ -108,7 +107,7 @@ class NGramDrafter:
         branches = -(-budget // k)
         n_at = self.match_lengths(tokens, lengths)  # [B, S]
         score = jnp.where(n_at > 0, n_at * size + jnp.arange(size)[None, :], -1)
-        top_score, top_start = jax.lax.top_k(score, min(branches, size))  # [B, M]
+        top_score, top_start = top_k(score, min(branches, size))  # [B, M]
         if top_start.shape[1] < branches:  # fewer positions than branches: repeat the last
             pad = branches - top_start.shape[1]
             top_score = jnp.pad(top_score, ((0, 0), (0, pad)), constant_values=-1)
