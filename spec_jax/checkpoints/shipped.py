@@ -163,10 +163,10 @@ UNMEASURED_DEFAULT_DRAFTER = (
 MEASURED_DEFAULT_TREE: dict[tuple[str, str], tuple[tuple[int | None, int, str], ...]] = {
     ("cpu", "greedy"): (
         (None, 0,
-         "a chain: on CPU trees lost to it in 4 of 5 runs (benchmarks/RESULTS.md, 2026-11-25, "
-         "batch 1, DFlash with prompt lookup, K=7; on a quiet machine, HumanEval[:20], two passes in "
-         "both orders: chain 1.74x and 1.75x plain decoding at tau 3.40, a tree of 16 nodes 0.99x "
-         "and 0.96x at tau 4.14, its step 2.2x the chain's)"),
+         "a chain: on CPU trees lose to it (benchmarks/RESULTS.md, 2026-11-25, batch 1, DFlash "
+         "with prompt lookup, K=7, HumanEval[:20], quiet machine: chain 1.77x plain decoding at "
+         "tau 3.40, trees of 16 / 32 nodes 1.47x / 1.16x at tau 4.14 / 4.31; the wider verify "
+         "pass is compute-bound on CPU)"),
     ),
     ("cpu", "sampled"): (
         (None, 0,
