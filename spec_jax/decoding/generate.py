@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.decoding import validation
-from spec_jax.decoding.programs import ProgramCache
 from spec_jax.decoding.loop import (
     FINISH_NAMES,
     MAX_STOP_IDS,
@@ -25,6 +24,7 @@ from spec_jax.decoding.loop import (
     generate_loop,
 )
 from spec_jax.decoding.loop import tree_budget
+from spec_jax.decoding.programs import ProgramCache
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.tree import tree_budget as tree_budget_of
 from spec_jax.models.interface import Target, TargetModel, as_target_model, resolve_target
