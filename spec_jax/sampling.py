@@ -113,7 +113,7 @@ def _inverse_cdf_draw(key: jax.Array, probs: jax.Array) -> jax.Array:
     """One token per row of probs [..., V] from a single uniform per row (inverse CDF).
 
     Gumbel-max needs a random number per vocabulary entry; at batch 64 over 49k tokens that
-    noise was most of a sampled decode step's sampling cost on CPU (126 vs 21 ms). The CDF is
+    noise was most of a sampled decode step's sampling cost on CPU. The CDF is
     two-level (cumulative sums within blocks of CDF_BLOCK, then over block totals), which keeps
     float32 rounding to about 500 additions instead of V. A token of probability 0 is never
     drawn: only blocks and entries with mass are chosen.

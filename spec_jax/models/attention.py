@@ -28,8 +28,7 @@ def float32_precision() -> jax.lax.Precision | None:
 
     HIGHEST on GPU and TPU, whose DEFAULT rounds float32 operands (TF32, bfloat16 passes). None
     (DEFAULT) on CPU: XLA:CPU's DEFAULT float32 dot is already exact float32 (bit-identical to
-    HIGHEST, tested), and HIGHEST there selects a slower kernel: 2.7x slower at batch 32, 1.3x
-    at batch 1 on the 2-core VM (benchmarks/RESULTS.md)."""
+    HIGHEST, tested), and HIGHEST there selects a slower kernel (benchmarks/RESULTS.md)."""
     return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
 
 
@@ -49,8 +48,7 @@ def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
     """q [B, T, N, D] -> [B, Kv, T*G, D] (row m = t * G + g, G = N // Kv).
 
     Both attention dots are then plain batched matmuls over (B, Kv) in the cache's own layout, so
-    XLA transposes only the small q and output, never the [S]-long scores or the cache (2.3x
-    faster attention at batch 32 on XLA:CPU)."""
+    XLA transposes only the small q and output, never the [S]-long scores or the cache."""
     b, t, n, d = q.shape
     groups = n // kv_heads
     return jnp.swapaxes(q.reshape(b, t, kv_heads, groups, d), 1, 2).reshape(b, kv_heads, t * groups, d)
@@ -229,15 +227,12 @@ def _attend_live_buckets(
     return jax.lax.switch(index, [dense_over(w) for w in widths], k_cache, v_cache)
 
 
-# The cache attention each backend uses: (impl, block). "blocks" with 128-slot blocks on CPU
-# (30 layers of attention alone, benchmarks/RESULTS.md, 2026-11-25, session 15): at batch 8 it
-# beat "buckets" by 1.1-1.5x from 500 live slots up (power-of-two overshoot, the window copy);
-# at batch 1 it tied with 5 queries and lost by 1.1-1.2x with one query from 2000 live slots;
-# 128-slot blocks read less than 512-slot ones at short live lengths and tie at long ones; and
-# it compiles in about half the time (one loop body per layer, not a switch of 8-10 branches).
-# GPU and TPU are not measured yet: "buckets" decides once per layer, where a dynamic-trip-count
-# loop may cost a device-to-host round trip per block; `benchmarks/capacity_scaling.py --impls
-# live,dense,blocks` (a step of tpu_scripts/gpu_host.sh) measures them there.
+# The cache attention each backend uses: (impl, block). On CPU "blocks" with 128-slot blocks:
+# it beat "buckets" at batch 8 and tied or lost slightly at batch 1 with long live lengths, reads
+# less than larger blocks at short lengths, and compiles about twice as fast (one loop body per
+# layer, not a switch of branches). Elsewhere "buckets": it decides once per layer, where a
+# dynamic-trip-count loop may cost a device-to-host round trip per block. The measurements are in
+# benchmarks/RESULTS.md; `benchmarks/capacity_scaling.py --impls live,dense,blocks` repeats them.
 LIVE_ATTENTION = {"cpu": ("blocks", 128)}
 ACCELERATOR_LIVE_ATTENTION = ("buckets", 256)
 

@@ -6,8 +6,8 @@ DFlash drafter (which reuses the decoder layers) never describe a weight twice.
 
 Decoder layers are a list with one dict of arrays per layer, not arrays stacked on a layer axis:
 on XLA:GPU any slice of a stacked weight that feeds a matmul (dynamic inside `lax.scan`, or static)
-is materialised as a copy, so a decode step over stacked weights moved every weight about three
-times (measured on an H100: 17.0 ms vs 7.6 ms per Qwen3-8B step). The forward passes unroll the
+is materialised as a copy, so a decode step over stacked weights moves every weight several times
+(benchmarks/RESULTS.md). The forward passes unroll the
 layer loop at trace time over these arrays.
 
 Logical axis names:
