@@ -17,13 +17,12 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from spec_jax.checkpoints.atomic import atomic_path
 from spec_jax.checkpoints.errors import CheckpointError, CheckpointNotFoundError
 from spec_jax.checkpoints.quantized import dequantize, float_shape, quantized_names
 from spec_jax.models.config import ModelConfig
@@ -468,26 +467,12 @@ def write_checkpoint_dir(
     everything is written to a temporary sibling dir that is renamed into place when complete."""
     from safetensors.numpy import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        os.chmod(tmp, 0o755)
+    with atomic_path(path, directory=True) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", 0o644)  # safetensors creates it owner-only
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.rmdir(old)
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -16,10 +16,11 @@ and integer tensors (vocabulary maps) are stored as they are.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Collection, Mapping
 
 import numpy as np
+
+from spec_jax.checkpoints.atomic import atomic_path
 
 SCALE_SUFFIX = "_scale"
 INT4_GROUP = 32
@@ -96,7 +97,5 @@ def quantize_checkpoint_file(path: str | os.PathLike, int4: Collection[str] = ()
     if any(w.dtype in (np.int8, np.uint8) and name + SCALE_SUFFIX in tensors for name, w in tensors.items()):
         raise ValueError(f"{path} is already quantized; quantize the float checkpoint it came from.")
     metadata["spec_jax_weights"] = "quantized, see spec_jax.checkpoints.quantized"
-    tmp = Path(f"{path}.tmp")
-    save_file(quantize_tensors(tensors, int4), str(tmp), metadata=metadata)
-    os.chmod(tmp, 0o644)  # safetensors creates it owner-only
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(quantize_tensors(tensors, int4), str(tmp), metadata=metadata)

@@ -13,12 +13,13 @@ import hashlib
 import json
 import os
 import socket
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
+
+from spec_jax.checkpoints.atomic import write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 
 
 def weights_sha256(params: Any) -> str:
@@ -48,25 +49,6 @@ def arrays_sha256(*arrays: np.ndarray) -> str:
         for start in range(0, len(a), rows):
             digest.update(np.ascontiguousarray(a[start : start + rows]).tobytes())
     return digest.hexdigest()
-
-
-def write_atomic(path: Path, write: Callable[[Any], None], binary: bool = True) -> None:
-    """write(file) into a uniquely named temporary file beside `path`, then rename it into place:
-    a reader never sees half a file and two writers never share a temporary name."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w") as f:
-            write(f)
-        os.chmod(tmp, 0o644)  # mkstemp creates it owner-only
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path: Path, value: dict) -> None:
-    write_atomic(Path(path), lambda f: f.write(json.dumps(value, indent=1)), binary=False)
 
 
 def read_json(path: Path, fix: str) -> Any:
