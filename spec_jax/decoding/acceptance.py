@@ -83,30 +83,49 @@ def accept_tree(
     where q_i = q for draws with replacement and q with c_1..c_{i-1} removed and renormalised for
     draws without replacement. The token after the last rejection comes from the final p'.
     """
-    batch, nodes, vocab = target_probs.shape
+    if mode == "deterministic":
+        return _walk_deterministic(key, target_probs, tokens, parents, max_depth)
+    if draft_probs is None or mode not in ("with_replacement", "without_replacement"):
+        raise ValueError(f"tree mode {mode!r} needs draft_probs (or use 'deterministic')")
+    return _walk_drawn(key, target_probs, tokens, parents, max_depth, draft_probs, mode)
+
+
+def _path_result(path: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(num_accepted [B], path [B, max_depth+1]) from the per-depth node indices (0 = none)."""
+    path = jnp.stack(path, axis=1)
+    return jnp.sum(path[:, 1:] > 0, axis=-1).astype(jnp.int32), path
+
+
+def _walk_deterministic(key, target_probs, tokens, parents, max_depth):
+    """Deterministic candidates: one draw t_x ~ p_x per node, then walk down while a child of
+    the current node carries its draw."""
+    batch, nodes, _ = target_probs.shape
+    rows = jnp.arange(batch)
+    is_node = jnp.arange(nodes)[None, :] > 0
+    # Step 1: one draw t_x ~ p_x per node (greedy: the argmax, whatever the key).
+    drawn = sample(key, target_probs)  # [B, N+1]
+    cur = jnp.zeros((batch,), jnp.int32)
+    alive = jnp.ones((batch,), bool)
+    path = [cur]
+    # Step 2: walk down while some child of the current node carries its draw.
+    for _ in range(max_depth):
+        want = drawn[rows, cur]
+        match = is_node & (parents == cur[:, None]) & (tokens == want[:, None]) & alive[:, None]
+        found = jnp.any(match, axis=-1)
+        cur = jnp.where(found, jnp.argmax(match, axis=-1), cur).astype(jnp.int32)
+        alive &= found
+        path.append(jnp.where(found, cur, 0))
+    num_accepted, path = _path_result(path)
+    return num_accepted, drawn[rows, cur], path
+
+
+def _walk_drawn(key, target_probs, tokens, parents, max_depth, draft_probs, mode):
+    """Drawn candidates: at each depth try the current node's children in index order
+    (recursive rejection sampling), move to the first accepted one, stop at none."""
+    batch, nodes, _ = target_probs.shape
     rows = jnp.arange(batch)
     node_ids = jnp.arange(nodes)
     is_node = node_ids[None, :] > 0
-    if mode == "deterministic":
-        # Step 1: one draw t_x ~ p_x per node (greedy: the argmax, whatever the key).
-        drawn = sample(key, target_probs)  # [B, N+1]
-        cur = jnp.zeros((batch,), jnp.int32)
-        alive = jnp.ones((batch,), bool)
-        path = [cur]
-        # Step 2: walk down while some child of the current node carries its draw.
-        for _ in range(max_depth):
-            want = drawn[rows, cur]
-            match = is_node & (parents == cur[:, None]) & (tokens == want[:, None]) & alive[:, None]
-            found = jnp.any(match, axis=-1)
-            cur = jnp.where(found, jnp.argmax(match, axis=-1), cur).astype(jnp.int32)
-            alive &= found
-            path.append(jnp.where(found, cur, 0))
-        path = jnp.stack(path, axis=1)
-        num_accepted = jnp.sum(path[:, 1:] > 0, axis=-1).astype(jnp.int32)
-        return num_accepted, drawn[rows, cur], path
-
-    if draft_probs is None or mode not in ("with_replacement", "without_replacement"):
-        raise ValueError(f"tree mode {mode!r} needs draft_probs (or use 'deterministic')")
     # Sibling rank of each node among its parent's children (index order).
     same_parent = (parents[:, :, None] == parents[:, None, :]) & is_node[:, :, None] & is_node[:, None, :]
     rank = jnp.sum(same_parent & (node_ids[None, None, :] < node_ids[None, :, None]), axis=-1)
@@ -130,17 +149,11 @@ def accept_tree(
                 q_eff = q_left / jnp.maximum(jnp.sum(q_left, -1, keepdims=True), 1e-30)
             else:
                 q_eff = q
-            p_c = residual[rows, c]
-            q_c = q_eff[rows, c]
             u = 1.0 - jax.random.uniform(keys[depth * max_children + r], (batch,))
-            accepted = exists & (u * q_c <= p_c)
+            accepted = exists & (u * q_eff[rows, c] <= residual[rows, c])
             rejected = exists & ~accepted
             chosen = jnp.where(accepted, child, chosen)
-            left = jnp.maximum(residual - q_eff, 0.0)
-            mass = jnp.sum(left, -1, keepdims=True)
-            # Zero mass means p' <= q_eff everywhere, where a rejection cannot happen (p' = q_eff).
-            new_residual = jnp.where(mass > 0, left / jnp.maximum(mass, 1e-30), residual)
-            residual = jnp.where(rejected[:, None], new_residual, residual)
+            residual = jnp.where(rejected[:, None], _residual_after_rejection(residual, q_eff), residual)
             if mode == "without_replacement":
                 q_left = jnp.where(rejected[:, None], q_left.at[rows, c].set(0.0), q_left)
         found = chosen >= 0
@@ -148,6 +161,13 @@ def accept_tree(
         residual = jnp.where(found[:, None], target_probs[rows, cur], residual)
         alive &= found
         path.append(jnp.where(found, cur, 0))
-    path = jnp.stack(path, axis=1)
-    num_accepted = jnp.sum(path[:, 1:] > 0, axis=-1).astype(jnp.int32)
+    num_accepted, path = _path_result(path)
     return num_accepted, sample(keys[-1], residual), path
+
+
+def _residual_after_rejection(residual: jax.Array, q: jax.Array) -> jax.Array:
+    """normalise(max(p' - q, 0)) [B, V]. Zero mass means p' <= q everywhere, where a rejection
+    cannot happen (p' = q), so p' stays."""
+    left = jnp.maximum(residual - q, 0.0)
+    mass = jnp.sum(left, -1, keepdims=True)
+    return jnp.where(mass > 0, left / jnp.maximum(mass, 1e-30), residual)

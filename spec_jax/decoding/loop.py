@@ -219,52 +219,23 @@ def speculative_step(
     """One draft -> verify -> accept step for every row (finished rows write nothing)."""
     batch = state.tokens.shape[0]
     k = drafter.k if drafter is not None else 0
-    capture = drafter.capture_layers if drafter is not None else ()
     rows = jnp.arange(batch)
     key, draft_key, accept_key = jax.random.split(state.key, 3)
 
     start = state.lengths - 1  # [B] position of the last committed token (the root)
     last = state.tokens[rows, start]
-    if tree_budget(drafter) > 0:
-        drafts, num_accepted, next_token, path, cache, captured, drafter_state = _tree_step(
-            state, target, drafter, drafter_params, sampling, draft_key, accept_key, last
-        )
-    else:
-        path = None
-        # Step 1: draft K tokens per row.
-        if drafter is not None:
-            with jax.named_scope("draft"):
-                drafts, draft_probs, drafter_state = drafter.propose(
-                    drafter_params, target, state.drafter_state, state.tokens, state.lengths,
-                    draft_key, sampling,
-                )
-        else:
-            drafts, draft_probs, drafter_state = jnp.zeros((batch, 0), jnp.int32), None, ()
-
-        # Step 2: verify [last committed token, d_1..d_K] in one target pass.
-        verify_tokens = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, K+1]
-        verify_positions = start[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K+1]
-        with jax.named_scope("verify"):
-            hidden, captured, cache = target.forward(
-                verify_tokens, verify_positions, state.cache, capture=capture
-            )
-            logits = target.logits(hidden)  # [B, K+1, V] float32
-
-        # Step 3: accept a prefix of the drafts; sample the correction or bonus token.
-        with jax.named_scope("accept"):
-            num_accepted, next_token = accept(accept_key, warp(logits, sampling), drafts, draft_probs)
+    # Steps 1-3: draft, verify in one target pass, accept a prefix (a chain) or a path (a tree).
+    step_fn = _tree_step if tree_budget(drafter) > 0 else _chain_step
+    drafts, num_accepted, next_token, path, cache, captured, drafter_state = step_fn(
+        state, target, drafter, drafter_params, sampling, draft_key, accept_key, last
+    )
     offsets = jnp.arange(k + 1, dtype=jnp.int32)
     out = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
     out = out.at[rows, num_accepted].set(next_token)  # [B, K+1]: d_1..d_n, next, (unused)
 
     # Step 4: cut the emitted run at the length cap, then just after the first stop token.
-    generated = state.lengths - state.prompt_lengths
-    num_new = jnp.minimum(num_accepted + 1, max_new_tokens - generated)
-    stop_mask = _is_stop(out, stop_ids) & (offsets[None, :] < num_new[:, None])
-    has_stop = jnp.any(stop_mask, axis=-1)
-    num_new = jnp.where(has_stop, jnp.argmax(stop_mask, axis=-1) + 1, num_new)
     active = ~state.done
-    num_new = jnp.where(active, num_new, 0)
+    num_new, has_stop = _emitted_count(state, out, num_accepted, active, max_new_tokens, stop_ids)
 
     # Step 5: commit. Unwritten slots go to an out-of-range index and are dropped.
     capacity = state.tokens.shape[1]
@@ -280,19 +251,7 @@ def speculative_step(
         drafter_state = drafter.commit(
             drafter_params, target, drafter_state, start, num_accepted, captured
         )
-
-    live = active.astype(jnp.int32)
-    stats = state.stats
-    stats = Stats(
-        steps=stats.steps + live,
-        drafted=stats.drafted + live * (tree_budget(drafter) or k),
-        accepted=stats.accepted + live * num_accepted,
-        emitted=stats.emitted + num_new,
-        histogram=stats.histogram
-        + live[:, None] * jax.nn.one_hot(num_accepted, k + 1, dtype=jnp.int32),
-        position_accepted=stats.position_accepted
-        + live[:, None] * (offsets[None, :k] < num_accepted[:, None]).astype(jnp.int32),
-    )
+    drafted = tree_budget(drafter) or k
     return LoopState(
         tokens=tokens,
         lengths=lengths,
@@ -305,8 +264,70 @@ def speculative_step(
         drafter_state=drafter_state,
         key=key,
         step=state.step + 1,
-        stats=stats,
+        stats=_count_step(state.stats, active, drafted, num_accepted, num_new, k),
     )
+
+
+def _emitted_count(state, out, num_accepted, active, max_new_tokens, stop_ids):
+    """(tokens each row commits this step [B], whether its run holds a stop token [B]): the run
+    of n + 1 tokens cut at the length cap, then just after the first stop token; 0 for a
+    finished row."""
+    offsets = jnp.arange(out.shape[1], dtype=jnp.int32)
+    generated = state.lengths - state.prompt_lengths
+    num_new = jnp.minimum(num_accepted + 1, max_new_tokens - generated)
+    stop_mask = _is_stop(out, stop_ids) & (offsets[None, :] < num_new[:, None])
+    has_stop = jnp.any(stop_mask, axis=-1)
+    num_new = jnp.where(has_stop, jnp.argmax(stop_mask, axis=-1) + 1, num_new)
+    return jnp.where(active, num_new, 0), has_stop
+
+
+def _count_step(stats: Stats, active, drafted: int, num_accepted, num_new, k: int) -> Stats:
+    """`stats` plus one verify step of the live rows (`drafted` draft tokens each)."""
+    live = active.astype(jnp.int32)
+    offsets = jnp.arange(k, dtype=jnp.int32)
+    return Stats(
+        steps=stats.steps + live,
+        drafted=stats.drafted + live * drafted,
+        accepted=stats.accepted + live * num_accepted,
+        emitted=stats.emitted + num_new,
+        histogram=stats.histogram
+        + live[:, None] * jax.nn.one_hot(num_accepted, k + 1, dtype=jnp.int32),
+        position_accepted=stats.position_accepted
+        + live[:, None] * (offsets[None, :] < num_accepted[:, None]).astype(jnp.int32),
+    )
+
+
+def _chain_step(state, target, drafter, drafter_params, sampling, draft_key, accept_key, last):
+    """Steps 1-3 for a chain (or, with no drafter, a plain step): draft K tokens, verify [last,
+    d_1..d_K] in one pass, accept a prefix. -> (drafts [B, K], num_accepted [B], next_token [B],
+    path None, the target cache, captured hidden states [B, K+1, n*H] (or None), drafter state)."""
+    batch = last.shape[0]
+    k = drafter.k if drafter is not None else 0
+    start = state.lengths - 1
+    # Step 1: draft K tokens per row.
+    if drafter is not None:
+        with jax.named_scope("draft"):
+            drafts, draft_probs, drafter_state = drafter.propose(
+                drafter_params, target, state.drafter_state, state.tokens, state.lengths,
+                draft_key, sampling,
+            )
+    else:
+        drafts, draft_probs, drafter_state = jnp.zeros((batch, 0), jnp.int32), None, ()
+
+    # Step 2: verify [last committed token, d_1..d_K] in one target pass.
+    verify_tokens = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, K+1]
+    verify_positions = start[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K+1]
+    capture = drafter.capture_layers if drafter is not None else ()
+    with jax.named_scope("verify"):
+        hidden, captured, cache = target.forward(
+            verify_tokens, verify_positions, state.cache, capture=capture
+        )
+        logits = target.logits(hidden)  # [B, K+1, V] float32
+
+    # Step 3: accept a prefix of the drafts; sample the correction or bonus token.
+    with jax.named_scope("accept"):
+        num_accepted, next_token = accept(accept_key, warp(logits, sampling), drafts, draft_probs)
+    return drafts, num_accepted, next_token, None, cache, captured, drafter_state
 
 
 def tree_budget(drafter: Drafter | None) -> int:
