@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.interface import TargetModel, ancestor_mask, as_target_model
+from spec_jax.models.interface import TargetModel, ancestor_mask
+from spec_jax.models.resolve import as_target_model
 
 # Host callbacks in lowered StableHLO (jax.pure_callback, io_callback, jax.debug.print/callback):
 # custom calls such as @xla_ffi_python_cpu_callback / @xla_python_gpu_callback.

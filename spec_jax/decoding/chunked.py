@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from spec_jax.decoding.loop import LoopInputs, LoopState, prefill, speculative_step
 from spec_jax.drafters.base import Drafter
-from spec_jax.models.interface import Target, TargetModel, as_target_model
+from spec_jax.models.interface import Target, TargetModel
+from spec_jax.models.resolve import as_target_model
 from spec_jax.sampling import SamplingParams
 
 NO_STEP_CAP = jnp.iinfo(jnp.int32).max  # a chunk's step cap when rows carry their own length caps

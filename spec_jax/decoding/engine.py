@@ -41,7 +41,8 @@ from spec_jax.decoding.generate import prompt_bucket, stop_id_array, with_k
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, MAX_STOP_IDS, LoopState, Stats, prefill, tree_budget
 from spec_jax.decoding.programs import ProgramCache, signature
 from spec_jax.drafters.base import Drafter
-from spec_jax.models.interface import Target, resolve_target
+from spec_jax.models.interface import Target
+from spec_jax.models.resolve import resolve_target
 from spec_jax.sampling import SamplingParams
 from spec_jax.sharding.placement import gather_to_host
 

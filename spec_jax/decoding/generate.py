@@ -27,7 +27,8 @@ from spec_jax.decoding.loop import tree_budget
 from spec_jax.decoding.programs import ProgramCache
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.tree import tree_budget as tree_budget_of
-from spec_jax.models.interface import Target, TargetModel, as_target_model, resolve_target
+from spec_jax.models.interface import Target, TargetModel
+from spec_jax.models.resolve import as_target_model, resolve_target
 from spec_jax.sampling import SamplingParams
 from spec_jax.sharding.placement import gather_to_host
 
@@ -116,6 +117,15 @@ def unpack(out: GenerateOutput) -> tuple[list[list[int]], list[str], list[RowSta
         s.position_accepted.sum(0),
     )
     return generated, reasons, rows, total, int(out.steps)
+
+
+def result_of(out: GenerateOutput, compile_s: float, generate_s: float) -> GenerationResult:
+    """The loop's output (device or host copy) and its timings as the `GenerationResult` users get."""
+    generated, reasons, rows, total, steps = unpack(out)
+    return GenerationResult(
+        generated_ids=generated, finish_reasons=reasons, row_stats=rows, stats=total, loop_steps=steps,
+        compile_s=compile_s, generate_s=generate_s,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,47 +222,37 @@ def prepare_inputs(
     drafter_params: Any = None,
     *,
     k: int | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    stop_ids: Sequence[int] | None = None,
-    ignore_eos: bool = False,
     capacity: int | None = None,
     tree: Any = None,
+    **request_values: Any,
 ) -> PreparedCall:
     """Check everything a user can get wrong (before any compile), resolve the stop ids, pad the
-    prompts to their bucket: the host half of `generate` (same arguments)."""
+    prompts to their bucket: the host half of `generate` (same arguments; `request_values` are
+    max_new_tokens, temperature, top_k, top_p, seed, stop_ids and ignore_eos)."""
     resolved, own_stop = resolve_target(target)
     model = resolved.model
     k, capacity = validation.check_k(k), validation.check_capacity(capacity)
     drafter = with_tree(with_k(drafter, k), tree)
     # Slots a verify pass writes past the last committed token: K, or N for a tree.
     k_eff = max(drafter.k, tree_budget(drafter)) if drafter is not None else 0
-    checked = validation.check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    max_new_tokens, seed = checked["max_new_tokens"], checked["seed"]
+    values = validation.check_request_values(
+        own_stop if own_stop is not None else model.stop_ids, **request_values)
     prompts = validation.check_prompts(prompts, model.vocab_size)
     longest = max(len(p) for p in prompts)
-    capacity = check_capacity(longest, max_new_tokens, k_eff, capacity, model.max_positions)
+    capacity = check_capacity(longest, values.max_new_tokens, k_eff, capacity, model.max_positions)
     if drafter is not None:
         drafter.validate(model, capacity)
     validation.check_drafter_params(drafter, drafter_params)
-    if stop_ids is None:
-        stop_ids = () if ignore_eos else (own_stop if own_stop is not None else model.stop_ids)
-    elif ignore_eos:
-        stop_ids = ()
-    stop_array = stop_id_array(validation.check_stop_ids(stop_ids))
     prompt_tokens, prompt_lengths = pad_prompts(prompts, min(prompt_bucket(longest), capacity))
     inputs = LoopInputs(
         target_params=resolved.params,
         drafter_params=drafter_params,
         prompt_tokens=jnp.asarray(prompt_tokens),
         prompt_lengths=jnp.asarray(prompt_lengths),
-        key=jax.random.key(seed),
-        sampling=SamplingParams.create(checked["temperature"], checked["top_k"], checked["top_p"]),
-        max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
-        stop_ids=jnp.asarray(stop_array),
+        key=jax.random.key(values.seed),
+        sampling=SamplingParams.create(*values.sampling),
+        max_new_tokens=jnp.asarray(values.max_new_tokens, jnp.int32),
+        stop_ids=jnp.asarray(stop_id_array(values.stop_ids)),
     )
     return PreparedCall(resolved, drafter, capacity, inputs)
 
@@ -315,9 +315,9 @@ def generate(
     """
     validation.check_mesh(mesh)
     call = prepare_inputs(
-        target, prompts, drafter, drafter_params, k=k, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids,
-        ignore_eos=ignore_eos, capacity=capacity, tree=tree,
+        target, prompts, drafter, drafter_params, k=k, capacity=capacity, tree=tree,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop_ids=stop_ids, ignore_eos=ignore_eos,
     )
     model, inputs = call.target.model, call.inputs
     if mesh is not None:
@@ -329,18 +329,7 @@ def generate(
     out = compiled(inputs)
     jax.block_until_ready(out)
     generate_s = time.perf_counter() - t0
-    if mesh is not None:
-        out = gather_to_host(out)
-    generated, reasons, rows, total, steps = unpack(out)
-    return GenerationResult(
-        generated_ids=generated,
-        finish_reasons=reasons,
-        row_stats=rows,
-        stats=total,
-        loop_steps=steps,
-        compile_s=compile_s,
-        generate_s=generate_s,
-    )
+    return result_of(gather_to_host(out) if mesh is not None else out, compile_s, generate_s)
 
 
 def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: int):

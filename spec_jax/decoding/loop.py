@@ -15,7 +15,8 @@ from flax import struct
 from spec_jax.decoding.acceptance import accept, accept_tree
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.tree import node_depths, tree_budget as _tree_budget, with_root
-from spec_jax.models.interface import Target, TargetModel, ancestor_mask, as_target_model
+from spec_jax.models.interface import Target, TargetModel, ancestor_mask
+from spec_jax.models.resolve import as_target_model
 from spec_jax.models.weights import abstract_from_specs
 from spec_jax.sampling import SamplingParams, sample, warp
 
@@ -99,6 +100,12 @@ class GenerateOutput:
     finish_reason: jax.Array
     steps: jax.Array
     stats: Stats
+
+    @classmethod
+    def of(cls, state: LoopState) -> GenerateOutput:
+        """What a finished (or paused) loop state hands back."""
+        return cls(tokens=state.tokens, prompt_lengths=state.prompt_lengths, lengths=state.lengths,
+                   finish_reason=state.finish_reason, steps=state.step, stats=state.stats)
 
 
 @struct.dataclass
@@ -399,14 +406,7 @@ def generate_loop(
         return speculative_step(s, target, drafter, drafter_params, sampling, max_new_tokens, stop_ids)
 
     state = jax.lax.while_loop(not_finished, step, state)
-    return GenerateOutput(
-        tokens=state.tokens,
-        prompt_lengths=state.prompt_lengths,
-        lengths=state.lengths,
-        finish_reason=state.finish_reason,
-        steps=state.step,
-        stats=state.stats,
-    )
+    return GenerateOutput.of(state)
 
 
 generate_jit = jax.jit(generate_loop, static_argnames=("model", "drafter", "capacity"))

@@ -23,7 +23,7 @@ import numpy as np
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.chunked import chunk_jit, prefill_jit
-from spec_jax.decoding.generate import GenerationResult, prepare_inputs, unpack
+from spec_jax.decoding.generate import GenerationResult, prepare_inputs, result_of
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, GenerateOutput, LoopState
 from spec_jax.decoding.programs import ProgramCache, signature
 from spec_jax.drafters.base import Drafter
@@ -83,15 +83,14 @@ def generate_stream(
     Everything a user can get wrong is checked when the generator is created, before compiling.
     """
     validation.check_mesh(mesh)
-    if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, (int, np.integer)) or chunk_steps < 1:
-        raise ValueError(f"chunk_steps must be an integer >= 1 (verify steps per chunk), got {chunk_steps!r}.")
+    chunk_steps = validation.check_int("chunk_steps", chunk_steps, minimum=1)  # verify steps per chunk
     call = prepare_inputs(target, prompts, drafter, drafter_params, **kwargs)
     inputs = call.inputs
     if mesh is not None:
         from spec_jax.decoding.placement import place_generate_inputs  # only for mesh runs
 
         inputs = place_generate_inputs(inputs, call.target.model, call.drafter, mesh, sharding_rules)
-    return _stream(call.target.model, call.drafter, call.capacity, inputs, int(chunk_steps), mesh)
+    return _stream(call.target.model, call.drafter, call.capacity, inputs, chunk_steps, mesh)
 
 
 def _stream(model, drafter, capacity, inputs, chunk_steps, mesh) -> Iterator[StreamUpdate]:
@@ -119,17 +118,8 @@ def _stream(model, drafter, capacity, inputs, chunk_steps, mesh) -> Iterator[Str
         yield StreamUpdate(new_ids, reasons)
         state = chunk_exe(state, *chunk_args, max_steps, step_cap)
     generate_s = time.perf_counter() - t0
-    out = GenerateOutput(
-        tokens=state.tokens, prompt_lengths=state.prompt_lengths, lengths=state.lengths,
-        finish_reason=state.finish_reason, steps=state.step, stats=state.stats,
-    )
-    if mesh is not None:
-        out = gather_to_host(out)
-    generated, finish_reasons, rows, total, steps = unpack(out)
-    result = GenerationResult(
-        generated_ids=generated, finish_reasons=finish_reasons, row_stats=rows, stats=total,
-        loop_steps=steps, compile_s=compile_s, generate_s=generate_s,
-    )
+    out = GenerateOutput.of(state)
+    result = result_of(gather_to_host(out) if mesh is not None else out, compile_s, generate_s)
     yield StreamUpdate(new_ids, reasons, result)
 
 

@@ -8,9 +8,10 @@ refused rather than converted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -20,6 +21,14 @@ SEED_MAX = 2**32 - 1  # jax.random.key keeps 32 bits: larger seeds would collide
 _ENCODE_HINT = (
     "encode text first, e.g. spec_jax.apply_chat_template(target.tokenizer, text, target.chat_template)"
 )
+
+
+class ArgumentError(ValueError):
+    """A bad argument; `param` names it (the HTTP API maps it to the request field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def _integer(value: Any) -> int | None:
@@ -41,23 +50,25 @@ def check_int(name: str, value: Any, minimum: int | None = None, maximum: int = 
     if as_int is None and isinstance(value, (float, np.floating)) and math.isfinite(value) and float(value).is_integer():
         as_int = int(value)
     if as_int is None:
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__}).")
+        raise ArgumentError(name, f"{name} must be an integer, got {value!r} ({type(value).__name__}).")
     if (minimum is not None and as_int < minimum) or as_int > maximum:
         low = "" if minimum is None else f" >= {minimum}"
-        raise ValueError(f"{name} must be an integer{low} and <= {maximum}, got {as_int}.")
+        raise ArgumentError(name, f"{name} must be an integer{low} and <= {maximum}, got {as_int}.")
     return as_int
 
 
-def check_real(name: str, value: Any, minimum: float | None = None) -> float:
-    """A finite real number (not a bool or string; a 0-d NumPy/JAX array is one) >= minimum."""
+def check_real(name: str, value: Any, minimum: float | None = None, maximum: float | None = None) -> float:
+    """A finite real number (not a bool or string; a 0-d NumPy/JAX array is one) in [minimum, maximum]."""
     dtype = getattr(value, "dtype", None)
     scalar_array = dtype is not None and getattr(value, "shape", None) == () and np.dtype(dtype).kind in "fiu"
     if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or scalar_array):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+        raise ArgumentError(name, f"{name} must be a number, got {value!r} ({type(value).__name__}).")
     value = float(value)
     if not math.isfinite(value) or (minimum is not None and value < minimum):
         low = "" if minimum is None else f" >= {minimum}"
-        raise ValueError(f"{name} must be a finite number{low}, got {value}.")
+        raise ArgumentError(name, f"{name} must be a finite number{low}, got {value}.")
+    if maximum is not None and value > maximum:
+        raise ArgumentError(name, f"{name} must be <= {maximum}, got {value}.")
     return value
 
 
@@ -71,7 +82,7 @@ def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any
         seed=check_int("seed", seed, minimum=0, maximum=SEED_MAX),
     )
     if not 0.0 < checked["top_p"] <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}.")
+        raise ArgumentError("top_p", f"top_p must be in (0, 1] (1 = off), got {top_p}.")
     return checked
 
 
@@ -80,29 +91,31 @@ def _is_array(value: Any) -> bool:
     return isinstance(value, np.ndarray) or (hasattr(value, "__array__") and hasattr(value, "dtype"))
 
 
-def _id_row(row: Any, what: str) -> list[int]:
-    """One list of token ids; `what` names it in errors ("prompt 3", "stop_ids")."""
+def _id_row(row: Any, what: str, param: str) -> list[int]:
+    """One list of token ids; `what` names it in errors ("prompt 3", "stop_ids"), `param` is its parameter."""
     if isinstance(row, (str, bytes)):
-        raise ValueError(f"{what} is a string ({row[:40]!r}); token ids are integers: {_ENCODE_HINT}.")
+        raise ArgumentError(param, f"{what} is a string ({row[:40]!r}); token ids are integers: {_ENCODE_HINT}.")
     if _is_array(row):
         array = np.asarray(row)
         if array.ndim == 1 and array.dtype.kind in "iu":
             return [int(t) for t in array]
         if array.ndim != 1:
-            raise ValueError(f"{what} must be a 1-D list of token ids, got an array of shape {array.shape}.")
+            raise ArgumentError(
+                param, f"{what} must be a 1-D list of token ids, got an array of shape {array.shape}."
+            )
         row = array.tolist()
     try:
         items = list(row)
     except TypeError:
-        raise ValueError(
-            f"{what} must be a list of integer token ids, got {row!r} ({type(row).__name__})."
+        raise ArgumentError(
+            param, f"{what} must be a list of integer token ids, got {row!r} ({type(row).__name__})."
         ) from None
     ids = []
     for position, token in enumerate(items):
         as_int = _integer(token)
         if as_int is None:
-            raise ValueError(
-                f"{what} holds {token!r} ({type(token).__name__}) at position {position}, which is not an "
+            raise ArgumentError(
+                param, f"{what} holds {token!r} ({type(token).__name__}) at position {position}, which is not an "
                 "integer token id; pass integer ids (floats, bools and strings are not converted)."
             )
         ids.append(as_int)
@@ -112,38 +125,40 @@ def _id_row(row: Any, what: str) -> list[int]:
 def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
     """Prompts as a list of token-id lists, every id inside the vocabulary."""
     if isinstance(prompts, (str, bytes)):
-        raise ValueError(
-            f"prompts must be a list of token-id lists (one list per prompt), got a string; {_ENCODE_HINT}, "
+        raise ArgumentError(
+            "prompts", f"prompts must be a list of token-id lists (one list per prompt), got a string; {_ENCODE_HINT}, "
             "and pass [ids]."
         )
     if _is_array(prompts):
         if np.ndim(prompts) != 2:
-            raise ValueError(
-                f"prompts as an array must be 2-D [batch, length] token ids, got shape {np.shape(prompts)}; "
+            raise ArgumentError(
+                "prompts", f"prompts as an array must be 2-D [batch, length] token ids, got shape {np.shape(prompts)}; "
                 "for one prompt pass [ids]."
             )
         prompts = list(np.asarray(prompts))
     try:
         rows = list(prompts)
     except TypeError:
-        raise ValueError(
-            f"prompts must be a list of token-id lists, got {type(prompts).__name__}; for one prompt pass [ids]."
+        raise ArgumentError(
+            "prompts", f"prompts must be a list of token-id lists, got {type(prompts).__name__}; for one prompt pass [ids]."
         ) from None
     if not rows:
-        raise ValueError("No prompts given: pass at least one prompt.")
+        raise ArgumentError("prompts", "No prompts given: pass at least one prompt.")
     if all(_integer(r) is not None for r in rows):
-        raise ValueError(
-            f"prompts is one flat list of ids ({rows[:5]}...); prompts are a list of token-id lists: "
+        raise ArgumentError(
+            "prompts", f"prompts is one flat list of ids ({rows[:5]}...); prompts are a list of token-id lists: "
             "for one prompt pass [ids]."
         )
     checked = []
     for i, row in enumerate(rows):
-        ids = _id_row(row, f"Prompt {i}")
+        ids = _id_row(row, f"Prompt {i}", "prompts")
         if not ids:
-            raise ValueError(f"Prompt {i} is empty: every prompt needs at least one token.")
+            raise ArgumentError("prompts", f"Prompt {i} is empty: every prompt needs at least one token.")
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"Prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size}).")
+            raise ArgumentError(
+                "prompts", f"Prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})."
+            )
         checked.append(ids)
     return checked
 
@@ -151,12 +166,67 @@ def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
 def check_stop_ids(stop_ids: Any) -> list[int]:
     """User-given stop ids: a list of non-negative integers (int32), duplicates dropped."""
     if _integer(stop_ids) is not None:
-        raise ValueError(f"stop_ids must be a list of token ids, got the single id {stop_ids!r}; pass [{stop_ids}].")
-    ids = _id_row(stop_ids, "stop_ids")
+        raise ArgumentError(
+            "stop_ids", f"stop_ids must be a list of token ids, got the single id {stop_ids!r}; pass [{stop_ids}]."
+        )
+    ids = _id_row(stop_ids, "stop_ids", "stop_ids")
     bad = [t for t in ids if not 0 <= t <= INT32_MAX]
     if bad:
-        raise ValueError(f"stop_ids {bad[:5]} are not token ids (ids are integers in [0, {INT32_MAX}]).")
+        raise ArgumentError("stop_ids", f"stop_ids {bad[:5]} are not token ids (ids are integers in [0, {INT32_MAX}]).")
     return list(dict.fromkeys(ids))
+
+
+def resolve_stop_ids(
+    default_ids: Sequence[int], stop_ids: Any = None, ignore_eos: bool = False, extra_stop_ids: Any = ()
+) -> tuple[int, ...]:
+    """The one stop-id rule, for `generate`, the stream, the engine and the HTTP API alike.
+
+    Generation stops at `stop_ids` when given, else at the model's `default_ids` (EOS and its chat
+    template's end of turn); `ignore_eos` stops at neither. `extra_stop_ids` are stopped at in any
+    case: the HTTP API's `stop_token_ids`, which add to the defaults as vLLM's do. -> checked
+    ids, duplicates dropped, at most MAX_STOP_IDS."""
+    from spec_jax.decoding.loop import MAX_STOP_IDS
+
+    base = () if ignore_eos else (default_ids if stop_ids is None else check_stop_ids(stop_ids))
+    ids = list(dict.fromkeys(check_stop_ids(extra_stop_ids) + [int(t) for t in base]))
+    if len(ids) > MAX_STOP_IDS:
+        raise ArgumentError("stop_ids", f"At most {MAX_STOP_IDS} stop ids are supported, got {len(ids)}.")
+    return tuple(ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestValues:
+    """One generation request's values, checked (see `check_request_values`)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_ids: tuple[int, ...]
+
+    @property
+    def sampling(self) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p), as `SamplingParams.create` takes them."""
+        return self.temperature, self.top_k, self.top_p
+
+
+def check_request_values(
+    default_stop_ids: Sequence[int],
+    *,
+    max_new_tokens: Any = 128,
+    temperature: Any = 0.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    seed: Any = 0,
+    stop_ids: Any = None,
+    ignore_eos: bool = False,
+) -> RequestValues:
+    """The sampling values, length cap and stop ids of one request, checked the same way for every
+    entry point (`generate`, `generate_stream`, `Engine.check_request`, the HTTP API, `bench`):
+    ArgumentError naming the parameter. Stop ids follow `resolve_stop_ids`."""
+    checked = check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    return RequestValues(stop_ids=resolve_stop_ids(default_stop_ids, stop_ids, ignore_eos), **checked)
 
 
 def check_capacity(capacity: Any) -> int | None:

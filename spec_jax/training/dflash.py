@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from spec_jax.drafters.draft_vocab import target_to_draft
 from spec_jax.drafters.dflash import DFlashConfig, context_kv, dflash_hidden, dflash_logits
-from spec_jax.models.interface import Target, TargetModel, as_target_model
+from spec_jax.models.interface import Target, TargetModel
+from spec_jax.models.resolve import as_target_model
 from spec_jax.training.trainer import cross_entropy, kl_to_teacher
 
 

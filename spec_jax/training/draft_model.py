@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import forward_hidden, init_cache, lm_head
-from spec_jax.models.interface import TargetModel, as_target_model
+from spec_jax.models.interface import TargetModel
+from spec_jax.models.resolve import as_target_model
 from spec_jax.training.trainer import cross_entropy, kl_to_teacher, masked_mean
 
 

@@ -24,7 +24,8 @@ from spec_jax.drafters.draft_vocab import target_to_draft
 from spec_jax.drafters.eagle3 import Eagle3Config, eagle3_head, eagle3_layers, fuse_features
 from spec_jax.models.attention import attend
 from spec_jax.models.decoder import embed
-from spec_jax.models.interface import TargetModel, as_target_model
+from spec_jax.models.interface import TargetModel
+from spec_jax.models.resolve import as_target_model
 from spec_jax.training.trainer import cross_entropy
 
 

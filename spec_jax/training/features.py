@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.interface import TargetModel, as_target_model
+from spec_jax.models.interface import TargetModel
+from spec_jax.models.resolve import as_target_model
 from spec_jax.training.data import TokenDataset
 from spec_jax.training.provenance import (
     arrays_sha256,

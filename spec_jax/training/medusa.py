@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.drafters.medusa import MedusaConfig, head_hidden
-from spec_jax.models.interface import TargetModel, as_target_model
+from spec_jax.models.interface import TargetModel
+from spec_jax.models.resolve import as_target_model
 from spec_jax.training.draft_model import sample_positions
 from spec_jax.training.trainer import TrainConfig, TrainResult, cross_entropy, masked_mean
 
