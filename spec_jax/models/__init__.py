@@ -8,9 +8,9 @@ from spec_jax.models.interface import (
     Target,
     TargetModel,
     ancestor_mask,
-    as_target_model,
     chain_mask,
 )
+from spec_jax.models.resolve import as_target_model, resolve_target
 from spec_jax.models.weights import WeightSpec, model_weight_specs
 
 __all__ = [
@@ -30,4 +30,5 @@ __all__ = [
     "init_cache",
     "init_params",
     "model_weight_specs",
+    "resolve_target",
 ]

@@ -3,7 +3,8 @@
 A target is a static, hashable model object (a `jax.jit` static argument) plus a params pytree
 that travels separately. spec_jax's own decoder (`spec_jax.models.Decoder`) is one implementation;
 a user's Flax NNX / Linen or plain-JAX model is another (docs/bring_your_own_model.md), checked
-with `spec_jax.testing.check_target`.
+with `spec_jax.testing.check_target`. This module is the contract only: it imports no
+implementation (`spec_jax.models.resolve` turns what users pass into a `Target`).
 
 The cache contract (one pass = one call of `forward`):
 
@@ -29,8 +30,6 @@ from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 import jax
 import jax.numpy as jnp
 from flax import struct
-
-from spec_jax.models.config import ModelConfig
 
 Params = Any
 Cache = Any
@@ -136,40 +135,3 @@ def ancestor_mask(parents: jax.Array) -> jax.Array:
         up = jnp.take_along_axis(parents, jnp.maximum(ancestor, 0), axis=1)
         ancestor = jnp.where(ancestor >= 0, up, -1)
     return mask
-
-
-def as_target_model(model: Any) -> TargetModel:
-    """A TargetModel as is; the built-in decoder's `ModelConfig` wrapped in `Decoder`."""
-    if isinstance(model, ModelConfig):
-        from spec_jax.models.decoder import Decoder  # imports this module
-
-        return Decoder(model)
-    if not isinstance(model, TargetModel):
-        raise TypeError(
-            f"{type(model).__name__} is not a target model: implement spec_jax.models.TargetModel "
-            "(see docs/bring_your_own_model.md) or pass a built-in ModelConfig."
-        )
-    return model
-
-
-def resolve_target(target: Any) -> tuple[Target, tuple[int, ...] | None]:
-    """What `generate` and the CLI accept as a target -> (Target, its own stop ids or None).
-
-    A `Target`; anything with a `.target` (a loaded checkpoint: its `stop_ids` include the chat
-    template's end of turn); or a `(model, params)` tuple where model is a TargetModel or a
-    built-in `ModelConfig`."""
-    own_stop = getattr(target, "stop_ids", None)
-    if isinstance(target, Target):
-        return target, None
-    inner = getattr(target, "target", None)
-    if isinstance(inner, Target):
-        return inner, tuple(own_stop) if own_stop is not None else None
-    if isinstance(target, tuple) and len(target) == 2:
-        model, params = target
-        if isinstance(model, (ModelConfig, TargetModel)):
-            return Target(params, as_target_model(model)), None
-    raise TypeError(
-        f"Not a target: {type(target).__name__}. Pass a loaded model (spec_jax.load_target), a "
-        "spec_jax.models.Target(params, model), or a (model, params) tuple whose model implements "
-        "spec_jax.models.TargetModel (see docs/bring_your_own_model.md)."
-    )
