@@ -167,8 +167,8 @@ def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
 
 
 def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, default_model_installed):
-    """No --target, no --drafter: the drafter measured fastest on this backend (DFlash with prompt
-    lookup on CPU), with the reason in the JSON, and the AR baseline's output; the shipped DFlash and
+    """No --target, no --drafter: the drafter the measured table names for this backend, with the
+    reason in the JSON, and the AR baseline's output; the shipped DFlash and
     draft model (int8) too; `--drafter eagle3` says that none ships."""
     args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json",
             "--dtype", "float32"]
@@ -177,8 +177,10 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
     assert 1 <= len(row["generated_ids"]) <= 8
     assert isinstance(row["text"], str)
     assert out["target"].startswith("default:")
-    measured = "dflash+ngram" if jax.default_backend() == "cpu" else "ngram"
-    assert out["drafter"].startswith(measured) and "default" in out["drafter_reason"]
+    from spec_jax.checkpoints.shipped import default_drafter_choice
+
+    measured = default_drafter_choice(True, None, 1, 0.0)
+    assert out["drafter"].startswith(measured[0]) and measured[2] in out["drafter_reason"]
     ar = run_json(capsys, args + ["--drafter", "none"])
     assert ar["drafter"] == "none"
     assert ar["results"][0]["generated_ids"] == row["generated_ids"]
@@ -190,52 +192,96 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
     assert shipped["results"][0]["generated_ids"] == row["generated_ids"]
     assert "no EAGLE-3 drafter ships" in run_error(capsys, args + ["--drafter", "eagle3"])
     sampled = run_json(capsys, args + ["--temperature", "0.7", "--seed", "3"])
-    expected = "dflash+ngram" if jax.default_backend() == "cpu" else "ngram"
-    assert sampled["drafter"].startswith(expected) and "default" in sampled["drafter_reason"]
-    if jax.default_backend() == "cpu":
-        assert "T=0.7" in sampled["drafter_reason"] and sampled["k"] == 4
+    kind, k, reason = default_drafter_choice(True, None, 1, 0.7)
+    assert sampled["drafter"].startswith(kind) and reason in sampled["drafter_reason"]
+    assert k is None or sampled["k"] == k
     assert 1 <= len(sampled["results"][0]["generated_ids"]) <= 8
 
 
-def test_default_drafter_is_per_batch_size_and_decoding_mode():
-    """On CPU one prompt decodes with DFlash + prompt lookup, greedy or sampled (K=4); up to 8 (the
-    largest batch measured) greedy prompts with the draft model + prompt lookup at K=2, sampled
-    ones with DFlash + prompt lookup at K=2; more without a drafter; each with its measured
-    reason. A named target never gets a default drafter."""
-    from spec_jax.app.inputs import default_drafter_spec
-
-    one, several = default_drafter_spec(None, None, batch=1), default_drafter_spec(None, None, batch=8)
-    many = default_drafter_spec(None, 4, batch=9)
-    sampled_one = default_drafter_spec(None, None, batch=1, temperature=0.7)
-    sampled_several = default_drafter_spec(None, None, batch=8, temperature=0.7)
-    if jax.default_backend() == "cpu":
-        assert one.kind == "dflash+ngram" and "prompt lookup" in one.reason and "RESULTS.md" in one.reason
-        assert "greedy" in one.reason
-        assert several.kind == "draft-model+ngram" and several.k == 2 and "batch 8" in several.reason
-        assert default_drafter_spec(None, 4, batch=8).k == 4  # the user's K wins over the measured one
-        assert many.kind == "none" and many.k is None
-        assert sampled_one.kind == "dflash+ngram" and "T=0.7" in sampled_one.reason
-        assert sampled_one.k == 4 and default_drafter_spec(None, 7, batch=1, temperature=0.7).k == 7
-        assert sampled_several.kind == "dflash+ngram" and sampled_several.k == 2
-        assert "T=0.7" in sampled_several.reason
-    assert default_drafter_spec("some/model", None, batch=1).kind == "none"
+# A measured table of the shape of assets/measured_defaults.json, with made-up entries: the tests
+# check the rule that reads the table, so a benchmark refresh edits the JSON file only.
+TABLE = {
+    "drafter": {
+        "backends": {"cpu": {
+            "greedy": [{"up_to_batch": 1, "kind": "dflash+ngram", "k": None, "why": "one greedy"},
+                       {"up_to_batch": 8, "kind": "draft-model+ngram", "k": 2, "why": "up to 8 greedy"},
+                       {"up_to_batch": None, "kind": "none", "k": None, "why": "more greedy"}],
+            "sampled": [{"up_to_batch": 4, "kind": "ngram", "k": 3, "why": "few sampled"},
+                        {"up_to_batch": None, "kind": "none", "k": None, "why": "more sampled"}],
+        }},
+        "unmeasured": [{"up_to_batch": 1, "kind": "ngram", "k": None, "why": "unmeasured, one"},
+                       {"up_to_batch": None, "kind": "none", "k": None, "why": "unmeasured, several"}],
+    },
+    "tree": {
+        "backends": {"cpu": {"greedy": [{"up_to_batch": 1, "tree": 16, "why": "one: tree"},
+                                        {"up_to_batch": None, "tree": 0, "why": "bigger batches: chain"}]}},
+        "unmeasured": [{"up_to_batch": None, "tree": 0, "why": "unmeasured: chain"}],
+    },
+}
 
 
 @pytest.mark.parametrize(
-    "backend, batch, temperature, kind",
-    [("cpu", 1, 0.0, "dflash+ngram"), ("cpu", 8, 0.0, "draft-model+ngram"), ("cpu", 9, 0.0, "none"),
-     ("cpu", 1, 0.7, "dflash+ngram"), ("cpu", 8, 1.0, "dflash+ngram"), ("cpu", 64, 0.7, "none"),
-     ("gpu", 1, 0.0, "ngram"), ("tpu", 1, 0.7, "ngram"), ("gpu", 2, 0.0, "none")],
+    "backend, batch, temperature, k, expected",
+    [("cpu", 1, 0.0, None, ("dflash+ngram", None, "one greedy")),
+     ("cpu", 2, 0.0, None, ("draft-model+ngram", 2, "up to 8 greedy")),  # first entry covering the batch
+     ("cpu", 8, 0.0, 5, ("draft-model+ngram", 5, "up to 8 greedy")),  # the caller's K wins
+     ("cpu", 9, 0.0, 5, ("none", None, "more greedy")),  # plain decoding has no K
+     ("cpu", 4, 0.7, None, ("ngram", 3, "few sampled")),  # temperature > 0: the sampled entries
+     ("cpu", 5, 1.0, None, ("none", None, "more sampled")),
+     ("gpu", 1, 0.0, None, ("ngram", None, "unmeasured, one")),  # an unmeasured backend falls back
+     ("tpu", 2, 0.7, 3, ("none", None, "unmeasured, several"))],
 )
-def test_default_drafter_choice_table(backend, batch, temperature, kind):
-    """The measured table, read for every backend and mode: an unmeasured backend gets n-gram for
-    one prompt and plain decoding for several; the reason always names where it comes from."""
+def test_default_drafter_choice_reads_the_measured_table(backend, batch, temperature, k, expected):
     from spec_jax.checkpoints.shipped import default_drafter_choice
 
-    chosen, k, reason = default_drafter_choice(True, None, batch, temperature, backend=backend)
-    assert chosen == kind and reason.startswith("default for the default model")
-    assert (k is None) if kind == "none" else (k is None or k >= 1)
-    assert default_drafter_choice(False, 3, batch, temperature, backend=backend)[:2] == ("none", 3)
+    kind, chosen_k, reason = default_drafter_choice(True, k, batch, temperature, backend=backend, table=TABLE)
+    assert (kind, chosen_k) == expected[:2]
+    assert reason == f"default for the default model: {expected[2]}"
+    # A target spec_jax ships no drafter for decodes without one, whatever the table says.
+    assert default_drafter_choice(False, k, batch, temperature, backend=backend, table=TABLE) == (
+        "none", k, "no drafter named and none shipped for this target")
+
+
+def test_default_drafter_spec_follows_the_table(monkeypatch):
+    """The CLI's default (no --target, no --drafter) is the table's choice for the batch and
+    temperature, with its tree and both reasons; a named target never gets a default drafter."""
+    from spec_jax.app.inputs import default_drafter_spec
+    from spec_jax.checkpoints import shipped
+
+    backend = jax.default_backend()
+    table = {section: {"backends": {backend: TABLE[section]["backends"]["cpu"]},
+                       "unmeasured": TABLE[section]["unmeasured"]} for section in TABLE}
+    monkeypatch.setattr(shipped, "measured_defaults", lambda: table)
+    one, several = default_drafter_spec(None, None, batch=1), default_drafter_spec(None, None, batch=8)
+    assert (one.kind, one.k, one.tree) == ("dflash+ngram", None, 16)
+    assert "one greedy" in one.reason and "one: tree" in one.reason
+    assert (several.kind, several.k, several.tree) == ("draft-model+ngram", 2, None)
+    assert "bigger batches: chain" in several.reason
+    assert default_drafter_spec(None, 4, batch=8).k == 4
+    many = default_drafter_spec(None, 4, batch=9)
+    assert (many.kind, many.k) == ("none", None) and many.reason.endswith("more greedy")
+    sampled = default_drafter_spec(None, None, batch=1, temperature=0.7)
+    assert (sampled.kind, sampled.k) == ("ngram", 3) and "unmeasured: chain" in sampled.reason
+    assert default_drafter_spec("some/model", None, batch=1).kind == "none"
+
+
+def test_the_shipped_measured_table_is_well_formed():
+    """Every backend and mode of assets/measured_defaults.json (and its unmeasured fallback) ends
+    with an entry for any batch, names registered drafters, and gives each choice its reason."""
+    from spec_jax.checkpoints.shipped import measured_defaults
+    from spec_jax.drafters import registry
+
+    table = measured_defaults()
+    for section, value in (("drafter", "kind"), ("tree", "tree")):
+        lists = [table[section]["unmeasured"]]
+        lists += [entries for modes in table[section]["backends"].values() for entries in modes.values()]
+        for entries in lists:
+            assert entries[-1]["up_to_batch"] is None
+            assert all(e["why"] and value in e for e in entries)
+            if section == "drafter":
+                assert all(e["kind"] in registry.names() for e in entries)
+            else:
+                assert all(e["tree"] >= 0 for e in entries)
 
 
 def test_default_drafter_api_for_another_target_is_plain_decoding(tiny_dir):

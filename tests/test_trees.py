@@ -388,20 +388,19 @@ def test_trees_stream_and_serve_like_generate(models, drafters, ar):
     assert all(out[i].stats.drafted == 8 * out[i].stats.steps for i in ids)
 
 
-def test_default_tree_choice_follows_the_measured_table(monkeypatch):
-    """CPU: the chain (trees lost there, the reason cites the run); an unmeasured backend: the
-    chain too; a table entry with a budget reaches the CLI's default drafter spec."""
-    from spec_jax.app.inputs import default_drafter_spec
+def test_default_tree_choice_follows_the_measured_table():
+    """The tree rule reads the table's tree section like the drafter's: per backend and mode, the
+    first entry covering the batch; an unmeasured backend or mode gets the fallback (the CLI's
+    default spec carrying it: tests/test_cli.py::test_default_drafter_spec_follows_the_table)."""
     from spec_jax.checkpoints import shipped
 
-    tree, why = shipped.default_tree_choice(1, 0.0, backend="cpu")
-    assert tree == 0 and "RESULTS.md" in why
-    assert shipped.default_tree_choice(8, 0.7, backend="gpu")[0] == 0
-    monkeypatch.setitem(shipped.MEASURED_DEFAULT_TREE, (jax.default_backend(), "greedy"),
-                        ((1, 16, "measured"), (None, 0, "bigger batches: chain")))
-    assert default_drafter_spec(None, None, batch=1).tree == 16
-    assert default_drafter_spec(None, None, batch=4).tree is None
-    assert "bigger batches" in default_drafter_spec(None, None, batch=4).reason
+    table = {"tree": {"backends": {"cpu": {"greedy": [{"up_to_batch": 1, "tree": 16, "why": "one"},
+                                                      {"up_to_batch": None, "tree": 0, "why": "more"}]}},
+                      "unmeasured": [{"up_to_batch": None, "tree": 0, "why": "fallback"}]}}
+    assert shipped.default_tree_choice(1, 0.0, backend="cpu", table=table) == (16, "one")
+    assert shipped.default_tree_choice(4, 0.0, backend="cpu", table=table) == (0, "more")
+    assert shipped.default_tree_choice(1, 0.7, backend="cpu", table=table) == (0, "fallback")
+    assert shipped.default_tree_choice(1, 0.0, backend="gpu", table=table) == (0, "fallback")
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compiler regression guard")

@@ -38,6 +38,7 @@ from spec_jax.app.common import (
 from spec_jax.app.inputs import DrafterSpec, Prompt, build_drafter
 from spec_jax.checkpoints import LoadedModel
 from spec_jax.decoding.loop import tree_budget
+from spec_jax.drafters import registry
 from spec_jax.humaneval import humaneval_problems
 
 AR = DrafterSpec("none")
@@ -105,58 +106,22 @@ def run_bench(
     built = [(m, *build_drafter(m, target)) for m in methods]
     greedy = temperature <= 0
     rows: list[dict[str, Any]] = []
-    ar_outputs: list[list[int]] | None = None
     bar = tqdm(total=len(methods) * len(batches), desc="bench", file=sys.stderr, disable=not progress)
     names = _method_names([m for m, drafter, _ in built if drafter is not None])
     for method, drafter, drafter_params in built:
         name = "AR" if drafter is None else names[method]
         bar.set_postfix_str(f"{name} warm-up")
         warm = generate(target, [prompt_ids[i] for i in batches[0]], drafter, drafter_params, **kwargs)
-        compile_s, warmup_s = warm.compile_s, warm.generate_s
         bar.set_postfix_str(name)
-        outputs: list[list[int]] = []
-        finish: list[str] = []
-        generate_s = 0.0
-        totals = None
+        runs = []
         for batch in batches:
-            result = generate(target, [prompt_ids[i] for i in batch], drafter, drafter_params, **kwargs)
-            compile_s += result.compile_s
-            generate_s += result.generate_s
-            outputs += result.generated_ids
-            finish += result.finish_reasons
-            totals = _add_stats(totals, result.stats.to_dict())
+            runs.append(generate(target, [prompt_ids[i] for i in batch], drafter, drafter_params, **kwargs))
             bar.update(1)
-        tokens = sum(len(o) for o in outputs)
-        k = 0 if drafter is None else int(drafter.k)
-        tree = tree_budget(drafter)
-        steps, hist = totals["steps"], totals["acceptance_histogram"]
-        row = {
-            "method": name,
-            "drafter": method.kind,
-            "path": method.path,
-            "k": k,
-            "tree": tree,  # draft nodes per step (0 = a chain of K)
-            "verify_tokens": (tree or k) + 1,
-            "tokens": tokens,
-            "generate_s": generate_s,
-            "tokens_per_second": tokens / generate_s if generate_s > 0 else 0.0,
-            "compile_s": compile_s,
-            "warmup_run_s": warmup_s,
-            "steps": totals["steps"],
-            "drafted": totals["drafted"],
-            "accepted": totals["accepted"],
-            "tau": totals["emitted"] / totals["steps"] if totals["steps"] else 0.0,
-            "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
-            "acceptance_histogram": hist,
-            # Per depth d = 1..K: the share of steps that accepted a draft at depth d.
-            "depth_acceptance": [sum(hist[d:]) / steps if steps else 0.0 for d in range(1, len(hist))],
-            "finish_reasons": {r: finish.count(r) for r in sorted(set(finish))},
-            "generated_ids": outputs,
-        }
-        if drafter is None:
-            ar_outputs = outputs
-        elif greedy and ar_outputs is not None:
-            row["mismatches"] = [_mismatch(i, a, b) for i, (a, b) in enumerate(zip(ar_outputs, outputs)) if a != b]
+        row = _method_row(name, method, drafter, warm, runs)
+        if drafter is not None and greedy and rows:  # rows[0] is AR's
+            ar_outputs = rows[0]["generated_ids"]
+            row["mismatches"] = [_mismatch(i, a, b) for i, (a, b)
+                                 in enumerate(zip(ar_outputs, row["generated_ids"])) if a != b]
         rows.append(row)
     bar.close()
     ar_tps = rows[0]["tokens_per_second"]
@@ -173,6 +138,43 @@ def run_bench(
         "machine": _machine(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "results": rows,
+    }
+
+
+def _method_row(name: str, method: DrafterSpec, drafter: Any, warm: Any, runs: Sequence[Any]) -> dict[str, Any]:
+    """One method's report row from its warm-up run and its runs over every batch."""
+    outputs = [ids for result in runs for ids in result.generated_ids]
+    finish = [reason for result in runs for reason in result.finish_reasons]
+    totals = None
+    for result in runs:
+        totals = _add_stats(totals, result.stats.to_dict())
+    generate_s = sum(result.generate_s for result in runs)
+    tokens = sum(len(o) for o in outputs)
+    k = 0 if drafter is None else int(drafter.k)
+    tree = tree_budget(drafter)
+    steps, hist = totals["steps"], totals["acceptance_histogram"]
+    return {
+        "method": name,
+        "drafter": method.kind,
+        "path": method.path,
+        "k": k,
+        "tree": tree,  # draft nodes per step (0 = a chain of K)
+        "verify_tokens": (tree or k) + 1,
+        "tokens": tokens,
+        "generate_s": generate_s,
+        "tokens_per_second": tokens / generate_s if generate_s > 0 else 0.0,
+        "compile_s": warm.compile_s + sum(result.compile_s for result in runs),
+        "warmup_run_s": warm.generate_s,
+        "steps": totals["steps"],
+        "drafted": totals["drafted"],
+        "accepted": totals["accepted"],
+        "tau": totals["emitted"] / totals["steps"] if totals["steps"] else 0.0,
+        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+        "acceptance_histogram": hist,
+        # Per depth d = 1..K: the share of steps that accepted a draft at depth d.
+        "depth_acceptance": [sum(hist[d:]) / steps if steps else 0.0 for d in range(1, len(hist))],
+        "finish_reasons": {r: finish.count(r) for r in sorted(set(finish))},
+        "generated_ids": outputs,
     }
 
 
@@ -327,8 +329,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafters",
         default="ngram",
-        help="comma list of ngram, self, draft-model=PATH, dflash=PATH, eagle3=PATH; KIND+ngram puts prompt "
-        "lookup in front of a model drafter, e.g. dflash+ngram (default ngram)",
+        help=f"comma list of drafters: {registry.synopsis()}; KIND+ngram puts prompt lookup in front of a "
+        f"model drafter ({', '.join(registry.lookup_names())}) (default ngram)",
     )
     p.add_argument("--k", default=None, help="comma list of K values to sweep, e.g. 2,4,8")
     p.add_argument(

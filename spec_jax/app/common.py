@@ -9,7 +9,6 @@ import sys
 from typing import Any, Sequence
 
 from spec_jax.app.inputs import (
-    DRAFTER_KINDS_WITH_PATH,
     DrafterSpec,
     Prompt,
     UsageError,
@@ -19,6 +18,7 @@ from spec_jax.app.inputs import (
     parse_prompt_ids,
     read_prompt_file,
 )
+from spec_jax.drafters import registry
 
 
 def log(*parts: Any) -> None:
@@ -111,19 +111,20 @@ def emit(args: argparse.Namespace, report: dict[str, Any], write: Any, show: Any
 
 
 def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
+    """--drafter, --k and --tree, their help read from the drafter registry."""
     p.add_argument(
         "--drafter",
         default=None,
         metavar="KIND[=PATH]",
-        help="none | ngram | self | draft-model[=PATH] | dflash[=PATH] | eagle3=PATH | medusa=PATH, or a model drafter "
-        "with prompt lookup in front: dflash+ngram[=PATH] etc. (one word; a checkpoint "
-        f"follows '='). {default_help}",
+        help=f"{registry.synopsis()}, or a model drafter with prompt lookup in front: "
+        f"{' | '.join(registry.lookup_names())}[=PATH] (one word; a checkpoint follows '='). "
+        f"{default_help} Kinds: {registry.described()}.",
     )
     p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
     p.add_argument(
         "--tree", type=int, default=None, metavar="N",
         help="verify a token tree of N draft nodes per step (0 = a chain of K, the default; K bounds "
-        "its depth): dflash, draft-model, self, ngram and their +ngram forms",
+        f"its depth): {', '.join(registry.tree_kinds())} and their +ngram forms",
     )
 
 
@@ -143,7 +144,7 @@ def drafter_spec_from_args(
                                     temperature=getattr(args, "temperature", 0.0))
         return spec if tree is None else dataclasses.replace(spec, tree=tree)
     spec = dataclasses.replace(parse_drafter_spec(args.drafter, args.k), tree=tree)
-    if spec.kind in DRAFTER_KINDS_WITH_PATH and spec.path is None and prompts:
+    if registry.get(spec.kind).takes_path and spec.path is None and prompts:
         if os.path.exists(prompts[0]):
             raise UsageError(
                 f"--drafter takes one word: write --drafter {spec.kind}={prompts[0]} to use that "

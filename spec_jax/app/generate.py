@@ -22,6 +22,7 @@ from spec_jax.app.common import (
     log,
     sampling_kwargs,
 )
+from spec_jax.drafters import registry
 
 HELP = "generate completions (all prompts as one batch)"
 
@@ -34,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_drafter_arg(
         p,
         "Default: the drafter measured fastest for the default model on this backend, none for "
-        "other targets. Without PATH, draft-model and dflash use the drafters shipped for the "
-        "default model.",
+        f"other targets. Without PATH, {' and '.join(k.name for k in registry.kinds() if k.shipped)} "
+        "use the drafters shipped for the default model.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument(

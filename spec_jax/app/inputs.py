@@ -13,15 +13,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
-from spec_jax.checkpoints.shipped import (
-    DRAFTER_KINDS,
-    DRAFTER_KINDS_WITH_PATH,
-    LOOKUP,
-    MODEL_DRAFTERS,
-    default_drafter_choice,
-    default_tree_choice,
-    load_drafter,
-)
+from spec_jax.checkpoints.shipped import default_drafter_choice, default_tree_choice, load_drafter
+from spec_jax.drafters import registry
 
 
 class UsageError(ValueError):
@@ -182,14 +175,14 @@ def parse_drafter_spec(text: str, k: int | None = None) -> DrafterSpec:
 
 
 def make_drafter_spec(kind: str, path: str | None, k: int | None) -> DrafterSpec:
-    if kind.endswith(LOOKUP) and kind not in DRAFTER_KINDS:
+    if kind.endswith(registry.LOOKUP) and kind not in registry.names():
         raise UsageError(
-            f"drafter {kind!r}: prompt lookup ({LOOKUP}) goes in front of a model drafter: "
-            f"{', '.join(m + LOOKUP for m in MODEL_DRAFTERS)}; plain n-gram drafting is 'ngram'."
+            f"drafter {kind!r}: prompt lookup ({registry.LOOKUP}) goes in front of a model drafter: "
+            f"{', '.join(registry.lookup_names())}; plain n-gram drafting is 'ngram'."
         )
-    if kind not in DRAFTER_KINDS:
-        raise UsageError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}.")
-    if kind not in DRAFTER_KINDS_WITH_PATH and path:
+    if kind not in registry.names():
+        raise UsageError(f"unknown drafter {kind!r}; choose one of {', '.join(registry.names())}.")
+    if not registry.get(kind).takes_path and path:
         raise UsageError(f"drafter {kind!r} takes no checkpoint path (got {path!r}).")
     if k is not None and k < 1:
         raise UsageError(f"--k must be >= 1 (drafts per step), got {k}.")

@@ -5,6 +5,8 @@
     drafter, params, reason = default_drafter(target, batch_size=1, temperature=0.7)
     out = spec_jax.generate(target, prompts, drafter, params, temperature=0.7)
 
+Kinds are entries of `spec_jax.drafters.registry`; the loaders of the built-in ones are here.
+The default drafter and tree come from the measured table `assets/measured_defaults.json`.
 `spec-jax generate` without `--drafter` uses `default_drafter_choice`, so the API and the command
 line pick the same drafter for the same call.
 """
@@ -12,33 +14,20 @@ line pick the same drafter for the same call.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from pathlib import Path
 from typing import Any
 
 from spec_jax.checkpoints import LoadedModel, load_target
+from spec_jax.drafters import registry
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # spec_jax/assets
-
-MODEL_DRAFTERS = ("draft-model", "dflash", "eagle3", "medusa")
-# "KIND+ngram": prompt lookup in front of a model drafter (spec_jax/drafters/lookup.py).
-LOOKUP = "+ngram"
-DRAFTER_KINDS = ("none", "ngram", "self", *MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
-DRAFTER_KINDS_WITH_PATH = (*MODEL_DRAFTERS, *(kind + LOOKUP for kind in MODEL_DRAFTERS))
+MEASURED_DEFAULTS = ASSETS / "measured_defaults.json"
 
 # Drafters trained by spec_jax for the embedded default model, shipped inside the package with
-# quantized weights (checkpoints/quantized.py; how they were made, and why no EAGLE-3 head ships:
-# spec_jax/assets/README.md).
-SHIPPED_DRAFTERS = {"dflash": "smollm2_dflash", "draft-model": "smollm2_draft_model"}
-NOT_SHIPPED = {
-    "eagle3": "no EAGLE-3 drafter ships with spec_jax (no default used it, and DFlash drafts better "
-              "for the default model; it was retired to keep the package small). Train one with "
-              "`spec-jax train eagle3 --data DATA --out runs/eagle3` (spec_jax/assets/README.md has "
-              "the command that made the retired one) and pass --drafter eagle3=runs/eagle3/drafter, "
-              "or use --drafter dflash.",
-    "medusa": "no Medusa heads ship with spec_jax (trained on this CPU they lost to plain decoding; "
-              "benchmarks/RESULTS.md). Train them with `spec-jax train medusa --data DATA --out runs/medusa` "
-              "and pass --drafter medusa=runs/medusa/drafter.",
-}
+# quantized weights (checkpoints/quantized.py; how they were made: spec_jax/assets/README.md).
+SHIPPED_DRAFTERS = {kind.name: kind.shipped for kind in registry.kinds() if kind.shipped}
 
 
 def is_default_target(target: LoadedModel) -> bool:
@@ -53,148 +42,119 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
             f"drafter {kind!r} needs a checkpoint for this target: --drafter {kind}=PATH "
             "(spec_jax ships one only for the default model)."
         )
-    if kind in NOT_SHIPPED:
-        raise ValueError(f"drafter {kind!r} needs a checkpoint: {NOT_SHIPPED[kind]}")
-    path = ASSETS / SHIPPED_DRAFTERS[kind]
+    entry = registry.get(kind)
+    if entry.shipped is None:
+        why = entry.not_shipped or f"no {kind} drafter ships with spec_jax; pass --drafter {kind}=PATH."
+        raise ValueError(f"drafter {kind!r} needs a checkpoint: {why}")
+    path = ASSETS / entry.shipped
     if not (path / "config.json").is_file():
         raise ValueError(f"the shipped {kind} drafter is missing from this install ({path}).")
     return path
 
 
 def load_drafter(kind: str, target: LoadedModel, path: str | None = None, k: int | None = None) -> tuple[Any, Any]:
-    """(drafter, drafter_params) for `generate` by kind (see DRAFTER_KINDS); (None, None) for
-    "none", the AR baseline. Without a path, a model drafter is the one shipped for the default
-    model. k=None keeps the drafter's own K."""
-    if kind == "none":
-        return None, None
-    if kind.endswith(LOOKUP) and kind[: -len(LOOKUP)] in MODEL_DRAFTERS:
+    """(drafter, drafter_params) for `generate` by kind (a `spec_jax.drafters.registry` name, or
+    "KIND+ngram" for prompt lookup in front); (None, None) for "none", the AR baseline. Without a
+    path, a kind that loads a checkpoint uses the one shipped for the default model. k=None keeps
+    the kind's default K (a checkpoint's own for DFlash, EAGLE-3, Medusa)."""
+    entry, lookup_first = registry.parse(kind)
+    if entry.takes_path and path is None:
+        path = str(shipped_drafter_path(entry.name, target))
+    drafter, params = entry.loader()(target, path, entry.default_k if k is None else k)
+    if lookup_first:
         from spec_jax.drafters.lookup import LookupFirstDrafter
 
-        model, params = load_drafter(kind[: -len(LOOKUP)], target, path, k)
-        return LookupFirstDrafter(model), params
-    if kind == "ngram":
-        from spec_jax.drafters.ngram import NGramDrafter
+        drafter = LookupFirstDrafter(drafter)
+    return drafter, params
 
-        return (NGramDrafter() if k is None else NGramDrafter(k=k)), None
-    if kind == "self":
-        from spec_jax.drafters.draft_model import self_drafter
 
-        return self_drafter(target.cfg, **({} if k is None else {"k": k})), target.params
-    if kind not in MODEL_DRAFTERS:
-        raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}.")
-    if path is None:
-        path = str(shipped_drafter_path(kind, target))
-    if kind == "draft-model":
-        from spec_jax.drafters.draft_model import DraftModelDrafter, check_same_tokenizer
+# Loaders of the built-in kinds, named by their registry entries: (target, path, k) -> (drafter, params).
+def load_none(target: LoadedModel, path: str | None, k: int | None) -> tuple[None, None]:
+    return None, None
 
-        draft = load_target(path, dtype=target.cfg.dtype)
-        check_same_tokenizer(target.tokenizer, draft.tokenizer)
-        return (DraftModelDrafter(draft.cfg) if k is None else DraftModelDrafter(draft.cfg, k=k)), draft.params
 
+def load_ngram(target: LoadedModel, path: str | None, k: int) -> tuple[Any, None]:
+    from spec_jax.drafters.ngram import NGramDrafter
+
+    return NGramDrafter(k=k), None
+
+
+def load_self(target: LoadedModel, path: str | None, k: int) -> tuple[Any, Any]:
+    from spec_jax.drafters.draft_model import self_drafter
+
+    return self_drafter(target.cfg, k=k), target.params
+
+
+def load_draft_model(target: LoadedModel, path: str, k: int) -> tuple[Any, Any]:
+    from spec_jax.drafters.draft_model import DraftModelDrafter, check_same_tokenizer
+
+    draft = load_target(path, dtype=target.cfg.dtype)
+    check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    return DraftModelDrafter(draft.cfg, k=k), draft.params
+
+
+def load_dflash_drafter(target: LoadedModel, path: str, k: int | None) -> tuple[Any, Any]:
+    from spec_jax.checkpoints.dflash import load_dflash
+
+    return _on_device(*load_dflash(path, dtype=target.cfg.dtype, k=k))
+
+
+def load_eagle3_drafter(target: LoadedModel, path: str, k: int | None) -> tuple[Any, Any]:
+    from spec_jax.checkpoints.eagle3 import load_eagle3
+
+    return _on_device(*load_eagle3(path, dtype=target.cfg.dtype, k=k, target_cfg=target.cfg))
+
+
+def load_medusa_drafter(target: LoadedModel, path: str, k: int | None) -> tuple[Any, Any]:
+    from spec_jax.checkpoints.medusa import load_medusa
+
+    return _on_device(*load_medusa(path, dtype=target.cfg.dtype, k=k))
+
+
+def _on_device(drafter: Any, host_params: Any) -> tuple[Any, Any]:
     import jax
     import jax.numpy as jnp
 
-    if kind == "dflash":
-        from spec_jax.checkpoints.dflash import load_dflash
-
-        drafter, params = load_dflash(path, dtype=target.cfg.dtype, k=k)
-    elif kind == "medusa":
-        from spec_jax.checkpoints.medusa import load_medusa
-
-        drafter, params = load_medusa(path, dtype=target.cfg.dtype, k=k)
-    else:
-        from spec_jax.checkpoints.eagle3 import load_eagle3
-
-        drafter, params = load_eagle3(path, dtype=target.cfg.dtype, k=k, target_cfg=target.cfg)
-    return drafter, jax.tree.map(jnp.asarray, params)
+    return drafter, jax.tree.map(jnp.asarray, host_params)
 
 
-# The drafter `generate` uses for the default model when none is named, per backend, decoding mode
-# and batch: the fastest in the recorded measurements (benchmarks/RESULTS.md, first two sections:
-# HumanEval, 128 tokens, greedy and temperature 0.7). Each entry: (largest batch it was measured
-# at, or None for any larger batch; kind; its measured K, or None for the kind's default; why);
-# the first that covers the batch wins. Only the CPU has been measured; another backend gets
-# n-gram at batch 1, the one drafter that never lost to plain decoding at batch 1 where measured,
-# and plain decoding above.
-MEASURED_DEFAULT_DRAFTER: dict[tuple[str, str], tuple[tuple[int | None, str, int | None, str], ...]] = {
-    ("cpu", "greedy"): (
-        (1, "dflash+ngram", None,
-         "measured fastest for the default model on CPU at batch 1, greedy (benchmarks/RESULTS.md, "
-         "2026-11-25: DFlash with prompt lookup 1.90x and 2.00x plain decoding in two runs, tau "
-         "3.40; the draft model with prompt lookup 1.58x and 1.68x at K=4, n-gram 1.58x, DFlash "
-         "alone 1.34x)"),
-        (8, "draft-model+ngram", 2,
-         "measured fastest for the default model on CPU at batch 8, greedy (benchmarks/RESULTS.md, "
-         "2026-11-25: the draft model with prompt lookup at K=2 1.15x plain decoding, K=4 1.07x "
-         "and 1.08x; n-gram at K=2 1.10x, DFlash with prompt lookup 1.08x at K=2, 0.88x at K=7)"),
-        (None, "none", None,
-         "more prompts than the largest batch measured on CPU (8): plain decoding, which no "
-         "drafter has been shown to beat there"),
-    ),
-    ("cpu", "sampled"): (
-        (1, "dflash+ngram", 4,
-         "measured fastest for the default model on CPU at batch 1, T=0.7 (benchmarks/RESULTS.md, "
-         "2026-11-25: DFlash with prompt lookup at K=4 1.47x plain decoding, K=3 1.40x, K=7 1.39x "
-         "and 1.19x in two runs; n-gram 1.32x and 1.20x at K=4)"),
-        (8, "dflash+ngram", 2,
-         "measured fastest for the default model on CPU at batch 8, T=0.7 (benchmarks/RESULTS.md, "
-         "2026-11-25: DFlash with prompt lookup at K=2 1.06x and 1.02x plain decoding in two runs, "
-         "the draft model with lookup 1.03x and 0.96x, n-gram 1.03x and 0.84x; K=3 lost, "
-         "0.85-0.90x)"),
-        (None, "none", None,
-         "more prompts than the largest batch measured on CPU (8): plain decoding, which no "
-         "drafter has been shown to beat there"),
-    ),
-}
-UNMEASURED_DEFAULT_DRAFTER = (
-    (1, "ngram", None, "no drafter measured for the default model on this backend; n-gram never "
-                       "lost to plain decoding at batch 1 where measured"),
-    (None, "none", None, "several prompts and no drafter measured on this backend: drafters lost "
-                         "to plain decoding at batch 8 where measured"),
-)
+# --------------------------------------------------------------------------- the measured default
+@functools.lru_cache(maxsize=None)
+def measured_defaults() -> dict[str, Any]:
+    """The measured table (assets/measured_defaults.json): per backend and decoding mode, the
+    default drafter and tree, with the measurement behind each."""
+    return json.loads(MEASURED_DEFAULTS.read_text())
 
 
-# Chain or token tree for that default drafter, per backend and decoding mode: (largest batch, tree
-# budget (0 = a chain), why), read like the table above. Trees raise tau by 1.1-1.3x on the default
-# model, but a CPU verify pass of N + 1 tokens is compute-bound, so on CPU trees lost to the chain
-# in most runs. On GPU/TPU a verify pass of up to ~64 tokens costs about one token, so trees should
-# pay there (a projection in benchmarks/RESULTS.md, "Token trees"); no GPU/TPU run has measured
-# one yet, so those backends keep the chain until one does.
-MEASURED_DEFAULT_TREE: dict[tuple[str, str], tuple[tuple[int | None, int, str], ...]] = {
-    ("cpu", "greedy"): (
-        (None, 0,
-         "a chain: on CPU trees lose to it (benchmarks/RESULTS.md, 2026-11-25, batch 1, DFlash "
-         "with prompt lookup, K=7, HumanEval[:20], quiet machine: chain 1.77x plain decoding at "
-         "tau 3.40, trees of 16 / 32 nodes 1.47x / 1.16x at tau 4.14 / 4.31; the wider verify "
-         "pass is compute-bound on CPU)"),
-    ),
-    ("cpu", "sampled"): (
-        (None, 0,
-         "a chain: trees lost to it on CPU in most greedy runs, where they gain the most tau "
-         "(benchmarks/RESULTS.md, Token trees), and the verify pass costs the same when sampling"),
-    ),
-}
-UNMEASURED_DEFAULT_TREE = (
-    (None, 0, "a chain: no tree has been measured on this backend yet (on GPU/TPU trees of 16-32 "
-              "nodes are projected to pay: pass --tree 16)"),
-)
-
-
-def default_tree_choice(batch_size: int = 1, temperature: float = 0.0, backend: str | None = None) -> tuple[int, str]:
-    """(tree budget, reason) for the default drafter: 0 (a chain) or N nodes, per backend,
-    decoding mode and batch size, from the measurements in MEASURED_DEFAULT_TREE."""
-    if backend is None:
-        import jax
-
-        backend = jax.default_backend()
+def measured_entry(section: dict[str, Any], backend: str, temperature: float, batch_size: int) -> dict[str, Any]:
+    """The rule that reads a section ("drafter" or "tree") of the table: the entries of this
+    backend and decoding mode (greedy when temperature is 0, else sampled), or the section's
+    "unmeasured" ones; the first whose up_to_batch covers the batch (null: any) wins."""
     mode = "greedy" if temperature <= 0 else "sampled"
-    entries = MEASURED_DEFAULT_TREE.get((backend, mode), UNMEASURED_DEFAULT_TREE)
-    return next((tree, why) for largest, tree, why in entries if largest is None or batch_size <= largest)
+    entries = section["backends"].get(backend, {}).get(mode, section["unmeasured"])
+    return next(e for e in entries if e["up_to_batch"] is None or batch_size <= e["up_to_batch"])
+
+
+def _backend(backend: str | None) -> str:
+    if backend is not None:
+        return backend
+    import jax
+
+    return jax.default_backend()
+
+
+def default_tree_choice(
+    batch_size: int = 1, temperature: float = 0.0, backend: str | None = None, table: dict | None = None
+) -> tuple[int, str]:
+    """(tree budget, reason) for the default drafter: 0 (a chain) or N nodes, per backend,
+    decoding mode and batch size, from the measured table (`table`, default the shipped one)."""
+    entry = measured_entry((table or measured_defaults())["tree"], _backend(backend), temperature, batch_size)
+    return entry["tree"], entry["why"]
 
 
 def default_drafter_choice(
     default_model: bool, k: int | None = None, batch_size: int = 1, temperature: float = 0.0,
-    backend: str | None = None,
+    backend: str | None = None, table: dict | None = None,
 ) -> tuple[str, int | None, str]:
     """(kind, K, reason) of the drafter to use when none is named: for the default model, the one
     measured fastest on `backend` (default: JAX's) for this batch size and decoding mode (greedy
@@ -202,17 +162,10 @@ def default_drafter_choice(
     ships no drafter. A K the caller gives wins over the measured one."""
     if not default_model:
         return "none", k, "no drafter named and none shipped for this target"
-    if backend is None:
-        import jax
-
-        backend = jax.default_backend()
-    mode = "greedy" if temperature <= 0 else "sampled"
-    entries = MEASURED_DEFAULT_DRAFTER.get((backend, mode), UNMEASURED_DEFAULT_DRAFTER)
-    kind, measured_k, why = next(
-        (kind, kk, why) for largest, kind, kk, why in entries if largest is None or batch_size <= largest
-    )
-    k = None if kind == "none" else (k if k is not None else measured_k)
-    return kind, k, f"default for the default model: {why}"
+    entry = measured_entry((table or measured_defaults())["drafter"], _backend(backend), temperature, batch_size)
+    kind = entry["kind"]
+    k = None if kind == "none" else (k if k is not None else entry["k"])
+    return kind, k, f"default for the default model: {entry['why']}"
 
 
 def default_drafter(

@@ -169,9 +169,11 @@ def with_tree(drafter: Drafter | None, tree: Any) -> Drafter | None:
         return None
     if not hasattr(drafter, "propose_tree"):
         if tree_budget_of(tree):
+            from spec_jax.drafters.registry import tree_kinds
+
             raise ValueError(
                 f"{type(drafter).__name__} drafts chains only; tree drafting is available for "
-                "DFlash, Medusa, EAGLE-3, the draft model, n-gram and lookup-first drafters."
+                f"{', '.join(tree_kinds())} and their lookup-first (+ngram) forms."
             )
         return drafter
     return dataclasses.replace(drafter, tree=tree)
