@@ -12,7 +12,6 @@ on success the names of the passed checks come back.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from typing import Any, Callable, Sequence
 
@@ -78,12 +77,35 @@ def check_target(
     """
     if seq_len < 8:
         raise ValueError(f"check_target needs seq_len >= 8, got {seq_len}.")
-    passed: list[str] = []
+    model = _check_interface(model)
+    passed = ["interface"]
+    layers = int(model.num_layers)
+    capture = tuple(capture) if capture is not None else tuple(sorted({0, layers - 1}))
+    rng = np.random.default_rng(seed)
+    probe = _Probe(
+        tokens=rng.integers(0, int(model.vocab_size), (2, seq_len)).astype(np.int32),
+        prefix=np.asarray([seq_len // 2, seq_len // 2 - 3], np.int32),
+        capacity=capacity,
+    )
+    checker = _Checker(model, params, probe, capture, atol, rtol)
+    checker.traces_under_jit()
+    passed.append("traces under jit")
+    full_logits = checker.full_forward()
+    passed += ["float32 logits", "captured layers"]
+    cache, pos = checker.prefill_then_steps(full_logits)
+    passed += ["prefill then steps equals full forward", "per-row writes"]
+    checker.rollback_by_length(full_logits, cache, pos, rng)
+    passed.append("rollback by length")
+    if check_positions:
+        checker.positions_honoured(cache, pos)
+        passed.append("positions honoured")
+    _check_tree(model, params, probe, checker.run, atol, rtol)
+    passed += ["tree mask equals chains", "tree commit"]
+    return passed
 
-    def ok(name: str) -> None:
-        passed.append(name)
 
-    # 1. The object: a static, hashable TargetModel.
+def _check_interface(model: Any) -> TargetModel:
+    """1. The object: a static, hashable TargetModel (a built-in ModelConfig is wrapped)."""
     if isinstance(model, ModelConfig):
         model = as_target_model(model)
     if not isinstance(model, TargetModel):
@@ -97,145 +119,158 @@ def check_target(
     except TypeError as e:
         _fail("hashable", f"{type(model).__name__} is not hashable ({e}): it is a static argument of "
               "jax.jit. Use a frozen dataclass holding only static configuration; pass arrays as params.")
-    ok("interface")
-    vocab, hidden_size, layers = int(model.vocab_size), int(model.hidden_size), int(model.num_layers)
-    capture = tuple(capture) if capture is not None else tuple(sorted({0, layers - 1}))
-    rng = np.random.default_rng(seed)
-    probe = _Probe(
-        tokens=rng.integers(0, vocab, (2, seq_len)).astype(np.int32),
-        prefix=np.asarray([seq_len // 2, seq_len // 2 - 3], np.int32),
-        capacity=capacity,
-    )
-    positions_full = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (2, seq_len))
+    return model
 
-    @functools.partial(jax.jit, static_argnames="capture")
-    def forward(params, tokens, positions, cache, mask, capture):
-        return model.forward(params, tokens, positions, cache, mask=mask, capture=capture)
 
-    def run(tokens, positions, cache, mask=None, capture=()):
-        return forward(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-                       cache, mask, capture)
+class _Checker:
+    """The numbered checks 2-6 on one model and probe; each raises TargetCheckError on failure."""
 
-    # 2. It traces under jit with no host callbacks (the whole loop is one XLA program).
-    def whole_pass(params, tokens, positions):
-        out = model.forward(params, tokens, positions, model.init_cache(2, capacity), capture=capture)
-        return model.logits(params, out.hidden), out.captured
+    def __init__(self, model: TargetModel, params: Any, probe: _Probe, capture: tuple[int, ...],
+                 atol: float, rtol: float):
+        self.model, self.params, self.probe, self.capture = model, params, probe, capture
+        self.atol, self.rtol = atol, rtol
+        seq_len = probe.tokens.shape[1]
+        self.positions_full = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (2, seq_len))
+        self._forward = jax.jit(self._raw_forward, static_argnames="capture")
 
-    try:
-        lowered = jax.jit(whole_pass).lower(params, jnp.asarray(probe.tokens), positions_full)
-    except Exception as e:  # noqa: BLE001 - any tracing failure is the finding
-        _fail("traces under jit", f"tracing forward under jax.jit failed: {type(e).__name__}: {e}. "
-              "Use jax.numpy / lax only, no Python branches on array values, no .item() / np.asarray "
-              "of traced values.")
-    found = sorted(set(_HOST_CALLBACK.findall(lowered.as_text())))
-    if found:
-        _fail("no host callbacks", f"the lowered forward calls back to the host ({found}): "
-              "jax.pure_callback, io_callback or jax.debug.print/callback inside forward stall "
-              "every step of the on-device loop. Remove them from the model.")
-    ok("traces under jit")
+    def _raw_forward(self, params, tokens, positions, cache, mask, capture):
+        return self.model.forward(params, tokens, positions, cache, mask=mask, capture=capture)
 
-    # 3. Full forward: shapes, float32 logits, captured layers.
-    full = run(probe.tokens, positions_full, model.init_cache(2, capacity), capture=capture)
-    if tuple(full.hidden.shape) != (2, seq_len, hidden_size):
-        _fail("hidden shape", f"forward returned hidden {tuple(full.hidden.shape)}, expected "
-              f"[B, T, hidden_size] = {(2, seq_len, hidden_size)}.")
-    logits = model.logits(params, full.hidden)
-    if logits.dtype != jnp.float32:
-        _fail("float32 logits", f"logits are {logits.dtype}; acceptance compares probabilities, "
-              "so return float32 (e.g. preferred_element_type=jnp.float32 in the head's dot, or "
-              ".astype(jnp.float32)).")
-    if tuple(logits.shape) != (2, seq_len, vocab):
-        _fail("logits shape", f"logits {tuple(logits.shape)}, expected [B, T, vocab_size] = "
-              f"{(2, seq_len, vocab)}.")
-    ok("float32 logits")
-    want = (2, seq_len, len(capture) * hidden_size)
-    if full.captured is None or tuple(full.captured.shape) != want:
-        got = None if full.captured is None else tuple(full.captured.shape)
-        _fail("captured layers", f"capture={capture} returned {got}, expected [B, T, "
-              f"len(capture) * hidden_size] = {want}: the hidden states after each requested layer, "
-              "concatenated on the last axis in the requested order.")
-    if capture:
-        one = run(probe.tokens, positions_full, model.init_cache(2, capacity), capture=capture[-1:])
-        same, diff = _close(one.captured, full.captured[..., -hidden_size:], atol, rtol)
-        if not same:
-            _fail("captured layers", f"layer {capture[-1]} captured alone differs from its slot in "
-                  f"capture={capture} (max diff {diff:.2e}): keep the requested order.")
-    embeds = model.embed(params, jnp.asarray(probe.tokens))
-    if tuple(embeds.shape) != (2, seq_len, hidden_size):
-        _fail("embed shape", f"embed returned {tuple(embeds.shape)}, expected [B, T, hidden_size].")
-    ok("captured layers")
-    full_logits = np.asarray(logits)
-    lengths0 = np.asarray(model.cache_lengths(model.init_cache(2, capacity)))
-    if lengths0.shape != (2,) or lengths0.any():
-        _fail("empty cache", f"init_cache(2, capacity) has lengths {lengths0.tolist()}, expected [0, 0].")
-    if np.asarray(model.cache_lengths(full.cache)).any():
-        _fail("forward leaves lengths", "forward changed the committed lengths; only commit may: "
-              "a verify pass must not commit drafts that may be rejected.")
+    def run(self, tokens, positions, cache, mask=None, capture=()):
+        return self._forward(self.params, jnp.asarray(tokens, jnp.int32),
+                             jnp.asarray(positions, jnp.int32), cache, mask, capture)
 
-    # 4. Prefill, then one-token steps at each row's own position, equals the full forward.
-    prefix = probe.prefix
-    cache = run(probe.tokens[:, : prefix.max()], positions_full[:, : prefix.max()],
-                model.init_cache(2, capacity)).cache
-    cache = model.commit(cache, jnp.asarray(prefix))
-    if np.asarray(model.cache_lengths(cache)).tolist() != prefix.tolist():
-        _fail("commit lengths", f"after commit(cache, {prefix.tolist()}) cache_lengths is "
-              f"{np.asarray(model.cache_lengths(cache)).tolist()}.")
-    def step_matches_full(cache, pos, check: str, fix: str):
+    def empty_cache(self):
+        return self.model.init_cache(2, self.probe.capacity)
+
+    def traces_under_jit(self) -> None:
+        """2. It traces under jit with no host callbacks (the whole loop is one XLA program)."""
+        model, capture = self.model, self.capture
+
+        def whole_pass(params, tokens, positions):
+            out = model.forward(params, tokens, positions, self.empty_cache(), capture=capture)
+            return model.logits(params, out.hidden), out.captured
+
+        try:
+            lowered = jax.jit(whole_pass).lower(self.params, jnp.asarray(self.probe.tokens),
+                                                self.positions_full)
+        except Exception as e:  # noqa: BLE001 - any tracing failure is the finding
+            _fail("traces under jit", f"tracing forward under jax.jit failed: {type(e).__name__}: {e}. "
+                  "Use jax.numpy / lax only, no Python branches on array values, no .item() / np.asarray "
+                  "of traced values.")
+        found = sorted(set(_HOST_CALLBACK.findall(lowered.as_text())))
+        if found:
+            _fail("no host callbacks", f"the lowered forward calls back to the host ({found}): "
+                  "jax.pure_callback, io_callback or jax.debug.print/callback inside forward stall "
+                  "every step of the on-device loop. Remove them from the model.")
+
+    def full_forward(self) -> np.ndarray:
+        """3. Full forward: shapes, float32 logits, captured layers; returns its logits [2, T, V]."""
+        model, params, capture, tokens = self.model, self.params, self.capture, self.probe.tokens
+        seq_len, hidden_size, vocab = tokens.shape[1], int(model.hidden_size), int(model.vocab_size)
+        full = self.run(tokens, self.positions_full, self.empty_cache(), capture=capture)
+        if tuple(full.hidden.shape) != (2, seq_len, hidden_size):
+            _fail("hidden shape", f"forward returned hidden {tuple(full.hidden.shape)}, expected "
+                  f"[B, T, hidden_size] = {(2, seq_len, hidden_size)}.")
+        logits = model.logits(params, full.hidden)
+        if logits.dtype != jnp.float32:
+            _fail("float32 logits", f"logits are {logits.dtype}; acceptance compares probabilities, "
+                  "so return float32 (e.g. preferred_element_type=jnp.float32 in the head's dot, or "
+                  ".astype(jnp.float32)).")
+        if tuple(logits.shape) != (2, seq_len, vocab):
+            _fail("logits shape", f"logits {tuple(logits.shape)}, expected [B, T, vocab_size] = "
+                  f"{(2, seq_len, vocab)}.")
+        self._captured_layers(full.captured)
+        embeds = model.embed(params, jnp.asarray(tokens))
+        if tuple(embeds.shape) != (2, seq_len, hidden_size):
+            _fail("embed shape", f"embed returned {tuple(embeds.shape)}, expected [B, T, hidden_size].")
+        lengths0 = np.asarray(model.cache_lengths(self.empty_cache()))
+        if lengths0.shape != (2,) or lengths0.any():
+            _fail("empty cache", f"init_cache(2, capacity) has lengths {lengths0.tolist()}, expected [0, 0].")
+        if np.asarray(model.cache_lengths(full.cache)).any():
+            _fail("forward leaves lengths", "forward changed the committed lengths; only commit may: "
+                  "a verify pass must not commit drafts that may be rejected.")
+        return np.asarray(logits)
+
+    def _captured_layers(self, captured: jax.Array | None) -> None:
+        capture, hidden_size = self.capture, int(self.model.hidden_size)
+        want = (2, self.probe.tokens.shape[1], len(capture) * hidden_size)
+        if captured is None or tuple(captured.shape) != want:
+            got = None if captured is None else tuple(captured.shape)
+            _fail("captured layers", f"capture={capture} returned {got}, expected [B, T, "
+                  f"len(capture) * hidden_size] = {want}: the hidden states after each requested layer, "
+                  "concatenated on the last axis in the requested order.")
+        if capture:
+            one = self.run(self.probe.tokens, self.positions_full, self.empty_cache(),
+                           capture=capture[-1:])
+            same, diff = _close(one.captured, captured[..., -hidden_size:], self.atol, self.rtol)
+            if not same:
+                _fail("captured layers", f"layer {capture[-1]} captured alone differs from its slot in "
+                      f"capture={capture} (max diff {diff:.2e}): keep the requested order.")
+
+    def step_matches_full(self, full_logits: np.ndarray, cache, pos: np.ndarray, check: str, fix: str):
         """One token per row at its own position `pos` [2]: its logits must equal the full pass."""
-        out = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None], cache)
-        step = np.asarray(model.logits(params, out.hidden))[:, 0]
+        out = self.run(self.probe.tokens[np.arange(2), pos][:, None], pos[:, None], cache)
+        step = np.asarray(self.model.logits(self.params, out.hidden))[:, 0]
         for b in range(2):
-            same, diff = _close(step[b], full_logits[b, pos[b]], atol, rtol)
+            same, diff = _close(step[b], full_logits[b, pos[b]], self.atol, self.rtol)
             if not same:
                 _fail(check, f"row {b} at position {pos[b]}: {fix.format(diff=diff)}")
         return out
 
-    pos = prefix.copy()
-    for _ in range(min(4, seq_len - 1 - int(prefix.max()))):  # leaves one position for step 5
-        out = step_matches_full(
-            cache, pos, "per-row writes",
-            "a cached one-token step differs from the full forward (max diff {diff:.2e}). Each row "
-            "must write its keys/values at its own slot cache_lengths[b] (not one shared index), "
-            "read only its committed slots, and rotate by the given positions.")
-        pos = pos + 1
-        cache = model.commit(out.cache, jnp.asarray(pos))
-    ok("prefill then steps equals full forward")
-    ok("per-row writes")
+    def prefill_then_steps(self, full_logits: np.ndarray) -> tuple[Any, np.ndarray]:
+        """4. Prefill, then one-token steps at each row's own position, equals the full forward.
+        Returns the cache after the steps and the next position of each row."""
+        model, prefix, seq_len = self.model, self.probe.prefix, self.probe.tokens.shape[1]
+        cache = self.run(self.probe.tokens[:, : prefix.max()], self.positions_full[:, : prefix.max()],
+                         self.empty_cache()).cache
+        cache = model.commit(cache, jnp.asarray(prefix))
+        if np.asarray(model.cache_lengths(cache)).tolist() != prefix.tolist():
+            _fail("commit lengths", f"after commit(cache, {prefix.tolist()}) cache_lengths is "
+                  f"{np.asarray(model.cache_lengths(cache)).tolist()}.")
+        pos = prefix.copy()
+        for _ in range(min(4, seq_len - 1 - int(prefix.max()))):  # leaves one position for step 5
+            out = self.step_matches_full(
+                full_logits, cache, pos, "per-row writes",
+                "a cached one-token step differs from the full forward (max diff {diff:.2e}). Each row "
+                "must write its keys/values at its own slot cache_lengths[b] (not one shared index), "
+                "read only its committed slots, and rotate by the given positions.")
+            pos = pos + 1
+            cache = model.commit(out.cache, jnp.asarray(pos))
+        return cache, pos
 
-    # 5. Rejected drafts roll back by length: junk written past the committed length is unseen.
-    junk = rng.integers(0, vocab, (2, 3)).astype(np.int32)
-    out = run(junk, pos[:, None] + np.arange(3), cache)
-    rolled = model.commit(out.cache, jnp.asarray(pos))  # keep nothing of the junk pass
-    step_matches_full(
-        rolled, pos, "rollback by length",
-        "after a pass that was not committed, the next step differs from the full forward (max diff "
-        "{diff:.2e}). Attend only to slots below cache_lengths, so uncommitted keys/values are never "
-        "seen.")
-    ok("rollback by length")
+    def rollback_by_length(self, full_logits: np.ndarray, cache, pos: np.ndarray,
+                           rng: np.random.Generator) -> None:
+        """5. Rejected drafts roll back by length: junk written past the committed length is unseen."""
+        junk = rng.integers(0, int(self.model.vocab_size), (2, 3)).astype(np.int32)
+        out = self.run(junk, pos[:, None] + np.arange(3), cache)
+        rolled = self.model.commit(out.cache, jnp.asarray(pos))  # keep nothing of the junk pass
+        self.step_matches_full(
+            full_logits, rolled, pos, "rollback by length",
+            "after a pass that was not committed, the next step differs from the full forward (max diff "
+            "{diff:.2e}). Attend only to slots below cache_lengths, so uncommitted keys/values are never "
+            "seen.")
 
-    # 6. Positions are honoured: the same step at positions shifted past the slots must change
-    # the output (a model that rotates by slot index would not notice; token trees rely on it).
-    if check_positions:
-        step = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None], cache)
-        shifted = run(probe.tokens[np.arange(2), pos][:, None], pos[:, None] + 3, cache)
-        same, _ = _close(model.logits(params, step.hidden), model.logits(params, shifted.hidden), 1e-6, 0)
+    def positions_honoured(self, cache, pos: np.ndarray) -> None:
+        """6. The same step at positions shifted past the slots must change the output (a model
+        that rotates by slot index would not notice; token trees rely on it)."""
+        token = self.probe.tokens[np.arange(2), pos][:, None]
+        step = self.run(token, pos[:, None], cache)
+        shifted = self.run(token, pos[:, None] + 3, cache)
+        logits = self.model.logits
+        same, _ = _close(logits(self.params, step.hidden), logits(self.params, shifted.hidden), 1e-6, 0)
         if same:
             _fail("positions honoured", "a pass at positions 3 past its slots gave the same output as "
                   "at its slots: the model ignores `positions` (rotating by slot index or a counter "
                   "of its own). Apply RoPE at the given positions; a token tree writes node i at slot "
                   "start + i but puts it at position start + depth. (A model with no positional "
                   "encoding at all: pass check_positions=False.)")
-        ok("positions honoured")
-
-    # 7. A tree pass equals the chain passes of its branches, and commit keeps the chosen path.
-    _check_tree(model, params, probe, run, atol, rtol)
-    ok("tree mask equals chains")
-    ok("tree commit")
-    return passed
 
 
 def _check_tree(model: TargetModel, params: Any, probe: _Probe, run: Callable, atol, rtol) -> None:
-    """root r -> {a, b}, a -> c: nodes [r, a, b, c] at depths [0, 1, 1, 2]; each node's output
+    """7. A tree pass equals the chain passes of its branches, and commit keeps the chosen path.
+
+    root r -> {a, b}, a -> c: nodes [r, a, b, c] at depths [0, 1, 1, 2]; each node's output
     must equal the chain pass of its own branch ([r, a, c] or [r, b]) after the same prefix."""
     start = probe.prefix  # [2] committed lengths; the root sits at position `start`
     base = run(probe.tokens[:, : start.max()],
