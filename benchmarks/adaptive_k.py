@@ -25,15 +25,15 @@ def timed_run(engine, prompts, max_tokens) -> dict:
     for ids in prompts:
         engine.submit(ids, max_new_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    k_before = len(engine.k_history)
+    k_before = dict(engine.k_chunks)
     out = engine.run_all()
     seconds = time.perf_counter() - t0
     tokens = sum(len(e.new_ids) for e in out.values())
     steps = sum(e.stats.steps for e in out.values())
-    ks = engine.k_history[k_before:]
+    k_used = {k: n - k_before.get(k, 0) for k, n in sorted(engine.k_chunks.items())}
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
             "tau": sum(e.stats.emitted for e in out.values()) / max(steps, 1),
-            "k_used": {str(k): ks.count(k) for k in sorted(set(ks))}}
+            "k_used": {str(k): n for k, n in k_used.items() if n}}
 
 
 def main() -> None:

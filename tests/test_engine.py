@@ -78,7 +78,7 @@ def test_staggered_requests_equal_each_alone(engine, alone):
         assert stats.completion_tokens == len(ids) and stats.prompt_tokens == len(PROMPTS[i])
         assert stats.steps >= 1 and stats.drafted == 3 * stats.steps and stats.tau >= 1.0
     assert {r for _, r in alone} == {"stop", "length"}
-    assert engine.num_live == 0 and not engine.live.any()
+    assert engine.num_live == 0 and not engine.slot_table.live.any()
 
 
 def test_no_recompile_while_requests_come_and_go(engine, alone):
@@ -118,28 +118,28 @@ def test_cancel_frees_the_slot_at_once(engine, alone):
     the next chunk."""
     rids = [engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW[i]) for i in (1, 2, 4, 0)]
     first = engine.step()
-    assert {e.request_id for e in first} == set(rids[:3]) and rids[3] not in engine.slot_of
+    assert {e.request_id for e in first} == set(rids[:3]) and rids[3] not in engine.slot_table.slot_of
     engine.cancel(rids[0])
     events = engine.step()
     assert [(e.request_id, e.finish_reason) for e in events if e.finish_reason == "cancelled"] == [(rids[0], "cancelled")]
-    assert engine.slot_of[rids[3]] == 0  # the cancelled request's slot
+    assert engine.slot_table.slot_of[rids[3]] == 0  # the cancelled request's slot
     done = engine.run_all()
     waited = sum((e.new_ids for e in events if e.request_id == rids[3]), []) + done[rids[3]].new_ids
     assert waited == alone[0][0]
 
 
 def test_max_admits_per_step_bounds_prefills_between_chunks(engine, alone):
-    engine.max_admits_per_step = 1
+    engine.scheduler.max_admits_per_step = 1
     try:
         # 30 tokens each, EOS ignored: nobody finishes within two chunks (<= 1 + 2 x 4 tokens).
         rids = [engine.submit(PROMPTS[i], max_new_tokens=30, ignore_eos=True) for i in (0, 3, 5)]
         events = engine.step()
-        assert list(engine.slot_of) == rids[:1]
+        assert list(engine.slot_table.slot_of) == rids[:1]
         events += engine.step()
-        assert list(engine.slot_of) == rids[:2]
+        assert list(engine.slot_table.slot_of) == rids[:2]
         events += list(engine.run_all().values())
     finally:
-        engine.max_admits_per_step = None
+        engine.scheduler.max_admits_per_step = None
     assert [sum(len(e.new_ids) for e in events if e.request_id == r) for r in rids] == [30, 30, 30]
 
 
@@ -155,19 +155,19 @@ def test_request_errors_name_the_field(engine):
     with pytest.raises(ValueError, match="stop ids"):
         engine.check_request(PROMPTS[0], stop_ids=list(range(20)), max_new_tokens=4)
     with pytest.raises(ValueError, match="k_choices.*0.*state"):  # a draft model's cache
-        Engine((engine.model.cfg, engine.target_params), DraftModelDrafter(engine.model.cfg, 2),
-               engine.target_params, k_choices=(0, 2))
+        Engine((engine.model.cfg, engine.programs.target_params), DraftModelDrafter(engine.model.cfg, 2),
+               engine.programs.target_params, k_choices=(0, 2))
 
 
 def test_adaptive_k_switches_variants_and_keeps_greedy_output(models, alone):
     engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2,
                     k_choices=(0, 3))
     engine.warmup([16])  # a chunk per K, an admit per K's stats (K=3's are the module engine's)
-    assert sorted(engine._exes) == [("admit", 16, 0), ("admit", 16, 3), ("chunk", 0), ("chunk", 3)]
+    assert sorted(engine.programs.exes) == [("admit", 16, 0), ("admit", 16, 3), ("chunk", 0), ("chunk", 3)]
     compiled = engine.compiles
     got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
     assert [got[i][:2] for i in range(len(PROMPTS))] == alone
-    assert set(engine.k_history) == {0, 3}  # each variant is timed once, then chosen by rate
+    assert set(engine.k_chunks) == {0, 3}  # each variant is timed once, then chosen by rate
     assert engine.compiles == compiled
 
 

@@ -1,0 +1,235 @@
+"""The engine's program set and the state layout they share.
+
+One `LoopState` of `slots` rows at a fixed capacity, and two kinds of program on it, each jitted
+with the state donated:
+  - a chunk per K variant: up to `chunk_steps` speculative steps over every row (`run_chunk`);
+  - an admit per prompt bucket (and Stats K): a 1-row `prefill` scattered into one slot's row of
+    every state leaf (tokens, target cache, drafter state, stats).
+Programs are shared between engines of the same configuration (a process that builds several
+engines compiles each program once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.decoding import validation
+from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
+from spec_jax.decoding.generate import stop_id_array
+from spec_jax.decoding.loop import LoopInputs, LoopState, Stats, prefill
+from spec_jax.decoding.programs import ProgramCache, signature
+from spec_jax.decoding.slots import RequestParams
+from spec_jax.drafters.base import Drafter
+from spec_jax.models.interface import Target
+from spec_jax.sampling import SamplingParams
+
+NO_BATCH_AXIS = -1
+# Programs by full configuration, shared between engines (newest last, bounded).
+_SHARED_PROGRAMS = ProgramCache(max_size=64)
+
+
+def batch_axes(abstract_one: Any, abstract_two: Any) -> Any:
+    """Per leaf, the axis whose size is the batch (found by comparing the state's shapes at batch
+    1 and 2), or NO_BATCH_AXIS for leaves shared by all rows (the PRNG key, the step counter)."""
+
+    def axis(one: Any, two: Any) -> int:
+        for i, (a, b) in enumerate(zip(one.shape, two.shape)):
+            if a != b:
+                return i
+        return NO_BATCH_AXIS
+
+    return jax.tree_util.tree_map(axis, abstract_one, abstract_two)
+
+
+def zeros_like_abstract(abstract: Any) -> Any:
+    def zeros(x: Any) -> Any:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.key(0)
+        return jnp.zeros(x.shape, x.dtype)
+
+    return jax.tree_util.tree_map(zeros, abstract)
+
+
+class EnginePrograms:
+    """The state layout, its placement on a mesh, and the compiled chunk and admit programs.
+
+    drafters: the K variants ({K: drafter at K, or None for K = 0}); they share one state (only
+    Stats differ), which is checked here. `compiles` / `compile_s` count the programs compiled
+    by this object (not ones shared from another engine)."""
+
+    def __init__(self, model: Any, drafters: dict[int, Drafter | None], target_params: Any, drafter_params: Any,
+                 *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None):
+        self.model, self.drafters, self.capacity, self.slots, self.mesh = model, drafters, capacity, slots, mesh
+        self.target_params, self.drafter_params = target_params, drafter_params
+        self.widest = drafters[max(drafters)]  # the drafter at the largest K: admits use its layout
+        abstract_one = self._abstract_prefill(1, self.widest)
+        self.batch_axes = batch_axes(abstract_one, self._abstract_prefill(2, self.widest))
+        self.abstract = self._abstract_prefill(slots, self.widest)
+        self._check_variants(abstract_one)
+        self.state_shardings = None
+        if mesh is not None:
+            self._place_on(mesh, sharding_rules)
+        self.stats_k = self.widest.k if self.widest is not None else 0  # the K the state's Stats have
+        self.exes: dict[Any, Any] = {}
+        self.compiles = 0
+        self.compile_s = 0.0
+
+    def _abstract_prefill(self, batch: int, drafter: Drafter | None) -> LoopState:
+        def fn(params, drafter_params):
+            return prefill(
+                Target(params, self.model), drafter, drafter_params,
+                jnp.zeros((batch, 16), jnp.int32), jnp.ones((batch,), jnp.int32), jax.random.key(0),
+                SamplingParams.create(), jnp.int32(1), jnp.asarray(stop_id_array(())), self.capacity,
+            )
+
+        return jax.eval_shape(fn, self.target_params, self.drafter_params)
+
+    def _check_variants(self, abstract_one: LoopState) -> None:
+        stateless = not jax.tree_util.tree_leaves(self.abstract.drafter_state)
+        if 0 in self.drafters and self.widest is not None and not stateless:
+            raise ValueError(
+                "k_choices includes 0 (plain decoding), but this drafter keeps state that plain "
+                "steps would not update (a draft model's cache, DFlash's context); use K >= 1 "
+                "choices with it, or 0 only with ngram."
+            )
+        k_max = max(self.drafters)
+        for k, d in self.drafters.items():
+            if d is not None and k != k_max and str(self._abstract_prefill(1, d).drafter_state) != str(
+                abstract_one.drafter_state
+            ):
+                raise ValueError(
+                    f"k_choices: this drafter's state has a different layout at K={k} than at "
+                    f"K={k_max}, so the engine cannot switch between them; give one K."
+                )
+
+    def _place_on(self, mesh: Any, sharding_rules: Any) -> None:
+        """State shardings from the rules, and the weights placed once, as `generate` places them."""
+        from spec_jax.decoding.placement import place_generate_inputs
+        from spec_jax.sharding.rules import DEFAULT_RULES, state_shardings
+
+        self.state_shardings = state_shardings(self.abstract, mesh, sharding_rules or DEFAULT_RULES)
+        self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        placed = place_generate_inputs(
+            LoopInputs(self.target_params, self.drafter_params, np.zeros((self.slots, 1), np.int32),
+                       np.ones((self.slots,), np.int32), jax.random.key(0), SamplingParams.create(),
+                       np.int32(1), stop_id_array(())),
+            self.model, self.widest, mesh, sharding_rules,
+        )
+        self.target_params, self.drafter_params = placed.target_params, placed.drafter_params
+
+    def initial_state(self, seed: int) -> LoopState:
+        """Every row free: done, one committed token whose cache holds nothing (lengths - 1 = 0)."""
+        state = zeros_like_abstract(self.abstract).replace(
+            done=jnp.ones((self.slots,), bool),
+            lengths=jnp.ones((self.slots,), jnp.int32),
+            key=jax.random.key(validation.check_int("seed", seed, minimum=0, maximum=validation.SEED_MAX)),
+        )
+        if self.state_shardings is not None:
+            from spec_jax.sharding.rules import place
+
+            state = jax.tree_util.tree_map(place, state, self.state_shardings)
+        return state
+
+    def place(self, x: Any) -> Any:
+        """A host value as a program argument (replicated over the mesh, if any)."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        from spec_jax.sharding.rules import place
+
+        return place(x, self._replicated)
+
+    def _key(self, seed: int) -> Any:
+        return self.place(jax.random.key(seed)) if self.mesh is not None else jax.random.key(seed)
+
+    def stats_for(self, state: LoopState, k: int) -> tuple[LoopState, bool]:
+        """The state with Stats of K's shape -> (state, whether Stats restarted from zero: K
+        changed, and the host keeps the totals)."""
+        if k == self.stats_k:
+            return state, False
+        # A copy per leaf: Stats.zeros shares one zeros array between counters, and a donated
+        # state may not hold one buffer twice.
+        stats = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), Stats.zeros(self.slots, k))
+        if self.state_shardings is not None:
+            from spec_jax.sharding.rules import state_shardings
+
+            stats = jax.tree_util.tree_map(
+                lambda x, s: jax.device_put(x, s), stats, state_shardings(stats, self.mesh)
+            )
+        self.stats_k = k
+        return state.replace(stats=stats), True
+
+    def _compile(self, key: Any, fn: Any, args: tuple) -> Any:
+        """The program for `key` (("chunk", K) or ("admit", bucket, stats K)): this object's, else
+        one an engine of the same configuration compiled, else compiled now."""
+        exe = self.exes.get(key)
+        if exe is None:
+            drafter = self.drafters[key[1]] if key[0] == "chunk" else self.widest
+            config = (key, self.model, drafter, self.capacity, self.slots, self.mesh, str(self.state_shardings),
+                      signature(args, self.mesh))
+            kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
+            exe, seconds = _SHARED_PROGRAMS.get_or_compile(
+                config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh)
+            if seconds:  # compiled now, not shared from another engine
+                self.compiles += 1
+                self.compile_s += seconds
+            self.exes[key] = exe
+        return exe
+
+    def chunk_args(self, state: LoopState, slot_table: Any, chunk_steps: int) -> tuple:
+        """The chunk's arguments: the state and the slots' per-row request values."""
+        sampling = SamplingParams(slot_table.temperature, slot_table.top_k, slot_table.top_p)
+        return (
+            state, self.place(slot_table.live), self.target_params, self.drafter_params,
+            jax.tree_util.tree_map(self.place, sampling), self.place(slot_table.max_new),
+            self.place(slot_table.stop), self.place(np.int32(chunk_steps)),
+        )
+
+    def chunk(self, k: int, args: tuple) -> Any:
+        """The chunk program at K (compiled on first use)."""
+        model, drafter = self.model, self.drafters[k]
+
+        def chunk(state, live, target_params, drafter_params, sampling, max_new, stop_ids, max_steps):
+            state = state.replace(done=state.done | ~live)  # freed rows stop at once
+            return run_chunk(state, target_params, drafter_params, sampling, max_new, stop_ids,
+                             max_steps, jnp.int32(NO_STEP_CAP), model=model, drafter=drafter)
+
+        return self._compile(("chunk", k), chunk, args)
+
+    def admit_args(self, state: LoopState, slot: int, params: RequestParams, bucket: int) -> tuple:
+        """The admit's arguments: the prompt right-padded to `bucket`, and the request's values."""
+        prompt = list(params.prompt_ids)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, : len(prompt)] = prompt
+        sampling = SamplingParams.create(params.temperature, params.top_k, params.top_p)
+        return (
+            state, self.place(np.int32(slot)), self.target_params, self.drafter_params,
+            self.place(tokens), self.place(np.asarray([len(prompt)], np.int32)), self._key(params.seed),
+            jax.tree_util.tree_map(self.place, sampling), self.place(np.int32(params.max_new_tokens)),
+            self.place(stop_id_array(params.stop_ids)),
+        )
+
+    def admit(self, bucket: int, args: tuple) -> Any:
+        """The admit program for this prompt bucket at the state's Stats K (compiled on first use)."""
+        model, drafter, capacity, axes = self.model, self.widest, self.capacity, self.batch_axes
+
+        def admit(state, slot, target_params, drafter_params, prompt, prompt_length, key, sampling,
+                  max_new, stop_ids):
+            row = prefill(Target(target_params, model), drafter, drafter_params, prompt, prompt_length,
+                          key, sampling, max_new, stop_ids, capacity)
+            row = row.replace(stats=jax.tree_util.tree_map(
+                lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), state.stats))
+
+            def put(axis, full, part):
+                if axis == NO_BATCH_AXIS:
+                    return full
+                return jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), slot, axis)
+
+            stats_axes = jax.tree_util.tree_map(lambda _: 0, state.stats)
+            merged = jax.tree_util.tree_map(put, axes.replace(stats=stats_axes), state, row)
+            return merged.replace(key=state.key, step=state.step)
+
+        return self._compile(("admit", bucket, self.stats_k), admit, args)

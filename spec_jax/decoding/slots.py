@@ -1,0 +1,193 @@
+"""The engine's host-side slot table: which request runs in which row of the batch, each row's
+request values (sent with every chunk as traced per-row arrays), and each request's counters.
+
+Nothing here touches a device: the engine hands `SlotTable.collect` the host copy of a chunk's
+tokens and counters, and gets back each request's new tokens and finish reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, MAX_STOP_IDS
+from spec_jax.decoding.validation import RequestValues
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """One request's checked values."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, prompt_ids: Any, values: RequestValues) -> RequestParams:
+        return cls(tuple(prompt_ids), **dataclasses.asdict(values))
+
+
+class Counters(NamedTuple):
+    """Verify-step counters: steps, drafts proposed and accepted, tokens committed by verify
+    steps, and steps that accepted all K drafts (what the acceptance estimate needs). Each field
+    is an int for one request, or a [slots] array for a chunk's read of every row."""
+
+    steps: Any
+    drafted: Any
+    accepted: Any
+    emitted: Any
+    full_steps: Any
+
+    @classmethod
+    def zero(cls) -> Counters:
+        return cls(0, 0, 0, 0, 0)
+
+    @classmethod
+    def of_rows(cls, stats: Any, k: int) -> Counters:
+        """Per-row counters from the loop's host-side `Stats` run at K drafts per step."""
+        full = stats.histogram[:, -1] if k > 0 else np.zeros_like(stats.steps)
+        return cls(*(np.asarray(x, np.int64) for x in (stats.steps, stats.drafted, stats.accepted, stats.emitted, full)))
+
+    def row(self, slot: int) -> Counters:
+        return Counters(*(int(x[slot]) for x in self))
+
+    def minus(self, other: Counters) -> Counters:
+        return Counters(*(a - b for a, b in zip(self, other)))
+
+    def plus(self, other: Counters) -> Counters:
+        return Counters(*(a + b for a, b in zip(self, other)))
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """A request's counters: verify steps, drafts proposed and accepted, tokens committed by
+    verify steps; tau = committed tokens per step (the correction/bonus token included)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def add(self, delta: Counters) -> None:
+        self.steps += delta.steps
+        self.drafted += delta.drafted
+        self.accepted += delta.accepted
+        self.emitted += delta.emitted
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(dataclasses.asdict(self), tau=self.tau)
+
+
+@dataclasses.dataclass
+class EngineEvent:
+    """What `Engine.step` hands out for one request: its new tokens since the last event, and on
+    the last event its finish reason ("stop", "length" or "cancelled") and stats."""
+
+    request_id: int
+    new_ids: list[int]
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+
+
+@dataclasses.dataclass
+class Running:
+    """A request in a slot."""
+
+    rid: int
+    params: RequestParams
+    stats: RequestStats
+    emitted_to: int  # tokens[slot, :emitted_to] are handed out (prompt included)
+    submitted_at: float
+    seen: Counters = Counters.zero()  # the slot's device counters when last read
+    first_token_at: float | None = None
+
+
+class SlotTable:
+    """Which request holds which slot, and the per-slot request values the chunk reads.
+
+    A free slot is not `live` and holds neutral sampling values: a free row must not steer
+    batch-wide choices (greedy or sampled warp)."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.temperature = np.zeros((slots,), np.float32)
+        self.top_k = np.zeros((slots,), np.int32)
+        self.top_p = np.ones((slots,), np.float32)
+        self.max_new = np.ones((slots,), np.int32)
+        self.stop = np.full((slots, 1, MAX_STOP_IDS), -1, np.int32)  # [slots, 1, MAX_STOP_IDS]
+        self.live = np.zeros((slots,), bool)
+        self.running: dict[int, Running] = {}  # by slot
+        self.slot_of: dict[int, int] = {}  # request id -> slot
+
+    def free_slots(self) -> list[int]:
+        return [slot for slot in range(self.slots) if slot not in self.running]
+
+    def occupy(self, slot: int, rid: int, params: RequestParams, stop_row: np.ndarray, submitted_at: float) -> None:
+        """`stop_row`: the request's stop ids as the loop's padded [MAX_STOP_IDS] array."""
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = params.temperature, params.top_k, params.top_p
+        self.max_new[slot] = params.max_new_tokens
+        self.stop[slot, 0] = stop_row
+        self.live[slot] = True
+        prompt_tokens = len(params.prompt_ids)
+        self.running[slot] = Running(rid, params, RequestStats(prompt_tokens), prompt_tokens, submitted_at)
+        self.slot_of[rid] = slot
+
+    def release(self, slot: int) -> Running:
+        running = self.running.pop(slot)
+        self.slot_of.pop(running.rid, None)
+        self.live[slot] = False
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = 0.0, 0, 1.0
+        return running
+
+    def forget_counters(self) -> None:
+        """The device counters restarted from zero (new Stats for another K)."""
+        for running in self.running.values():
+            running.seen = Counters.zero()
+
+    def hand_out_first(self, slot: int, tokens: np.ndarray, now: float) -> EngineEvent:
+        """The token an admitted slot's prefill sampled, handed out before the chunk runs (time
+        to first token is the prefill's time, not prefill + a chunk)."""
+        running = self.running[slot]
+        first = int(tokens[slot, running.emitted_to])
+        running.emitted_to += 1
+        running.stats.completion_tokens += 1
+        running.first_token_at = now
+        return EngineEvent(running.rid, [first])
+
+    def collect(self, tokens: np.ndarray, lengths: np.ndarray, finish: np.ndarray, done: np.ndarray,
+                counters: Counters, now: float) -> tuple[list[EngineEvent], Counters]:
+        """A chunk's host read (tokens [slots, S], lengths / finish / done [slots], per-row
+        counters) -> each running request's event, and the counters all rows added. A finished
+        request frees its slot."""
+        events, total = [], Counters.zero()
+        for slot in list(self.running):
+            running = self.running[slot]
+            new = tokens[slot, running.emitted_to : lengths[slot]].tolist()
+            running.emitted_to = int(lengths[slot])
+            current = counters.row(slot)
+            delta, running.seen = current.minus(running.seen), current
+            total = total.plus(delta)
+            running.stats.add(delta)
+            running.stats.completion_tokens += len(new)
+            if new and running.first_token_at is None:
+                running.first_token_at = now
+            reason = None
+            if done[slot]:
+                reason = FINISH_NAMES[int(finish[slot])] if int(finish[slot]) != FINISH_NONE else "length"
+            if new or reason:
+                events.append(EngineEvent(running.rid, new, reason, running.stats if reason else None))
+            if reason:
+                self.release(slot)
+        return events, total
