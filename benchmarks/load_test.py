@@ -63,7 +63,7 @@ def stream_request(port: int, body: dict) -> dict:
 def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, k_choices=None) -> dict:
     import uvicorn
 
-    from spec_jax.app.serve import ServerState, create_app
+    from spec_jax.app.openai_api import ServerState, create_app
     from spec_jax.decoding.engine import Engine
 
     engine = Engine(target, drafter, drafter_params, slots=concurrency, max_model_len=args.max_model_len,
@@ -117,7 +117,7 @@ def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, 
         "compile_s": compile_s, "chunks": engine.chunks_run, "max_admits": args.max_admits,
     }
     if engine.adaptive is not None:
-        row["k_used"] = {str(k): engine.k_history.count(k) for k in sorted(set(engine.k_history))}
+        row["k_used"] = {str(k): n for k, n in sorted(engine.k_chunks.items())}
     print(json.dumps(row), flush=True)
     return row
 

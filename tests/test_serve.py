@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from serving_testlib import save_tiny_target
 
-from spec_jax.app.serve import ServerState, create_app
+from spec_jax.app.openai_api import ServerState, create_app
 from spec_jax.checkpoints import load_target
 from spec_jax.decoding.engine import Engine
 from spec_jax.decoding.generate import generate
@@ -68,9 +68,9 @@ def request(port, method, path, body=None, raw=None):
     return resp.status, json.loads(payload)
 
 
-def stream(port, path, body, stop_after=None):
+def stream(port, path, body, stop_after=None, on_event=None):
     """SSE events of a streaming request, as parsed JSON ([DONE] as the string); with stop_after=n
-    the connection is closed after n events."""
+    the connection is closed after n events; on_event(event) is called as each arrives."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
     conn.request("POST", path, body=json.dumps(dict(body, stream=True)), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -82,6 +82,8 @@ def stream(port, path, body, stop_after=None):
             continue
         data = line[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))
+        if on_event is not None:
+            on_event(events[-1])
         if data == "[DONE]" or (stop_after is not None and len(events) >= stop_after):
             break
     conn.close()
@@ -96,7 +98,8 @@ def completion_text(events, chat):
 
 def test_health_and_models(server):
     status, body = request(server["port"], "GET", "/health")
-    assert status == 200 and body["status"] == "ok" and body["slots"] == 3
+    assert status == 200 and body == {"status": "ok", "slots": 3, "running": 0, "waiting": 0, "model": "tiny",
+                                      "drafter": "ngram"}
     status, body = request(server["port"], "GET", "/v1/models")
     assert status == 200 and body["data"][0]["id"] == "tiny" and body["data"][0]["max_model_len"] == MAX_MODEL_LEN
 
@@ -147,27 +150,40 @@ def test_concurrent_streams_equal_their_non_streamed_answers(server):
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):
-    engine, cancelled = server["engine"], []
-    engine_cancel = engine.cancel
-    engine.cancel = lambda rid: (cancelled.append(rid), engine_cancel(rid))  # the runner only cancels unfinished requests
-    body = {"prompt": "The quick brown fox", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
-            "temperature": 0}
+    """A client that closes its stream has its request cancelled and its slot freed. Once the
+    request is half done, the engine is held before each chunk until the server cancels it, so
+    the request cannot run to its end first however fast the machine is (without the cancel, the
+    test fails on the wait, not on a race)."""
+    engine = server["engine"]
+    cancelled_ids, cancelled, freed = [], threading.Event(), threading.Event()
+    engine_cancel, engine_step = engine.cancel, engine.step
+    max_tokens = MAX_MODEL_LEN - 8
+
+    def cancel(rid):  # the runner only cancels unfinished requests
+        cancelled_ids.append(rid)
+        engine_cancel(rid)
+        cancelled.set()
+
+    def step():
+        if any(r.stats.completion_tokens >= max_tokens // 2 for r in engine.slot_table.running.values()):
+            cancelled.wait(TIMEOUT)  # a chunk adds at most 8 tokens: the request stays unfinished
+        events = engine_step()
+        if any(e.finish_reason == "cancelled" for e in events):
+            freed.set()
+        return events
+
+    engine.cancel, engine.step = cancel, step
+    body = {"prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     try:
         events = stream(server["port"], "/v1/completions", body, stop_after=2)
-        deadline = time.time() + TIMEOUT
-        while not cancelled and time.time() < deadline:
-            time.sleep(0.05)
+        assert cancelled.wait(TIMEOUT), "the server did not cancel the request of a client that went away"
+        assert freed.wait(TIMEOUT), "the cancelled request's slot was not freed"
     finally:
-        engine.cancel = engine_cancel
-    assert len(cancelled) == 1
+        engine.cancel, engine.step = engine_cancel, engine_step
+    assert len(cancelled_ids) == 1
     assert len(events) == 2 and events[-1] != "[DONE]"
-    deadline = time.time() + TIMEOUT
-    while time.time() < deadline:
-        status, health = request(server["port"], "GET", "/health")
-        if health["running"] == 0 and health["waiting"] == 0:
-            break
-        time.sleep(0.1)
-    assert health["running"] == 0 and not server["engine"].live.any()
+    assert engine.num_live == 0 and not engine.slot_table.live.any()
+    assert request(server["port"], "GET", "/health")[1]["running"] == 0
     assert request(server["port"], "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4})[0] == 200
 
 
@@ -196,7 +212,8 @@ def test_bad_requests_get_4xx_naming_the_field(server, path, body, status, param
     assert out["error"]["param"] == param and out["error"]["message"]
     if param:
         assert param in out["error"]["message"]
-    assert request(server["port"], "GET", "/health") == (200, request(server["port"], "GET", "/health")[1])
+    status, health = request(server["port"], "GET", "/health")  # the refusal left the server serving
+    assert status == 200 and health["status"] == "ok" and health["running"] == health["waiting"] == 0
 
 
 def test_openai_client_streaming_and_not(server):
@@ -218,13 +235,15 @@ def test_openai_client_streaming_and_not(server):
 
 
 def test_serve_command_drains_on_sigterm(tiny_dir):
-    """`spec-jax serve` in its own process: a stream running when SIGTERM arrives finishes with
-    [DONE], then the process exits 0."""
+    """`spec-jax serve` in its own process: SIGTERM is sent once a long stream has begun (240
+    sampled tokens, one verify step per chunk); the server's log says the request was running
+    when the signal came, the stream still finishes (all its tokens, finish reason, [DONE]), and
+    the process exits 0."""
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
     proc = subprocess.Popen(
         [sys.executable, "-m", "spec_jax.app.main", "serve", "--target", str(tiny_dir), "--port", "0",
-         "--slots", "2", "--max-model-len", "48", "--drafter", "ngram", "--dtype", "float32",
-         "--drain-timeout", "20"],
+         "--slots", "2", "--max-model-len", "256", "--chunk-steps", "1", "--drafter", "ngram",
+         "--dtype", "float32", "--drain-timeout", "30"],
         stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).parent.parent,
     )
     try:
@@ -237,16 +256,20 @@ def test_serve_command_drains_on_sigterm(tiny_dir):
             match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
             port = int(match.group(1)) if match else None
         assert port, "".join(lines)
-        events = []
-        body = {"prompt": "The quick", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
-        thread = threading.Thread(target=lambda: events.extend(stream(port, "/v1/completions", body)))
+        started, events = threading.Event(), []
+        body = {"prompt": "The quick", "max_tokens": 240, "ignore_eos": True, "temperature": 1.0, "seed": 1}
+        thread = threading.Thread(target=lambda: events.extend(
+            stream(port, "/v1/completions", body, on_event=lambda _: started.set())))
         thread.start()
-        while request(port, "GET", "/health")[1]["running"] == 0 and thread.is_alive():
-            time.sleep(0.05)
+        assert started.wait(TIMEOUT), "the stream never began"
         proc.send_signal(signal.SIGTERM)
         thread.join(TIMEOUT)
         assert proc.wait(TIMEOUT) == 0
-        assert events and events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
+        log = "".join(lines) + proc.stderr.read()
+        assert re.search(r"SIGTERM: not accepting new requests; draining 1 running", log), log
+        assert events and events[-1] == "[DONE]", events[-3:]
+        last = events[-2]
+        assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 240
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,611 @@
+"""The OpenAI-compatible HTTP API on the engine, in parts each testable without HTTP:
+
+  - request models (pydantic, FastAPI's own): `CompletionRequest`, `ChatCompletionRequest`;
+    a refusal is a `RequestError` naming the field (OpenAI's `error.param`);
+  - `parse_request`: a JSON body -> `Parsed` (prompt ids, the engine's checked values);
+  - `EngineRunner`: the engine on its own thread, handing each request's events to its queue;
+  - `RequestEvents`: one request's events, None once its client has gone;
+  - `Reply`: one response's JSON bodies and server-sent events;
+  - `complete` / `stream_events`: a whole response, or its event stream;
+  - `create_app`: the FastAPI routes over a `ServerState`.
+
+Numbers follow the library's one rule (`validation.check_int` / `check_real`), stop ids its one
+rule (`validation.resolve_stop_ids`), so the API, the CLI and `generate` refuse the same values.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotation at
+# run time, and that class is imported inside `create_app`.
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from spec_jax.app.common import log
+from spec_jax.decoding import validation
+
+MAX_STOP_STRINGS = 4
+DISCONNECT_POLL_S = 0.25
+
+
+# --------------------------------------------------------------------------- request checks
+class RequestError(Exception):
+    """A client mistake: HTTP status, message, and the field it is about (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _number(name: str, default: Any, minimum: float | None = None, maximum: float | None = None,
+            integer: bool = False) -> Any:
+    """A field checked by the library's one number rule (`validation.check_int` / `check_real`);
+    null means the default."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return default
+        if integer:
+            return validation.check_int(name, value, minimum, validation.INT32_MAX if maximum is None else maximum)
+        return validation.check_real(name, value, minimum, maximum)
+
+    return BeforeValidator(check)
+
+
+def _flag(name: str) -> Any:
+    def check(value: Any) -> bool:
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise ValueError(f"'{name}' must be true or false, got {json.dumps(value)}.")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _required(name: str, what: str) -> Any:
+    def check(value: Any) -> Any:
+        if value is None:
+            raise ValueError(f"'{name}' is required: {what}.")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _check_prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("'prompt' is empty.")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ValueError("'prompt' must be a non-empty string or list of token ids (one prompt per request).")
+
+
+def _check_messages(messages: Any) -> list[dict[str, str]]:
+    if (not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise ValueError("'messages' must be a non-empty list of objects whose 'role' and 'content' are strings.")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _check_stop(stop: Any) -> list[str]:
+    stop_strings = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop_strings, list) or not all(isinstance(s, str) and s for s in stop_strings) \
+            or len(stop_strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them.")
+    return stop_strings
+
+
+def _check_stop_token_ids(ids: Any) -> list[int]:
+    if ids is not None and (not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ValueError("'stop_token_ids' must be a list of token ids.")
+    return ids or []
+
+
+def _unsupported(name: str, allowed: tuple = (None,)) -> Any:
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise ValueError(f"'{name}' is not supported.")
+        return value
+
+    return BeforeValidator(check)
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions: OpenAI's fields, plus top_k, ignore_eos and stop_token_ids as vLLM
+    has them. Unknown fields are ignored, as OpenAI's server does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Any = None
+    prompt: Annotated[Any, _required("prompt", "a string or a list of token ids"), AfterValidator(_check_prompt)] \
+        = Field(None, validate_default=True)
+    max_tokens: Annotated[int, _number("max_tokens", 16, minimum=1, integer=True)] = 16
+    temperature: Annotated[float, _number("temperature", 1.0, 0.0, 2.0)] = 1.0
+    top_p: Annotated[float, _number("top_p", 1.0, 0.0, 1.0)] = 1.0
+    top_k: Annotated[int, _number("top_k", 0, minimum=-1, integer=True)] = 0  # vLLM's -1 = off
+    seed: Annotated[int, _number("seed", 0, 0, validation.SEED_MAX, integer=True)] = 0
+    n: Annotated[int, _number("n", 1, integer=True)] = 1
+    stream: Annotated[bool, _flag("stream")] = False
+    stream_options: Any = Field(None, validate_default=True)
+    stop: Annotated[Any, BeforeValidator(_check_stop)] = Field(None, validate_default=True)
+    stop_token_ids: Annotated[Any, BeforeValidator(_check_stop_token_ids)] = Field(None, validate_default=True)
+    ignore_eos: Annotated[bool, _flag("ignore_eos")] = False
+    logprobs: Annotated[Any, _unsupported("logprobs", (None, False))] = None
+    top_logprobs: Annotated[Any, _unsupported("top_logprobs")] = None
+    echo: Annotated[Any, _unsupported("echo", (None, False))] = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"'n' must be 1 (one choice per request), got {n}.")
+        return n
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_not_zero(cls, top_p: float) -> float:
+        if top_p == 0:
+            raise ValueError("'top_p' must be in (0, 1], got 0.")
+        return top_p
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _options(cls, options: Any) -> dict:
+        if not isinstance(options or {}, dict):
+            raise ValueError("'stream_options' must be an object.")
+        return options or {}
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+
+class ChatCompletionRequest(CompletionRequest):
+    """POST /v1/chat/completions: messages instead of a prompt; max_tokens defaults to what the
+    model length leaves, and max_completion_tokens (OpenAI's newer name) wins over it."""
+
+    prompt: Any = None
+    echo: Any = None
+    messages: Annotated[Any, _required("messages", "a list of {role, content} objects"),
+                        AfterValidator(_check_messages)] = Field(None, validate_default=True)
+    max_tokens: Annotated[int | None, _number("max_tokens", None, minimum=1, integer=True)] = None
+    max_completion_tokens: Annotated[int | None, _number("max_completion_tokens", None, minimum=1,
+                                                         integer=True)] = None
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+def field_error(error: ValidationError) -> RequestError:
+    """A pydantic error as the API's 400: the field from the error's location, the message from
+    the check that refused it."""
+    first = error.errors()[0]
+    param = str(first["loc"][0]) if first["loc"] else None
+    cause = (first.get("ctx") or {}).get("error")
+    return RequestError(str(cause) if cause is not None else f"'{param}': {first['msg']}.", param)
+
+
+@dataclasses.dataclass
+class Parsed:
+    """A checked request: prompt ids, the engine's values, and what the response needs."""
+
+    prompt_ids: list[int]
+    engine_kwargs: Any  # the engine's RequestParams
+    stream: bool
+    stop_strings: list[str]
+    chat: bool
+    include_usage: bool
+
+
+def validate_body(body: Any, server: "ServerState", chat: bool) -> CompletionRequest:
+    """The JSON body as a request model; RequestError naming the field (404 for a model this
+    server does not serve)."""
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.", None)
+    model = body.get("model")
+    if model is not None and model not in server.model_names:
+        raise RequestError(f"The model '{model}' does not exist; this server serves '{server.model_name}'.",
+                           "model", status=404, code="model_not_found")
+    try:
+        return (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        raise field_error(e) from None
+
+
+def prompt_ids_of(request: CompletionRequest, server: "ServerState", chat: bool) -> list[int]:
+    """The request's prompt as token ids (chat messages through the chat template), inside the vocabulary."""
+    if chat:
+        try:
+            from spec_jax.checkpoints import apply_chat_template
+
+            prompt_ids = apply_chat_template(server.tokenizer, request.messages, server.chat_template)
+        except Exception as e:  # a template that refuses these roles, or no template at all
+            raise RequestError(f"'messages' could not be formatted with the chat template: {e}", "messages") from None
+    else:
+        prompt = request.prompt
+        prompt_ids = list(server.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    vocab = server.engine.model.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise RequestError(f"'prompt' holds token ids outside the vocabulary [0, {vocab}).", "prompt")
+    if not prompt_ids:
+        raise RequestError("The prompt encodes to no tokens.", "messages" if chat else "prompt")
+    return prompt_ids
+
+
+def max_tokens_of(request: CompletionRequest, prompt_length: int, limit: int) -> tuple[int, str]:
+    """(new tokens asked for, the field that asked), within the model length `limit`."""
+    name = request.max_tokens_field()
+    room = limit - prompt_length
+    max_tokens = getattr(request, name)
+    max_tokens = room if max_tokens is None else max_tokens  # chat: what the model length leaves
+    if prompt_length + max_tokens > limit:
+        raise RequestError(
+            f"The prompt's {prompt_length} tokens + '{name}' {max_tokens} = {prompt_length + max_tokens} "
+            f"exceeds the model length {limit} (--max-model-len); shorten the prompt or lower '{name}'"
+            + (f" to {room} or less." if room >= 1 else "."),
+            name,
+        )
+    return max_tokens, name
+
+
+def parse_request(body: Any, server: "ServerState", chat: bool) -> Parsed:
+    """Check a /v1/completions or /v1/chat/completions body -> Parsed; RequestError naming the field."""
+    request = validate_body(body, server, chat)
+    engine = server.engine
+    prompt_ids = prompt_ids_of(request, server, chat)
+    max_tokens, max_name = max_tokens_of(request, len(prompt_ids), engine.max_model_len)
+    # The API's field for each engine parameter an engine check can name.
+    fields = {"max_new_tokens": max_name, "stop_ids": "stop_token_ids", "prompts": "messages" if chat else "prompt"}
+    try:
+        stop_ids = validation.resolve_stop_ids(engine.default_stop_ids, ignore_eos=request.ignore_eos,
+                                               extra_stop_ids=request.stop_token_ids)
+        params = engine.check_request(
+            prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
+            top_p=request.top_p, seed=request.seed, stop_ids=stop_ids)
+    except validation.ArgumentError as e:
+        field = fields.get(e.param, e.param)
+        raise RequestError(str(e) if field == e.param else f"'{field}': {e}", field) from None
+    return Parsed(prompt_ids, params, request.stream, request.stop, chat,
+                  bool(request.stream_options.get("include_usage", True)))
+
+
+# --------------------------------------------------------------------------- the engine thread
+class EngineRunner:
+    """Runs the engine on its own thread and routes each request's events to the asyncio queue
+    of the handler waiting for them."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.wake = threading.Event()
+        self.stopping = False
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="spec-jax-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, params) -> tuple[int, asyncio.Queue]:
+        if self.stopping:
+            raise RequestError("The server is shutting down.", None, status=503)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        with self.lock:  # registered before the engine thread can hand out its first event
+            rid = self.engine.submit(params.prompt_ids, params=params)
+            self.queues[rid] = (loop, queue)
+        self.wake.set()
+        return rid, queue
+
+    def cancel(self, rid: int) -> None:
+        with self.lock:
+            if rid in self.queues:
+                self.engine.cancel(rid)
+        self.wake.set()
+
+    def _dispatch(self, events) -> None:
+        with self.lock:
+            for event in events:
+                target = self.queues.get(event.request_id)
+                if event.finish_reason is not None:
+                    self.queues.pop(event.request_id, None)
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    def _run(self) -> None:
+        while not self.stopping or self.engine.has_work():
+            if not self.engine.has_work():
+                self.wake.wait(0.1)
+                self.wake.clear()
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as e:  # a failing step must not hang every client: fail them all
+                log(f"engine step failed: {type(e).__name__}: {e}")
+                self.error = f"{type(e).__name__}: {e}"
+                with self.lock:
+                    for loop, queue in self.queues.values():
+                        loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(self.error))
+                    self.queues.clear()
+                return
+            self._dispatch(events)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel whatever is left, hand out the cancellations, end the thread."""
+        self.stopping = True
+        with self.lock:
+            for rid in list(self.queues):
+                self.engine.cancel(rid)
+        self.wake.set()
+        self.thread.join(timeout)
+
+
+# --------------------------------------------------------------------------- the app
+class ServerState:
+    """What the handlers share: the engine, its runner, the tokenizer and the served names."""
+
+    def __init__(self, engine, tokenizer, chat_template, model_name, drafter_label):
+        self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
+        self.model_name, self.drafter_label = model_name, drafter_label
+        self.model_names = {model_name}
+        self.runner = EngineRunner(engine)
+        self.created = int(time.time())
+
+
+class TextOutput:
+    """A request's text so far: incremental detokenization, stop strings held back until they
+    can no longer begin one."""
+
+    def __init__(self, tokenizer, stop_strings):
+        from spec_jax.decoding.stream import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop_strings = stop_strings
+        self.hold = max((len(s) for s in stop_strings), default=1) - 1
+        self.text = ""  # produced so far (unsent part included)
+        self.sent = 0
+        self.token_ids: list[int] = []
+        self.stopped = False  # a stop string was found
+
+    def push(self, ids: list[int], final: bool) -> str:
+        """Text to send now for these new ids."""
+        self.token_ids += ids
+        self.text += self.detok.push(ids) + (self.detok.flush() if final else "")
+        for s in self.stop_strings:
+            at = self.text.find(s)
+            if at >= 0:
+                self.text, self.stopped, final = self.text[:at], True, True
+        upto = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        piece, self.sent = self.text[self.sent : upto], upto
+        return piece
+
+
+# --------------------------------------------------------------------------- responses
+@dataclasses.dataclass
+class Reply:
+    """One response: its id, and its bodies and events in OpenAI's shape. `output` holds the text
+    so far."""
+
+    parsed: Parsed
+    model_name: str
+    output: TextOutput
+    response_id: str
+    created: int
+
+    @classmethod
+    def new(cls, parsed: Parsed, state: ServerState) -> "Reply":
+        return cls(parsed, state.model_name, TextOutput(state.tokenizer, parsed.stop_strings),
+                   ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()))
+
+    def usage(self) -> dict[str, Any]:
+        prompt, completion = len(self.parsed.prompt_ids), len(self.output.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @staticmethod
+    def speculative(stats: Any) -> dict[str, Any]:
+        if stats is None:
+            return {"steps": 0, "drafted": 0, "accepted": 0, "tau": 0.0}
+        return {"steps": stats.steps, "drafted": stats.drafted, "accepted": stats.accepted,
+                "tau": round(stats.tau, 4)}
+
+    def finish_reason(self, event: Any) -> str | None:
+        """A stop string found by the server ends the request as "stop" whatever the engine says."""
+        return "stop" if self.output.stopped else event.finish_reason
+
+    def completion(self, reason: str | None, stats: Any) -> dict[str, Any]:
+        """The whole (non-streamed) response body."""
+        choice = {"index": 0, "finish_reason": reason, "logprobs": None, "token_ids": self.output.token_ids}
+        if self.parsed.chat:
+            choice["message"] = {"role": "assistant", "content": self.output.text}
+        else:
+            choice["text"] = self.output.text
+        return {"id": self.response_id, "object": "chat.completion" if self.parsed.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": [choice], "usage": self.usage(),
+                "speculative": self.speculative(stats)}
+
+    def event(self, choice: dict[str, Any], extra: dict | None = None) -> str:
+        """One server-sent event carrying `choice`."""
+        body = {"id": self.response_id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": [choice], **(extra or {})}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def role_event(self) -> str:
+        """A chat stream's first event: the assistant's role."""
+        return self.event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                           "logprobs": None})
+
+    def piece_event(self, piece: str | None, reason: str | None, extra: dict | None = None) -> str:
+        if self.parsed.chat:
+            delta = {} if piece is None else {"content": piece}
+            return self.event({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}, extra)
+        return self.event({"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}, extra)
+
+    def last_event(self, event: Any) -> str:
+        """The event that ends a stream: finish reason, speculative stats and (unless the
+        request's stream_options said not to) usage."""
+        extra = {"speculative": self.speculative(event.stats)}
+        if self.parsed.include_usage:
+            extra["usage"] = self.usage()
+        return self.piece_event(None if self.parsed.chat else "", self.finish_reason(event), extra)
+
+
+class RequestEvents:
+    """One request's events from the engine thread. `next()` is None once the client has gone
+    (the request is then cancelled); an engine failure is raised as RuntimeError."""
+
+    def __init__(self, runner: EngineRunner, rid: int, queue: asyncio.Queue,
+                 is_disconnected: Callable[[], Awaitable[bool]], poll_s: float = DISCONNECT_POLL_S):
+        self.runner, self.rid, self.queue = runner, rid, queue
+        self.is_disconnected, self.poll_s = is_disconnected, poll_s
+
+    async def next(self) -> Any:
+        while True:
+            try:
+                event = await asyncio.wait_for(self.queue.get(), self.poll_s)
+            except asyncio.TimeoutError:
+                if await self.is_disconnected():
+                    self.cancel()
+                    return None
+                continue
+            if isinstance(event, Exception):
+                raise event
+            return event
+
+    def cancel(self) -> None:
+        self.runner.cancel(self.rid)
+
+
+async def complete(reply: Reply, events: RequestEvents) -> tuple[int, dict[str, Any]]:
+    """The non-streamed response -> (HTTP status, body)."""
+    stats, reason = None, None
+    try:
+        while reason is None:
+            event = await events.next()
+            if event is None:
+                return 499, {}  # the client is gone
+            reply.output.push(event.new_ids, event.finish_reason is not None)
+            if reply.output.stopped and event.finish_reason is None:
+                events.cancel()  # a stop string: no need for more tokens
+            stats, reason = event.stats, reply.finish_reason(event) if event.finish_reason else None
+    except RuntimeError as e:
+        error = RequestError(f"generation failed: {e}", None, status=500)
+        return error.status, error.body()
+    return 200, reply.completion(reason, stats)
+
+
+async def stream_events(reply: Reply, events: RequestEvents) -> AsyncIterator[str]:
+    """The streamed response: server-sent events ending with `data: [DONE]`. A stream left
+    before its end (the client went away, or the server is stopping) cancels the request."""
+    finished = False
+    try:
+        if reply.parsed.chat:
+            yield reply.role_event()
+        while True:
+            try:
+                event = await events.next()
+            except RuntimeError as e:
+                yield f"data: {json.dumps(RequestError(f'generation failed: {e}', None, 500).body())}\n\n"
+                break
+            if event is None:
+                return  # the client is gone
+            done = event.finish_reason is not None
+            piece = reply.output.push(event.new_ids, done)
+            if reply.output.stopped and not done:
+                events.cancel()
+            if piece:
+                yield reply.piece_event(piece, None)
+            if done:
+                finished = True
+                yield reply.last_event(event)
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            events.cancel()
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"The request body is not valid JSON ({e}).", None) from None
+
+
+def health(state: ServerState) -> tuple[int, dict[str, Any]]:
+    """GET /health -> (status, body): 200 while serving, 503 once draining or failed."""
+    engine = state.engine
+    status = "error" if state.runner.error else ("draining" if state.runner.stopping else "ok")
+    body = {"status": status, "slots": engine.slots, "running": engine.num_live,
+            "waiting": len(engine.scheduler.waiting), "model": state.model_name, "drafter": state.drafter_label}
+    return (200 if status == "ok" else 503), body
+
+
+def models(state: ServerState) -> dict[str, Any]:
+    """GET /v1/models."""
+    return {"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "spec-jax",
+        "max_model_len": state.engine.max_model_len,
+    }]}
+
+
+def create_app(state: ServerState):
+    """The FastAPI app over a `ServerState` (its runner is started and stopped by the app's
+    lifespan)."""
+    import contextlib
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.runner.start()
+        yield
+        # uvicorn has drained the connections it could (--drain-timeout); cancel the rest.
+        await asyncio.get_running_loop().run_in_executor(None, state.runner.stop)
+
+    app = FastAPI(title="spec-jax", lifespan=lifespan)
+
+    async def handle(request: Request, chat: bool):
+        try:
+            parsed = parse_request(parse_json(await request.body()), state, chat)
+            rid, queue = state.runner.submit(parsed.engine_kwargs)
+        except RequestError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        reply, events = Reply.new(parsed, state), RequestEvents(state.runner, rid, queue, request.is_disconnected)
+        if parsed.stream:
+            return StreamingResponse(stream_events(reply, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        status, body = await complete(reply, events)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/health")
+    async def get_health():
+        status, body = health(state)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/v1/models")
+    async def get_models():
+        return models(state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
