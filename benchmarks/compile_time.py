@@ -26,24 +26,29 @@ import numpy as np
 from spec_jax.decoding import generate
 from spec_jax.decoding.loop import abstract_inputs, generate_jit, generate_loop
 from spec_jax.models.decoder import Decoder
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_weight_specs, init_dflash_params
+from spec_jax.drafters.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    dflash_layers,
+    dflash_weight_specs,
+    init_dflash_params,
+)
 from spec_jax.models.decoder import init_params
 from spec_jax.models.presets import preset_config
 
 QWEN3_8B = preset_config("qwen3-8b", "bfloat16")
 QWEN3_8B_DFLASH = DFlashConfig(
-    num_layers=5, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-    intermediate_size=12288, block_size=16, target_layer_ids=(1, 9, 17, 25, 33),
-    mask_token_id=151669, rms_norm_eps=1e-6, rope_theta=1_000_000.0, num_target_layers=36,
-    vocab_size=151936, dtype="bfloat16",
+    layer=dflash_layers(5, 4096, 32, 8, 128, 12288, vocab_size=151936, dtype="bfloat16"),
+    block_size=16, target_layer_ids=(1, 9, 17, 25, 33), mask_token_id=151669, num_target_layers=36,
 )
 TINY_36 = dataclasses.replace(
     QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
     head_dim=16, eos_token_ids=(1,), dtype="float32",
 )
 TINY_36_DFLASH = dataclasses.replace(
-    QWEN3_8B_DFLASH, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-    head_dim=16, mask_token_id=511, vocab_size=512, dtype="float32",
+    QWEN3_8B_DFLASH, mask_token_id=511,
+    layer=QWEN3_8B_DFLASH.layer.replace(hidden_size=64, intermediate_size=128, num_heads=4,
+                                        num_kv_heads=2, head_dim=16, vocab_size=512, dtype="float32"),
 )
 
 

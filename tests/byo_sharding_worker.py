@@ -19,6 +19,7 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import spec_jax  # noqa: E402
+from spec_jax.drafters.dflash import dflash_layers  # noqa: E402
 from spec_jax.sharding import make_mesh  # noqa: E402
 from test_bring_your_own_model import DOC, definitions, doc_block  # noqa: E402  (tests/ is on sys.path)
 
@@ -40,9 +41,8 @@ def sharded() -> dict[str, bool]:
     vocab, dim, heads = 64, 32, 2
     model, params = ns["TinyLMTarget"].wrap(ns["TinyLM"](vocab, dim, 2, heads, rngs=ns["nnx"].Rngs(0)), heads)
     dflash_cfg = spec_jax.DFlashConfig(
-        num_layers=1, hidden_size=dim, num_heads=heads, num_kv_heads=heads, head_dim=dim // heads,
-        intermediate_size=64, block_size=4, target_layer_ids=(0, 1), mask_token_id=vocab - 1,
-        num_target_layers=2, vocab_size=vocab,
+        layer=dflash_layers(1, dim, heads, heads, dim // heads, 64, vocab_size=vocab),
+        block_size=4, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_target_layers=2,
     )
     cases = {
         "ar": (None, None),

@@ -39,18 +39,13 @@ import numpy as np
 import pytest
 
 from spec_jax import clear_compiled
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
+from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
 from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import ModelConfig, init_params
 
-VOCAB = 101
-TINY_DFLASH = DFlashConfig(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                           intermediate_size=128, block_size=5, target_layer_ids=(0, 1), mask_token_id=100,
-                           num_target_layers=2, vocab_size=VOCAB)
-EOS = 2  # appears mid-way in some greedy outputs of the target below (e.g. rows 1, 2 of
-#         make_prompts([3, 16, 1], seed=0) at 12 and 21), never in most
+from tiny_configs import EOS, TINY_DFLASH, TINY_DRAFT, TINY_TARGET, VOCAB  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +85,8 @@ def bounded_memory_maps():
 
 @pytest.fixture(scope="session")
 def models() -> Models:
-    cfg = ModelConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        eos_token_ids=(EOS,),
-    )
+    cfg, draft_cfg = TINY_TARGET, TINY_DRAFT
     params = init_params(cfg, jax.random.key(0), scale=3.0)
-    draft_cfg = cfg.replace(num_layers=1, layer_windows=())
     draft_params = init_params(draft_cfg, jax.random.key(1), scale=3.0)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.key(2), len(leaves))

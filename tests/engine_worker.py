@@ -14,22 +14,20 @@ import numpy as np  # noqa: E402
 
 from spec_jax.decoding.engine import Engine  # noqa: E402
 from spec_jax.decoding.generate import generate  # noqa: E402
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params  # noqa: E402
+from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params  # noqa: E402
 from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params  # noqa: E402
 from spec_jax.drafters.lookup import LookupFirstDrafter  # noqa: E402
 from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params  # noqa: E402
 from spec_jax.drafters.ngram import NGramDrafter  # noqa: E402
-from spec_jax.models import ModelConfig, init_params  # noqa: E402
+from spec_jax.models import init_params  # noqa: E402
 from spec_jax.sharding import make_mesh  # noqa: E402
+from tiny_configs import TINY_DRAFT, TINY_TARGET, VOCAB, tiny_dflash  # noqa: E402
 
-VOCAB, K = 101, 3
-CFG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16, eos_token_ids=(2,))
-DFLASH = DFlashConfig(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                      intermediate_size=128, block_size=K + 1, target_layer_ids=(0, 1),
-                      mask_token_id=VOCAB - 1, num_target_layers=2, vocab_size=VOCAB)
-EAGLE3 = Eagle3Config(layer=CFG.replace(num_layers=1, layer_windows=()), draft_vocab_size=VOCAB - 20,
+K = 3
+CFG = TINY_TARGET
+DFLASH = tiny_dflash(block_size=K + 1)
+EAGLE3 = Eagle3Config(layer=TINY_DRAFT, draft_vocab_size=VOCAB - 20,
                       aux_layer_ids=(1, 2))
 MEDUSA = MedusaConfig.for_target(CFG, num_heads=K)
 rng = np.random.RandomState(0)
@@ -39,7 +37,7 @@ MAX_NEW = [14, 24, 20, 10, 17]
 
 
 def drafters(params):
-    draft_cfg = CFG.replace(num_layers=1, layer_windows=())
+    draft_cfg = TINY_DRAFT
     draft_params = init_params(draft_cfg, jax.random.key(1), scale=3.0)
     dflash_params = init_dflash_params(DFLASH, jax.random.key(3), scale=3.0)
     # The draft model and DFlash run behind prompt lookup: one engine each covers the model

@@ -84,17 +84,17 @@ def make_drafter(name: str, cfg: ModelConfig, baseline=None):
         sequences = [p + b for p, b in zip(PROMPTS, baseline)]
         return TableDrafter(vocab=cfg.vocab_size, k=K), table_params(cfg.vocab_size, sequences)
     if name == "draft_model":
-        draft_cfg = cfg.replace(num_layers=1, layer_windows=())
+        draft_cfg = cfg.replace(num_layers=1)
         return DraftModelDrafter(draft_cfg, k=K), init_params(draft_cfg, jax.random.key(7))
     if name in ("dflash", "dflash_vocab"):
         from spec_jax.drafters import dflash  # only asked for when the DFlash drafter exists
 
         reduced = name == "dflash_vocab"  # its own head over the last V - 28 target tokens
         dflash_cfg = dflash.DFlashConfig(
-            num_layers=1, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=128,
+            layer=dflash.dflash_layers(1, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                       128, vocab_size=cfg.vocab_size),
             block_size=K + 1, target_layer_ids=(0, 1), mask_token_id=cfg.vocab_size - 1,
-            num_target_layers=cfg.num_layers, vocab_size=cfg.vocab_size,
+            num_target_layers=cfg.num_layers,
             draft_vocab_size=cfg.vocab_size - 28 if reduced else None,
         )
         params = dflash.init_dflash_params(dflash_cfg, jax.random.key(7))
@@ -105,7 +105,7 @@ def make_drafter(name: str, cfg: ModelConfig, baseline=None):
         from spec_jax.drafters import eagle3
 
         eagle_cfg = eagle3.Eagle3Config(
-            layer=cfg.replace(num_layers=1, layer_windows=()), draft_vocab_size=cfg.vocab_size - 28,
+            layer=cfg.replace(num_layers=1), draft_vocab_size=cfg.vocab_size - 28,
             aux_layer_ids=(1, 2),
         )
         return eagle3.Eagle3Drafter(cfg=eagle_cfg, k=K), eagle3.init_eagle3_params(eagle_cfg, jax.random.key(7))

@@ -168,7 +168,8 @@ def test_builtin_decoder_passes_check_target(models, family):
 
     cfg, params = models.cfg, models.params
     if family == "qwen3-sliding":
-        cfg = cfg.replace(qk_norm=True, layer_windows=(4, cfg.layer_windows[1]), architecture="qwen3")
+        cfg = cfg.replace(qk_norm=True, layer_types=("sliding_attention", "full_attention"),
+                          sliding_window=4, architecture="qwen3")
         params = init_params(cfg, jax.random.key(4), scale=3.0)
     passed = check_target(Decoder(cfg), params, seq_len=8, capacity=16)
     assert "tree commit" in passed and "positions honoured" in passed

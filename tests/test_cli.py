@@ -304,11 +304,10 @@ def test_default_drafter_api_for_another_target_is_plain_decoding(tiny_dir):
 
 def test_dflash_drafter_and_mesh_match_ar(tiny_dir, tmp_path, capsys):
     from spec_jax.checkpoints.dflash import save_dflash
-    from spec_jax.drafters.dflash import DFlashConfig, init_dflash_params
+    from spec_jax.drafters.dflash import DFlashConfig, dflash_layers, init_dflash_params
 
-    dcfg = DFlashConfig(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                        intermediate_size=64, block_size=4, target_layer_ids=(1,), mask_token_id=60,
-                        num_target_layers=2, vocab_size=VOCAB)
+    dcfg = DFlashConfig(layer=dflash_layers(1, 32, 4, 2, 8, 64, vocab_size=VOCAB), block_size=4,
+                        target_layer_ids=(1,), mask_token_id=60, num_target_layers=2)
     dflash_dir = str(save_dflash(tmp_path / "dflash", dcfg, init_dflash_params(dcfg, jax.random.key(1))))
     ar = run_json(capsys, gen_args(tiny_dir, "--ignore-eos"))
     ids = [r["generated_ids"] for r in ar["results"]]
@@ -343,12 +342,11 @@ def test_bench_names_two_runs_drafter_dirs_apart():
 
 def test_info_shows_a_reduced_draft_vocabulary():
     from spec_jax.app.info import drafter_info
-    from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter
+    from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_layers
     from spec_jax.drafters.ngram import NGramDrafter
 
-    cfg = DFlashConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                       intermediate_size=64, block_size=4, target_layer_ids=(0,), mask_token_id=3,
-                       vocab_size=100, draft_vocab_size=40)
+    cfg = DFlashConfig(layer=dflash_layers(1, 32, 2, 1, 16, 64, vocab_size=100), block_size=4,
+                       target_layer_ids=(0,), mask_token_id=3, draft_vocab_size=40)
     info = drafter_info(DFlashDrafter(cfg))
     assert info["draft_vocab_size"] == 40 and info["params"] > 32 * 40  # its own head is counted
     assert "draft_vocab_size" not in drafter_info(NGramDrafter(k=3))

@@ -28,7 +28,7 @@ import pytest
 import spec_jax
 from spec_jax.decoding.loop import abstract_inputs, generate_jit
 from spec_jax.sampling import SamplingParams
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_weight_specs
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_layers, dflash_weight_specs
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import Decoder
@@ -210,10 +210,10 @@ TINY = ModelConfig(
     num_kv_heads=2, head_dim=8, qk_norm=True, eos_token_ids=(1,),
 )
 TINY_DFLASH = DFlashConfig(
-    num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-    block_size=4, target_layer_ids=(0, 1), mask_token_id=127, vocab_size=128,
+    layer=dflash_layers(2, 32, 4, 2, 8, 64, vocab_size=128),
+    block_size=4, target_layer_ids=(0, 1), mask_token_id=127,
 )
-TINY_DRAFT = TINY.replace(num_layers=1, layer_windows=())
+TINY_DRAFT = TINY.replace(num_layers=1)
 
 
 def lowered_texts(dtype: str) -> dict[str, str]:

@@ -12,6 +12,8 @@ from safetensors.numpy import load_file, save_file
 from spec_jax.checkpoints.dflash import (
     canonical_weight_name,
     check_compatible,
+    dflash_config_from_hf,
+    dflash_config_to_hf,
     load_dflash,
     save_dflash,
 )
@@ -20,6 +22,7 @@ from spec_jax.drafters.dflash import (
     DFlashConfig,
     DFlashDrafter,
     default_target_layer_ids,
+    dflash_layers,
     init_dflash_params,
 )
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig
@@ -30,13 +33,16 @@ TARGET = ModelConfig(
 )
 
 
+LAYER_FIELDS = ("hidden_size", "head_dim", "layer_types", "sliding_window", "final_logit_softcapping")
+
+
 def small_cfg(**changes) -> DFlashConfig:
-    base = dict(
-        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=96, block_size=8, target_layer_ids=(1, 3), mask_token_id=127,
-        num_target_layers=6, vocab_size=128,
-    )
-    return DFlashConfig(**{**base, **changes})
+    layer = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                 intermediate_size=96, vocab_size=128)
+    layer.update({k: v for k, v in changes.items() if k in LAYER_FIELDS})
+    base = dict(block_size=8, target_layer_ids=(1, 3), mask_token_id=127, num_target_layers=6)
+    base.update({k: v for k, v in changes.items() if k not in LAYER_FIELDS})
+    return DFlashConfig(layer=dflash_layers(**layer), **base)
 
 
 @pytest.fixture
@@ -50,9 +56,9 @@ def saved(tmp_path):
 def test_default_target_layer_ids():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # z-lab Qwen3-8B-DFlash-b16
     assert default_target_layer_ids(28, 1) == (14,)
-    hf = small_cfg().to_hf_config()
+    hf = dflash_config_to_hf(small_cfg())
     del hf["dflash_config"]["target_layer_ids"]
-    assert DFlashConfig.from_hf_config(hf).target_layer_ids == default_target_layer_ids(6, 2)
+    assert dflash_config_from_hf(hf).target_layer_ids == default_target_layer_ids(6, 2)
 
 
 def test_config_round_trip_and_layer_semantics():
@@ -60,8 +66,8 @@ def test_config_round_trip_and_layer_semantics():
         layer_types=("sliding_attention", "full_attention"), sliding_window=4,
         input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=30.0,
     )
-    assert DFlashConfig.from_hf_config(json.loads(json.dumps(cfg.to_hf_config()))) == cfg
-    assert cfg.layer_windows == (4, GLOBAL_WINDOW)
+    assert dflash_config_from_hf(json.loads(json.dumps(dflash_config_to_hf(cfg)))) == cfg
+    assert cfg.layer.layer_windows == (4, GLOBAL_WINDOW)
     assert cfg.layer_causal == (True, False)
     assert small_cfg(is_causal=False, layer_types=("sliding_attention",) * 2).layer_causal == (False, False)
     assert hash(DFlashDrafter(cfg)) == hash(DFlashDrafter(cfg))

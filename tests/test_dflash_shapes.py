@@ -8,23 +8,18 @@ import jax
 
 from spec_jax.decoding.loop import abstract_inputs, generate_loop
 from spec_jax.sampling import SamplingParams
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, check_compatible, dflash_weight_specs
+from spec_jax.drafters.dflash import DFlashDrafter, check_compatible, dflash_weight_specs
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.weights import count_params
+# z-lab/Qwen3-8B-DFlash-b16 as stated in the task (5 Qwen3-8B-shaped layers; the layer ids are
+# also what the default rule gives for 36 target layers and 5 draft layers).
+from tiny_configs import QWEN3_8B_DFLASH
 
 # Qwen/Qwen3-8B config.json values.
 QWEN3_8B = ModelConfig(
     vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
     num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True,
     tie_embeddings=False, architecture="qwen3", max_position_embeddings=40960,
-)
-# z-lab/Qwen3-8B-DFlash-b16 as stated in the task (5 Qwen3-8B-shaped layers; the layer ids are
-# also what the default rule gives for 36 target layers and 5 draft layers).
-QWEN3_8B_DFLASH = DFlashConfig(
-    num_layers=5, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-    intermediate_size=12288, block_size=16, target_layer_ids=(1, 9, 17, 25, 33),
-    mask_token_id=151669, rms_norm_eps=1e-6, rope_theta=1_000_000.0, num_target_layers=36,
-    vocab_size=151936,
 )
 
 

@@ -178,7 +178,7 @@ def test_incompatible_checkpoints_are_clear_errors(targets, tmp_path_factory, tm
     with pytest.raises(ValueError, match="64-wide target hidden states, the target's are 32"):
         drafter.validate(target.model.cfg.replace(hidden_size=32), 128)
     with pytest.raises(ValueError, match="aux layer ids \\[5\\] are outside 1..4"):
-        drafter.validate(target.model.cfg.replace(num_layers=4, layer_windows=()), 128)
+        drafter.validate(target.model.cfg.replace(num_layers=4), 128)
     # A config.json whose draft vocabulary disagrees with the weights.
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)

@@ -251,9 +251,9 @@ def _drafter(kind, cfg: ModelConfig, target_params):
             lambda x: x + 0.1 * jnp.std(x) * jax.random.normal(key, x.shape, x.dtype), target_params)
         return DraftModelDrafter(cfg, k=3), noisy
     if kind == "dflash":
-        dcfg = DFlashConfig(num_layers=1, hidden_size=cfg.hidden_size, num_heads=4, num_kv_heads=2, head_dim=16,
-                            intermediate_size=96, block_size=4, target_layer_ids=(0, 1), mask_token_id=VOCAB - 1,
-                            num_target_layers=cfg.num_layers, vocab_size=VOCAB)
+        dcfg = DFlashConfig(layer=dflash_layers(1, cfg.hidden_size, 4, 2, 16, 96, vocab_size=VOCAB),
+                            block_size=4, target_layer_ids=(0, 1), mask_token_id=VOCAB - 1,
+                            num_target_layers=cfg.num_layers)
         return DFlashDrafter(dcfg), init_dflash_params(dcfg, key, scale=3.0)
     if kind == "medusa":
         mcfg = MedusaConfig.for_target(cfg, num_heads=3)

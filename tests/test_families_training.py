@@ -13,14 +13,13 @@ import pytest
 from spec_jax.app.main import main
 from spec_jax.checkpoints import save_hf_dir
 from spec_jax.models import ModelConfig, init_params
-from spec_jax.models.config import GLOBAL_WINDOW
 from spec_jax.training.data import TokenDataset
 
 SEQ_LEN = 32
 GEMMA3 = ModelConfig(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2,
     head_dim=16, rms_norm_eps=1e-6, rope_theta=100_000.0, tie_embeddings=True, qk_norm=True,
-    layer_windows=(6, GLOBAL_WINDOW, 6, GLOBAL_WINDOW), architecture="gemma3", bos_token_id=None,
+    layer_types=("sliding_attention", "full_attention") * 2, sliding_window=6, architecture="gemma3", bos_token_id=None,
     eos_token_ids=(), norm_offset=1.0, sandwich_norms=True, mlp_activation="gelu_tanh",
     scale_embeddings=True, query_pre_attn_scalar=24.0, sliding_rope_theta=1000.0,
 )

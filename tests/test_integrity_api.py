@@ -98,7 +98,7 @@ def test_drafter_params_are_checked_against_its_weight_specs(models):
     refused(models, r"DFlashDrafter params do not fit the drafter: weight \['layers'\]\[0\]\['w_down'\] "
                     r"expected shape \(128, 64\), found \(96, 64\); pass the params made for this drafter",
             [[1, 2, 3]], dflash, wide, max_new_tokens=4)
-    two_layers = DraftModelDrafter(models.draft_cfg.replace(num_layers=2, layer_windows=()), k=2)
+    two_layers = DraftModelDrafter(models.draft_cfg.replace(num_layers=2), k=2)
     refused(models, r"DraftModelDrafter params lack the weight \['layers'\]\[1\]\['attn_norm'\]",
             [[1, 2, 3]], two_layers, abstract_model(models.draft_cfg), max_new_tokens=4)
     for params, match in [(None, r"DFlashDrafter needs its params, got drafter_params=None"),

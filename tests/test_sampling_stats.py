@@ -22,7 +22,7 @@ from scipy import stats as scipy_stats
 from spec_jax.decoding import generate
 from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.decoding.acceptance import accept
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_layers, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.lookup import LookupFirstDrafter
@@ -176,11 +176,10 @@ E2E_CFG = ModelConfig(
     vocab_size=V_E2E, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
     num_kv_heads=1, head_dim=16,
 )
-E2E_DRAFT_CFG = E2E_CFG.replace(num_layers=1, layer_windows=())
+E2E_DRAFT_CFG = E2E_CFG.replace(num_layers=1)
 E2E_DFLASH_CFG = DFlashConfig(
-    num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+    layer=dflash_layers(1, 32, 2, 1, 16, 64, vocab_size=V_E2E),
     block_size=K_E2E + 1, target_layer_ids=(0, 1), mask_token_id=7, num_target_layers=2,
-    vocab_size=V_E2E,
 )
 # EAGLE-3 with a reduced draft vocabulary (6 of 8 tokens): drafts never propose 3 or 6, and
 # their distributions are mapped back onto the target vocabulary.

@@ -148,7 +148,7 @@ def test_kv_cache_shardings():
 def test_drafter_weight_specs():
     assert drafter_weight_specs(None) is None
     assert drafter_weight_specs(NGramDrafter(k=2)) is None
-    draft_cfg = DIVISIBLE.replace(num_layers=1, layer_windows=())
+    draft_cfg = DIVISIBLE.replace(num_layers=1)
     specs = drafter_weight_specs(DraftModelDrafter(draft_cfg, k=2))
     assert specs == model_weight_specs(draft_cfg)
 

@@ -12,7 +12,7 @@ import pytest
 
 from spec_jax.checkpoints.dflash import load_dflash
 from spec_jax.decoding import generate
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_layers, init_dflash_params
 from spec_jax.drafters.draft_vocab import head_rows
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.models import Decoder, ModelConfig, Target, init_params
@@ -29,11 +29,11 @@ TARGET = ModelConfig(
     num_kv_heads=2, head_dim=16, architecture="qwen3", qk_norm=True, eos_token_ids=(),
 )
 DFLASH = DFlashConfig(
-    num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-    block_size=4, target_layer_ids=(1, 2), mask_token_id=100, num_target_layers=4, vocab_size=101,
+    layer=dflash_layers(1, 64, 4, 2, 16, 128, vocab_size=101),
+    block_size=4, target_layer_ids=(1, 2), mask_token_id=100, num_target_layers=4,
 )
 # An EAGLE-3 head over the same features (aux ids 2, 3 = captures 1, 2) and all 101 tokens.
-EAGLE3 = Eagle3Config(layer=TARGET.replace(num_layers=1, layer_windows=(), eos_token_ids=()),
+EAGLE3 = Eagle3Config(layer=TARGET.replace(num_layers=1),
                       draft_vocab_size=101, aux_layer_ids=(2, 3), own_embedding=False)
 STUDENT = ModelConfig(
     vocab_size=101, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -119,7 +119,7 @@ def test_grown_drafter_starts_as_the_saved_one(setup, kind):
         shallow, deep_loss = init_dflash_params(DFLASH, jax.random.key(1)), DFlashLoss(deep_cfg, TARGET, num_anchors=4)
         shallow_loss, fresh = DFlashLoss(DFLASH, TARGET, num_anchors=4), init_dflash_params(deep_cfg, jax.random.key(2))
     else:
-        deep_cfg = STUDENT.replace(num_layers=3, layer_windows=())
+        deep_cfg = STUDENT.replace(num_layers=3)
         shallow, deep_loss = init_params(STUDENT, jax.random.key(1)), DraftModelLoss(deep_cfg, TARGET)
         shallow_loss, fresh = DraftModelLoss(STUDENT, TARGET), init_params(deep_cfg, jax.random.key(2))
     grown = identity_layers_appended(jax.device_get(shallow), fresh["layers"][1:])

@@ -41,15 +41,24 @@ from spec_jax.checkpoints.hf import (
     write_checkpoint_dir,
 )
 from spec_jax.drafters.dflash import (
-    SLIDING_ATTENTION,
     DFlashConfig,
     DFlashDrafter,
     check_compatible,
+    default_target_layer_ids,
+    dflash_layers,
     dflash_weight_specs,
+)
+from spec_jax.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    rope_from_hf,
+    rope_scaling_to_hf,
 )
 from spec_jax.models.weights import check_params_match_specs
 
-__all__ = ["check_compatible", "load_dflash", "save_dflash", "canonical_weight_name"]
+__all__ = ["check_compatible", "load_dflash", "save_dflash", "canonical_weight_name",
+           "dflash_config_from_hf", "dflash_config_to_hf"]
 
 LAYER_PREFIX = "layers.{i}."
 
@@ -121,6 +130,133 @@ def _from_speculators_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
+def dflash_config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> DFlashConfig:
+    """Parse a z-lab DFlash config.json (Qwen3 fields + block_size, num_target_layers,
+    dflash_config.{mask_token_id, target_layer_ids}); DFlash values are looked up in
+    `dflash_config` first, then at the top level, as the reference does."""
+    extra = hf.get("dflash_config") or {}
+
+    def draft_value(name: str, default: Any = None) -> Any:
+        value = extra.get(name, hf.get(name, default))
+        return default if value is None else value
+
+    def optional_float(name: str) -> float | None:
+        value = draft_value(name)
+        return None if value is None else float(value)
+
+    num_layers = int(hf["num_hidden_layers"])
+    num_target_layers = hf.get("num_target_layers")
+    ids = draft_value("target_layer_ids")
+    if ids is None:
+        if num_target_layers is None:
+            raise ValueError(
+                "DFlash config has neither dflash_config.target_layer_ids nor num_target_layers; "
+                "add target_layer_ids (the target layers whose hidden states the drafter reads)."
+            )
+        ids = default_target_layer_ids(int(num_target_layers), num_layers)
+    mask_token_id = draft_value("mask_token_id")
+    if mask_token_id is None:
+        raise ValueError(
+            "DFlash config lacks dflash_config.mask_token_id (the token that fills the block); "
+            "add it to config.json."
+        )
+    is_causal = draft_value("is_causal")
+    return DFlashConfig(
+        layer=_dflash_layers_from_hf(hf, num_layers, optional_float("final_logit_softcapping"), dtype),
+        block_size=int(draft_value("block_size", 16)),
+        target_layer_ids=tuple(int(i) for i in ids),
+        mask_token_id=int(mask_token_id),
+        is_causal=None if is_causal is None else bool(is_causal),
+        input_embedding_scale=optional_float("input_embedding_scale"),
+        output_multiplier=optional_float("output_multiplier"),
+        num_target_layers=None if num_target_layers is None else int(num_target_layers),
+        draft_vocab_size=None if hf.get("draft_vocab_size") is None else int(hf["draft_vocab_size"]),
+    )
+
+
+def _dflash_layers_from_hf(
+    hf: Mapping[str, Any], num_layers: int, softcap: float | None, dtype: str
+) -> ModelConfig:
+    """The draft layers' config; layer types follow the reference's rules: a sliding layer
+    without a window is causal but unlimited."""
+    layer_types = tuple(hf.get("layer_types") or ())
+    # Qwen3Config keeps sliding_window only when use_sliding_window is set.
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if not layer_types and window and hf.get("use_sliding_window"):
+        first_sliding = hf.get("max_window_layers", num_layers)
+        layer_types = tuple(
+            SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)
+        )
+    if SLIDING_ATTENTION not in layer_types and len(layer_types) == num_layers:
+        layer_types = ()  # every layer full: the default
+    num_heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    rope_theta, rope_scaling = rope_from_hf(hf)
+    return dflash_layers(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        intermediate_size=int(hf["intermediate_size"]),
+        vocab_size=int(hf.get("vocab_size") or 0),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        layer_types=layer_types,
+        sliding_window=int(window) if window else None,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+        final_logit_softcapping=softcap,
+        dtype=dtype,
+    )
+
+
+def dflash_config_to_hf(cfg: DFlashConfig) -> dict[str, Any]:
+    """z-lab format config.json that the reference `dflash.DFlashDraftModel` loads."""
+    layer = cfg.layer
+    dflash_config: dict[str, Any] = {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+    }
+    for name, value in (("input_embedding_scale", cfg.input_embedding_scale),
+                        ("output_multiplier", cfg.output_multiplier),
+                        ("final_logit_softcapping", layer.final_logit_softcapping)):
+        if value is not None:
+            dflash_config[name] = value
+    hf: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "num_hidden_layers": layer.num_layers,
+        "hidden_size": layer.hidden_size,
+        "num_attention_heads": layer.num_heads,
+        "num_key_value_heads": layer.num_kv_heads,
+        "head_dim": layer.head_dim,
+        "intermediate_size": layer.intermediate_size,
+        "rms_norm_eps": layer.rms_norm_eps,
+        "rope_theta": layer.rope_theta,
+        "max_position_embeddings": layer.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "layer_types": list(cfg.layer_types),
+        "use_sliding_window": SLIDING_ATTENTION in cfg.layer_types and layer.sliding_window is not None,
+        "sliding_window": layer.sliding_window,
+        "max_window_layers": layer.num_layers,
+        "block_size": cfg.block_size,
+        "dflash_config": dflash_config,
+        "torch_dtype": layer.dtype,
+    }
+    if layer.rope_scaling is not None:
+        hf["rope_scaling"] = rope_scaling_to_hf(layer.rope_scaling)
+    if cfg.num_target_layers is not None:
+        hf["num_target_layers"] = cfg.num_target_layers
+    if cfg.vocab_size is not None:
+        hf["vocab_size"] = cfg.vocab_size
+    if cfg.is_causal is not None:
+        hf["is_causal"] = cfg.is_causal
+    return hf
+
+
 def read_dflash_config(directory: Path, dtype: str = "float32") -> DFlashConfig:
     config_file = directory / "config.json"
     if not config_file.exists():
@@ -141,7 +277,7 @@ def read_dflash_config(directory: Path, dtype: str = "float32") -> DFlashConfig:
     if kind == "dflash":
         hf = _from_speculators_config(hf, str(config_file))
     try:
-        return DFlashConfig.from_hf_config(hf, dtype=dtype)
+        return dflash_config_from_hf(hf, dtype=dtype)
     except KeyError as e:
         raise CheckpointError(
             f"{config_file} lacks the field {e}; it is not a complete DFlash drafter config."
@@ -206,11 +342,11 @@ def dflash_params_to_hf(cfg: DFlashConfig, params: Mapping[str, Any]) -> dict[st
 
 def speculators_config(cfg: DFlashConfig, verifier: str | None = None) -> dict[str, Any]:
     """The speculators (vLLM) config.json of a DFlash drafter (full or reduced draft vocabulary)."""
-    zlab = cfg.to_hf_config()
+    zlab = dflash_config_to_hf(cfg)
     layer = {k: v for k, v in zlab.items()
              if k not in ("architectures", "block_size", "dflash_config", "is_causal")}
     if SLIDING_ATTENTION in cfg.layer_types or cfg.is_causal or cfg.input_embedding_scale is not None \
-            or cfg.output_multiplier is not None or cfg.final_logit_softcapping is not None:
+            or cfg.output_multiplier is not None or cfg.layer.final_logit_softcapping is not None:
         raise ValueError(
             "this DFlash drafter uses z-lab options the speculators format cannot express (sliding "
             "layers, is_causal, input_embedding_scale, output_multiplier or final_logit_softcapping); "
@@ -262,6 +398,6 @@ def save_dflash(
         )
     path = Path(path).expanduser().absolute()
     refuse_to_clobber(path, overwrite)
-    config = cfg.to_hf_config() if layout == "z-lab" else speculators_config(cfg)
+    config = dflash_config_to_hf(cfg) if layout == "z-lab" else speculators_config(cfg)
     tensors = dflash_params_to_hf(cfg, params)  # checks params against cfg before writing
     return write_checkpoint_dir(path, config, tensors)

@@ -23,7 +23,7 @@ import numpy as np
 
 from spec_jax.checkpoints.errors import CheckpointError, CheckpointNotFoundError
 from spec_jax.checkpoints.hf import check_hf_tensors, expected_hf_shapes, params_from_hf
-from spec_jax.models.config import GLOBAL_WINDOW, LinearRopeScaling, ModelConfig
+from spec_jax.models.config import FULL_ATTENTION, SLIDING_ATTENTION, LinearRopeScaling, ModelConfig
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -188,7 +188,8 @@ def _gemma3_fields(meta, num_layers, hidden, num_heads, head_dim, rope_scaling) 
     return dict(
         architecture="gemma3", qk_norm=True, norm_offset=1.0, sandwich_norms=True,
         mlp_activation="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=float(scalar),
-        layer_windows=tuple(window if s else GLOBAL_WINDOW for s in sliding),
+        layer_types=tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding),
+        sliding_window=window,
         sliding_rope_theta=_short_float(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
         rope_scaling=rope_scaling,
     )

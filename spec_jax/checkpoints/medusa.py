@@ -3,7 +3,7 @@
     drafter, params = load_medusa("runs/medusa/drafter")      # host numpy params
     save_medusa("out_dir", drafter.cfg, params)               # atomic (hf.write_checkpoint_dir)
 
-config.json (`MedusaConfig.to_hf_config`): architectures ["SpecJaxMedusaHeads"], `medusa_num_heads`,
+config.json (`medusa_config_to_hf`): architectures ["SpecJaxMedusaHeads"], `medusa_num_heads`,
 `medusa_num_layers` (residual blocks per head, the original Medusa configs' names), `hidden_size`,
 `num_target_layers`, `vocab_size`, `rms_norm_eps`. Weights, HF layout ([out, in] matrices), named
 as in the original Medusa heads plus each head's norm:
@@ -31,10 +31,41 @@ from spec_jax.checkpoints.hf import (
     to_hf,
     write_checkpoint_dir,
 )
-from spec_jax.drafters.medusa import ARCHITECTURE, MedusaConfig, MedusaDrafter, medusa_weight_specs
+from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, medusa_weight_specs
 from spec_jax.models.weights import check_params_match_specs
 
-__all__ = ["load_medusa", "save_medusa", "read_medusa_config", "is_medusa_checkpoint"]
+__all__ = ["load_medusa", "save_medusa", "read_medusa_config", "is_medusa_checkpoint",
+           "medusa_config_from_hf", "medusa_config_to_hf"]
+
+ARCHITECTURE = "SpecJaxMedusaHeads"
+
+
+def medusa_config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> MedusaConfig:
+    """From a spec_jax Medusa config.json (`medusa_config_to_hf`); the head counts use the names
+    of the original Medusa configs (medusa_num_heads, medusa_num_layers)."""
+    return MedusaConfig(
+        num_heads=int(hf["medusa_num_heads"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_target_layers=int(hf["num_target_layers"]),
+        num_res_blocks=int(hf.get("medusa_num_layers", 1)),
+        vocab_size=None if hf.get("vocab_size") is None else int(hf["vocab_size"]),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        dtype=dtype,
+    )
+
+
+def medusa_config_to_hf(cfg: MedusaConfig) -> dict[str, Any]:
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "medusa",
+        "medusa_num_heads": cfg.num_heads,
+        "medusa_num_layers": cfg.num_res_blocks,
+        "hidden_size": cfg.hidden_size,
+        "num_target_layers": cfg.num_target_layers,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "torch_dtype": cfg.dtype,
+    }
 
 
 def _names(cfg: MedusaConfig):
@@ -75,7 +106,7 @@ def read_medusa_config(directory: str | os.PathLike, dtype: str = "float32") -> 
             "medusa_num_heads); pass a dir written by `spec-jax train medusa`."
         )
     try:
-        return MedusaConfig.from_hf_config(hf, dtype=dtype)
+        return medusa_config_from_hf(hf, dtype=dtype)
     except KeyError as e:
         raise CheckpointError(f"{config_file} lacks the field {e}; not a complete Medusa config.") from e
     except (TypeError, ValueError) as e:
@@ -118,4 +149,4 @@ def save_medusa(
         head = params["heads"][i]
         value = np.asarray(head[key] if j is None else head["blocks"][j][key], np.float32)
         tensors[name] = np.ascontiguousarray(to_hf(value, in_axes))
-    return write_checkpoint_dir(path, cfg.to_hf_config(), tensors)
+    return write_checkpoint_dir(path, medusa_config_to_hf(cfg), tensors)

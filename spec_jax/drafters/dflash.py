@@ -18,7 +18,7 @@ back by the per-row context length alone. Context features enter attention as ke
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from spec_jax.drafters.tree import check_tree_setting, tree_from_logprobs
 from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
-from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig, RopeScaling, kv_bytes_per_token
+from spec_jax.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from spec_jax.models.decoder import (
     KVCache,
     attend,
@@ -46,10 +46,6 @@ from spec_jax.models.weights import WeightSpec, init_from_specs, per_layer_specs
 
 Params = Any
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-
-
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """Target layers to read when a config names none: the middle layer for a one-layer drafter,
     else L ids spread evenly over 1 .. N-3."""
@@ -61,41 +57,44 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     )
 
 
+def dflash_layers(
+    num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    intermediate_size: int, **fields: Any,
+) -> ModelConfig:
+    """The `ModelConfig` of DFlash draft layers: Qwen3 layers (q/k norms) with the z-lab
+    config's defaults; `fields` override any of them (vocab_size: the target's, 0 = unknown)."""
+    defaults = dict(vocab_size=0, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                    max_position_embeddings=40960, architecture="qwen3", qk_norm=True)
+    return ModelConfig(
+        num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, intermediate_size=intermediate_size, **{**defaults, **fields},
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
-    """Static hyperparameters of a DFlash drafter (hashable; maps to and from z-lab config.json).
+    """Static hyperparameters of a DFlash drafter (hashable; `spec_jax.checkpoints.dflash` maps
+    it to and from z-lab and speculators config.json).
 
-    layer_types: per draft layer "full_attention" or "sliding_attention". A full layer attends
-    to all context and non-causally within the block; a sliding layer is causal and limited to
-    `sliding_window` tokens (no window when sliding_window is None). `is_causal`, when set,
-    overrides the causality of every layer. draft_vocab_size: None drafts through the target's
-    own LM head (z-lab); a size < the target's vocabulary gives the drafter its own head over that
-    many tokens plus a d2t map (speculators' reduced draft vocabulary).
+    layer: the draft layers, a `ModelConfig` of the one decoder (`dflash_layers` builds one). Its
+    vocab_size is the target's (0: unknown), its final_logit_softcapping caps the draft logits;
+    per layer `layer_types` says "full_attention" (all context, non-causal within the block) or
+    "sliding_attention" (causal, limited to `sliding_window` tokens; no window when it is None).
+    is_causal: when set, overrides the causality of every layer.
+    draft_vocab_size: None drafts through the target's own LM head (z-lab); a size < the target's
+    vocabulary gives the drafter its own head over that many tokens plus a d2t map (speculators'
+    reduced draft vocabulary).
     """
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
+    layer: ModelConfig
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_scaling: RopeScaling | None = None
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = None
     is_causal: bool | None = None
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
-    final_logit_softcapping: float | None = None
     num_target_layers: int | None = None
-    vocab_size: int | None = None
-    max_position_embeddings: int = 40960
     draft_vocab_size: int | None = None
-    dtype: str = "float32"
 
     def __post_init__(self):
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= (self.vocab_size or 0):
@@ -104,171 +103,42 @@ class DFlashConfig:
                 f"and must be in 1..vocab_size (vocab_size={self.vocab_size})."
             )
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_layers)
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError(
-                f"DFlash config has {len(self.layer_types)} layer_types for {self.num_layers} draft "
-                "layers; give one type per layer."
-            )
-        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
-        if unknown:
-            raise ValueError(
-                f"DFlash layer_types {unknown} are not supported; use '{FULL_ATTENTION}' or "
-                f"'{SLIDING_ATTENTION}'."
-            )
         if self.block_size < 2:
             raise ValueError(f"DFlash block_size must be >= 2 (one anchor + drafts), got {self.block_size}.")
         if not self.target_layer_ids:
             raise ValueError("DFlash target_layer_ids is empty; name at least one target layer.")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}."
-            )
 
     @property
-    def layer_windows(self) -> tuple[int, ...]:
-        """Per-layer attention window in tokens (GLOBAL_WINDOW = unlimited)."""
-        return tuple(
-            self.sliding_window if t == SLIDING_ATTENTION and self.sliding_window else GLOBAL_WINDOW
-            for t in self.layer_types
-        )
+    def num_layers(self) -> int:
+        return self.layer.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def dtype(self) -> str:
+        return self.layer.dtype
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The target vocabulary the drafter was made for, or None when its config does not say."""
+        return self.layer.vocab_size or None
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Context-cache bytes per committed token."""
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return self.layer.kv_bytes_per_token
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return self.layer.layer_types or (FULL_ATTENTION,) * self.num_layers
 
     @property
     def layer_causal(self) -> tuple[bool, ...]:
         if self.is_causal is not None:
             return (bool(self.is_causal),) * self.num_layers
         return tuple(t == SLIDING_ATTENTION for t in self.layer_types)
-
-    # ---------------------------------------------------------------- HF mapping
-    @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], dtype: str = "float32") -> "DFlashConfig":
-        """Parse a z-lab DFlash config.json (Qwen3 fields + block_size, num_target_layers,
-        dflash_config.{mask_token_id, target_layer_ids}); DFlash values are looked up in
-        `dflash_config` first, then at the top level, as the reference does."""
-        extra = hf.get("dflash_config") or {}
-
-        def draft_value(name: str, default: Any = None) -> Any:
-            value = extra.get(name, hf.get(name, default))
-            return default if value is None else value
-
-        num_layers = int(hf["num_hidden_layers"])
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        num_target_layers = hf.get("num_target_layers")
-        ids = draft_value("target_layer_ids")
-        if ids is None:
-            if num_target_layers is None:
-                raise ValueError(
-                    "DFlash config has neither dflash_config.target_layer_ids nor num_target_layers; "
-                    "add target_layer_ids (the target layers whose hidden states the drafter reads)."
-                )
-            ids = default_target_layer_ids(int(num_target_layers), num_layers)
-        mask_token_id = draft_value("mask_token_id")
-        if mask_token_id is None:
-            raise ValueError(
-                "DFlash config lacks dflash_config.mask_token_id (the token that fills the block); "
-                "add it to config.json."
-            )
-        # Rope parsing is the decoder's; layer types are parsed below with the reference's rules.
-        rope_only = {
-            **hf,
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "vocab_size": hf.get("vocab_size") or 1,
-            "layer_types": None,
-            "use_sliding_window": False,
-        }
-        rope_cfg = ModelConfig.from_hf_config(rope_only)
-        layer_types = hf.get("layer_types") or ()
-        # Qwen3Config keeps sliding_window only when use_sliding_window is set.
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        if not layer_types and window and hf.get("use_sliding_window"):
-            first_sliding = hf.get("max_window_layers", num_layers)
-            layer_types = [
-                SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)
-            ]
-        is_causal = draft_value("is_causal")
-
-        def optional_float(name: str) -> float | None:
-            value = draft_value(name)
-            return None if value is None else float(value)
-
-        return cls(
-            num_layers=num_layers,
-            hidden_size=hidden,
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            intermediate_size=int(hf["intermediate_size"]),
-            block_size=int(draft_value("block_size", 16)),
-            target_layer_ids=tuple(int(i) for i in ids),
-            mask_token_id=int(mask_token_id),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_cfg.rope_theta,
-            rope_scaling=rope_cfg.rope_scaling,
-            layer_types=tuple(layer_types),
-            sliding_window=int(window) if window else None,
-            is_causal=None if is_causal is None else bool(is_causal),
-            input_embedding_scale=optional_float("input_embedding_scale"),
-            output_multiplier=optional_float("output_multiplier"),
-            final_logit_softcapping=optional_float("final_logit_softcapping"),
-            num_target_layers=None if num_target_layers is None else int(num_target_layers),
-            vocab_size=hf.get("vocab_size"),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
-            draft_vocab_size=None if hf.get("draft_vocab_size") is None else int(hf["draft_vocab_size"]),
-            dtype=dtype,
-        )
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """z-lab format config.json that the reference `dflash.DFlashDraftModel` loads."""
-        dflash_config: dict[str, Any] = {
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-        }
-        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
-            if getattr(self, name) is not None:
-                dflash_config[name] = getattr(self, name)
-        any_sliding = SLIDING_ATTENTION in self.layer_types
-        hf: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "num_hidden_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": False,
-            "layer_types": list(self.layer_types),
-            "use_sliding_window": any_sliding and self.sliding_window is not None,
-            "sliding_window": self.sliding_window,
-            "max_window_layers": self.num_layers,
-            "block_size": self.block_size,
-            "dflash_config": dflash_config,
-            "torch_dtype": self.dtype,
-        }
-        if self.rope_scaling is not None:
-            hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        if self.num_target_layers is not None:
-            hf["num_target_layers"] = self.num_target_layers
-        if self.vocab_size is not None:
-            hf["vocab_size"] = self.vocab_size
-        if self.is_causal is not None:
-            hf["is_causal"] = self.is_causal
-        return hf
 
 
 def dflash_weight_specs(cfg: DFlashConfig) -> dict[str, Any]:
@@ -284,10 +154,10 @@ def dflash_weight_specs(cfg: DFlashConfig) -> dict[str, Any]:
         "layers": per_layer_specs(
             cfg.num_layers,
             hidden=H,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            intermediate=cfg.intermediate_size,
+            num_heads=cfg.layer.num_heads,
+            num_kv_heads=cfg.layer.num_kv_heads,
+            head_dim=cfg.layer.head_dim,
+            intermediate=cfg.layer.intermediate_size,
             qk_norm=True,
         ),
     }
@@ -355,14 +225,14 @@ def context_kv(
     fc -> hidden_norm, then each layer's k/v projection; context features skip input_layernorm,
     k_norm and RoPE (at `positions` [B, T]) apply as to the block's own keys.
     """
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    inv_freq = rope_inv_freq(cfg.layer.head_dim, cfg.layer.rope_theta, cfg.layer.rope_scaling)
     with jax.named_scope("dflash_context"):
         ctx = einsum("btc,ch->bth", captured.astype(params["fc"].dtype), params["fc"])
-        ctx = rms_norm(ctx, params["hidden_norm"], cfg.rms_norm_eps)  # [B, T, H]
+        ctx = rms_norm(ctx, params["hidden_norm"], cfg.layer.rms_norm_eps)  # [B, T, H]
         ks, vs = [], []
         for lp in params["layers"]:
             _, k, v = project_qkv(lp, ctx)  # [B, T, Kv, D]; q is unused (dropped by XLA)
-            k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
+            k = rope(rms_norm(k, lp["k_norm"], cfg.layer.rms_norm_eps), positions, inv_freq)
             ks.append(heads_major(k))  # the cache layout [B, Kv, T, D]
             vs.append(heads_major(v))
         return tuple(ks), tuple(vs)
@@ -390,8 +260,8 @@ def dflash_hidden(
     each layer's window, and only its live part is read (`attend_cache_and_pass`).
     Returns the final-normed hidden states [B, Tq, H].
     """
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    layers = zip(params["layers"], ctx_k, ctx_v, cfg.layer_windows, cfg.layer_causal)
+    inv_freq = rope_inv_freq(cfg.layer.head_dim, cfg.layer.rope_theta, cfg.layer.rope_scaling)
+    layers = zip(params["layers"], ctx_k, ctx_v, cfg.layer.layer_windows, cfg.layer_causal)
     with jax.named_scope("dflash_block"):
         for i, (lp, layer_ctx_k, layer_ctx_v, window, causal) in enumerate(layers):
             block_mask = block_visible & _attention_mask(positions, positions, window, causal)
@@ -405,8 +275,8 @@ def dflash_hidden(
                 return attend(q, [(*ctx, ctx_mask), (k, v, own)]), None
 
             with jax.named_scope(f"layer_{i}"):
-                x, _ = decoder_layer(lp, x, positions, inv_freq, cfg.rms_norm_eps, context_and_block)
-        return rms_norm(x, params["norm"], cfg.rms_norm_eps)
+                x, _ = decoder_layer(lp, x, positions, inv_freq, cfg.layer.rms_norm_eps, context_and_block)
+        return rms_norm(x, params["norm"], cfg.layer.rms_norm_eps)
 
 
 def dflash_logits(
@@ -421,8 +291,8 @@ def dflash_logits(
         logits = target.logits(hidden)
     if cfg.output_multiplier is not None:
         logits = logits * cfg.output_multiplier
-    if cfg.final_logit_softcapping:
-        cap = cfg.final_logit_softcapping
+    if cfg.layer.final_logit_softcapping:
+        cap = cfg.layer.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
     if cfg.draft_vocab_size and not draft_vocab:
         logits = to_target_vocab(logits, params["d2t"], target.vocab_size)
@@ -495,7 +365,7 @@ class DFlashDrafter:
         cfg = self.cfg
         batch, prompt_len = prompt_tokens.shape
         cache = empty_cache(
-            cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, params["fc"].dtype
+            cfg.num_layers, batch, cfg.layer.num_kv_heads, capacity, cfg.layer.head_dim, params["fc"].dtype
         )
         positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
         cache = self._write_context(params, cache, prefill_captured, positions)

@@ -41,8 +41,6 @@ from spec_jax.sampling import SamplingParams, sample, warp
 
 Params = Any
 
-ARCHITECTURE = "SpecJaxMedusaHeads"
-
 
 @dataclasses.dataclass(frozen=True)
 class MedusaConfig:
@@ -82,34 +80,6 @@ class MedusaConfig:
         return cls(num_heads=num_heads, hidden_size=target.hidden_size, num_target_layers=target.num_layers,
                    num_res_blocks=num_res_blocks, vocab_size=target.vocab_size,
                    rms_norm_eps=float(getattr(target, "rms_norm_eps", 1e-6)), dtype=dtype)
-
-    # ---------------------------------------------------------------- config.json
-    @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], dtype: str = "float32") -> "MedusaConfig":
-        """From a spec_jax Medusa config.json (`to_hf_config`); the head counts use the names of
-        the original Medusa configs (medusa_num_heads, medusa_num_layers)."""
-        return cls(
-            num_heads=int(hf["medusa_num_heads"]),
-            hidden_size=int(hf["hidden_size"]),
-            num_target_layers=int(hf["num_target_layers"]),
-            num_res_blocks=int(hf.get("medusa_num_layers", 1)),
-            vocab_size=None if hf.get("vocab_size") is None else int(hf["vocab_size"]),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            dtype=dtype,
-        )
-
-    def to_hf_config(self) -> dict[str, Any]:
-        return {
-            "architectures": [ARCHITECTURE],
-            "model_type": "medusa",
-            "medusa_num_heads": self.num_heads,
-            "medusa_num_layers": self.num_res_blocks,
-            "hidden_size": self.hidden_size,
-            "num_target_layers": self.num_target_layers,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "torch_dtype": self.dtype,
-        }
 
 
 def medusa_weight_specs(cfg: MedusaConfig) -> dict[str, Any]:

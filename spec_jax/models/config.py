@@ -43,7 +43,9 @@ GEMMA3_TEXT_DEFAULTS = {
     "hidden_activation": "gelu_pytorch_tanh",
 }
 
-GLOBAL_WINDOW = 1 << 30
+GLOBAL_WINDOW = 1 << 30  # "no sliding window": larger than any cache capacity
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -52,7 +54,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     """KV-cache bytes one token takes: a key and a value per KV head in every layer."""
     if dtype not in _ITEMSIZE:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_ITEMSIZE)}.")
-    return 2 * num_layers * num_kv_heads * head_dim * _ITEMSIZE[dtype]  # "no sliding window": larger than any cache capacity
+    return 2 * num_layers * num_kv_heads * head_dim * _ITEMSIZE[dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +94,10 @@ class ModelConfig:
     rope_scaling: AnyRopeScaling | None = None
     tie_embeddings: bool = False
     qk_norm: bool = False
-    # Per-layer attention window in tokens; GLOBAL_WINDOW for full attention.
-    layer_windows: tuple[int, ...] = ()
+    # Per-layer "full_attention" / "sliding_attention" (HF `layer_types`); () = every layer full.
+    # A sliding layer attends to the last `sliding_window` tokens (no limit when it is None).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
     max_position_embeddings: int = 8192
     architecture: str = "llama"
     bos_token_id: int | None = None
@@ -113,12 +117,15 @@ class ModelConfig:
     sliding_rope_scaling: AnyRopeScaling | None = None
 
     def __post_init__(self):
-        if not self.layer_windows:
-            object.__setattr__(self, "layer_windows", (GLOBAL_WINDOW,) * self.num_layers)
-        if len(self.layer_windows) != self.num_layers:
+        if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(
-                f"layer_windows has {len(self.layer_windows)} entries but the model has "
-                f"{self.num_layers} layers; give one window per layer."
+                f"layer_types has {len(self.layer_types)} entries but the model has "
+                f"{self.num_layers} layers; give one type per layer (or none: every layer full)."
+            )
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"layer types {unknown} are not supported; use '{FULL_ATTENTION}' or '{SLIDING_ATTENTION}'."
             )
         if self.mlp_activation not in ("silu", "gelu_tanh"):
             raise ValueError(
@@ -129,6 +136,13 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
                 "grouped-query attention needs whole groups."
             )
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per-layer attention window in tokens (GLOBAL_WINDOW = unlimited)."""
+        window = self.sliding_window or GLOBAL_WINDOW
+        types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        return tuple(window if t == SLIDING_ATTENTION else GLOBAL_WINDOW for t in types)
 
     @property
     def num_groups(self) -> int:
@@ -180,15 +194,13 @@ class ModelConfig:
         hidden = hf["hidden_size"]
         head_dim = hf.get("head_dim") or hidden // num_heads
         num_layers = hf["num_hidden_layers"]
-        # transformers >= 5 writes `rope_parameters` (theta included); older files `rope_scaling`.
-        rs = hf.get("rope_parameters") or hf.get("rope_scaling") or None
-        rope_theta = float((rs or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_theta, rope_scaling = rope_from_hf(hf)
         if arch == "mistral":
             # MistralConfig ignores layer_types: a sliding_window applies to every layer.
             window = hf.get("sliding_window")
-            windows = (int(window) if window else GLOBAL_WINDOW,) * num_layers
+            layer_types, window = ((SLIDING_ATTENTION,) * num_layers, int(window)) if window else ((), None)
         else:
-            windows = layer_windows_from_hf(hf, num_layers, arch)
+            layer_types, window = layer_types_from_hf(hf, num_layers, arch)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
@@ -199,10 +211,11 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=rope_scaling_from_hf(rs),
+            rope_scaling=rope_scaling,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=arch == "qwen3",
-            layer_windows=windows,
+            layer_types=layer_types,
+            sliding_window=window,
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
             architecture=arch,
             bos_token_id=hf.get("bos_token_id"),
@@ -260,9 +273,26 @@ class ModelConfig:
         return hf
 
 
+def config_fields(cfg: Any) -> dict[str, Any]:
+    """A config dataclass's fields by name, an embedded `ModelConfig` (a drafter's `layer`)
+    spread in: what two drafter configs can be compared by, field by field."""
+    fields: dict[str, Any] = {}
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        fields.update(config_fields(value) if isinstance(value, ModelConfig) else {field.name: value})
+    return fields
+
+
 def _eos_ids(eos: Any) -> tuple[int, ...]:
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     return tuple(int(e) for e in eos_ids)
+
+
+def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, AnyRopeScaling | None]:
+    """(RoPE base, scaling) of a config with one RoPE for every layer."""
+    # transformers >= 5 writes `rope_parameters` (theta included); older files `rope_scaling`.
+    rs = hf.get("rope_parameters") or hf.get("rope_scaling") or None
+    return float((rs or {}).get("rope_theta", hf.get("rope_theta", 10000.0))), rope_scaling_from_hf(rs)
 
 
 def rope_scaling_from_hf(rs: Mapping[str, Any] | None) -> AnyRopeScaling | None:
@@ -317,8 +347,9 @@ def _gemma3_from_hf(cls, hf: Mapping[str, Any], dtype: str) -> ModelConfig:
     if layer_types is None:
         pattern = int(hf.get("sliding_window_pattern") or 6)
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    windows = layer_windows_from_hf({"layer_types": layer_types, "sliding_window": hf.get("sliding_window")},
-                                    num_layers, "gemma3")
+    layer_types, window = layer_types_from_hf(
+        {"layer_types": layer_types, "sliding_window": hf.get("sliding_window")}, num_layers, "gemma3"
+    )
     # Per-type RoPE: transformers >= 5 nests it by layer type in rope_parameters; older files have
     # rope_theta + rope_scaling (global) and rope_local_base_freq (sliding).
     rp = hf.get("rope_parameters") or {}
@@ -347,7 +378,8 @@ def _gemma3_from_hf(cls, hf: Mapping[str, Any], dtype: str) -> ModelConfig:
         rope_scaling=scaling,
         tie_embeddings=bool(hf["tie_word_embeddings"]),
         qk_norm=True,
-        layer_windows=windows,
+        layer_types=layer_types,
+        sliding_window=window,
         max_position_embeddings=int(hf["max_position_embeddings"]),
         architecture="gemma3",
         bos_token_id=hf["bos_token_id"],
@@ -395,37 +427,35 @@ def _int_if_whole(x: float) -> float | int:
     return int(x) if float(x).is_integer() else x
 
 
-def layer_windows_from_hf(hf: Mapping[str, Any], num_layers: int, arch: str = "qwen3") -> tuple[int, ...]:
-    """Per-layer attention windows from HF `layer_types` / `sliding_window` fields."""
+def layer_types_from_hf(
+    hf: Mapping[str, Any], num_layers: int, arch: str = "qwen3"
+) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window) of a target from HF `layer_types` / `sliding_window` fields;
+    ((), None) when every layer is full."""
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
     if arch == "qwen2" and not hf.get("use_sliding_window"):
         # Qwen2Config drops sliding_window unless use_sliding_window: every layer is full then.
-        layer_types = ["full_attention"] * num_layers
+        layer_types = [FULL_ATTENTION] * num_layers
     if layer_types is None:
         # Qwen2/Qwen3 without layer_types: sliding layers only when use_sliding_window is set, for
         # the layers at or past max_window_layers (as transformers derives layer_types).
         if hf.get("use_sliding_window") and window:
             mwl = hf.get("max_window_layers", num_layers)
-            layer_types = [
-                "sliding_attention" if i >= mwl else "full_attention" for i in range(num_layers)
-            ]
+            layer_types = [SLIDING_ATTENTION if i >= mwl else FULL_ATTENTION for i in range(num_layers)]
         else:
-            layer_types = ["full_attention"] * num_layers
+            layer_types = [FULL_ATTENTION] * num_layers
     if len(layer_types) != num_layers:
         raise ValueError(
             f"config layer_types has {len(layer_types)} entries for {num_layers} layers; fix config.json."
         )
-    windows = []
     for kind in layer_types:
-        if kind == "sliding_attention":
-            if not window:
-                raise ValueError("layer_types names a sliding_attention layer but sliding_window is unset.")
-            windows.append(int(window))
-        elif kind == "full_attention":
-            windows.append(GLOBAL_WINDOW)
-        else:
+        if kind == SLIDING_ATTENTION and not window:
+            raise ValueError("layer_types names a sliding_attention layer but sliding_window is unset.")
+        if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
             raise ValueError(
                 f"layer type {kind!r} is not supported (only full_attention and sliding_attention)."
             )
-    return tuple(windows)
+    if SLIDING_ATTENTION not in layer_types:
+        return (), None
+    return tuple(layer_types), int(window)

@@ -10,7 +10,13 @@ real model, which is all a speed measurement needs; its tokens are meaningless, 
 
 from __future__ import annotations
 
-from spec_jax.models.config import GLOBAL_WINDOW, LinearRopeScaling, ModelConfig, RopeScaling
+from spec_jax.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    LinearRopeScaling,
+    ModelConfig,
+    RopeScaling,
+)
 
 _LLAMA3_ROPE = RopeScaling(
     factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
@@ -19,9 +25,9 @@ _LLAMA3_ROPE = RopeScaling(
 
 def _gemma3(num_layers: int, window: int, **fields) -> ModelConfig:
     """A Gemma 3 text decoder: five sliding layers (local RoPE base 10k) then one full layer."""
-    windows = tuple(GLOBAL_WINDOW if (i + 1) % 6 == 0 else window for i in range(num_layers))
+    types = tuple(FULL_ATTENTION if (i + 1) % 6 == 0 else SLIDING_ATTENTION for i in range(num_layers))
     return ModelConfig(
-        num_layers=num_layers, layer_windows=windows, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        num_layers=num_layers, layer_types=types, sliding_window=window, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
         sliding_rope_theta=10_000.0, tie_embeddings=True, qk_norm=True, architecture="gemma3",
         bos_token_id=2, eos_token_ids=(1, 106), norm_offset=1.0, sandwich_norms=True,
         mlp_activation="gelu_tanh", scale_embeddings=True, **fields,
@@ -74,7 +80,8 @@ PRESETS: dict[str, ModelConfig] = {
     # mistralai/Mistral-7B-v0.1 (a 4096-token sliding window on every layer).
     "mistral-7b": ModelConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, layer_windows=(4096,) * 32, architecture="mistral",
+        num_kv_heads=8, head_dim=128, layer_types=(SLIDING_ATTENTION,) * 32, sliding_window=4096,
+        architecture="mistral",
         max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
     ),
     # A few-MB model for smoke tests of the measuring scripts.

@@ -1,0 +1,40 @@
+"""The tiny model and drafter configs the tests share.
+
+Import these instead of re-typing a config: configs that are equal are one static argument, so
+tests across files (and the subprocess workers) reuse each other's compiled programs. A test
+pinned to numbers keeps its own values; change a config here only with every test that uses it.
+"""
+
+from __future__ import annotations
+
+from spec_jax.drafters.dflash import DFlashConfig, dflash_layers
+from spec_jax.models import ModelConfig
+
+VOCAB = 101
+EOS = 2  # appears mid-way in some greedy outputs of TINY_TARGET (e.g. rows 1, 2 of
+#         make_prompts([3, 16, 1], seed=0) at 12 and 21), never in most
+
+# The decoding tests' target (conftest's `models`, the engine worker): a 2-layer Llama.
+TINY_TARGET = ModelConfig(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, eos_token_ids=(EOS,),
+)
+# Its one-layer draft model.
+TINY_DRAFT = TINY_TARGET.replace(num_layers=1)
+
+
+def tiny_dflash(block_size: int) -> DFlashConfig:
+    """A one-layer DFlash drafter for TINY_TARGET (reads both its layers; mask = the last id)."""
+    return DFlashConfig(
+        layer=dflash_layers(1, 64, 4, 2, 16, 128, vocab_size=VOCAB), block_size=block_size,
+        target_layer_ids=(0, 1), mask_token_id=VOCAB - 1, num_target_layers=2,
+    )
+
+
+TINY_DFLASH = tiny_dflash(5)
+
+# z-lab's Qwen3-8B DFlash drafter (5 layers, block 16), for shape-only checks.
+QWEN3_8B_DFLASH = DFlashConfig(
+    layer=dflash_layers(5, 4096, 32, 8, 128, 12288, vocab_size=151936),
+    block_size=16, target_layer_ids=(1, 9, 17, 25, 33), mask_token_id=151669, num_target_layers=36,
+)
