@@ -73,38 +73,28 @@ def run_bench(
     methods: Sequence[DrafterSpec],
     *,
     batch_size: int = 1,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    stop_ids: Sequence[int] | None = None,
-    ignore_eos: bool = False,
     progress: bool = True,
     extra_generate_kwargs: dict[str, Any] | None = None,
     prompt_set: str = "",
+    **request_values: Any,
 ) -> dict[str, Any]:
-    """Run every method over all prompts; return a JSON-ready report (see `print_table`)."""
+    """Run every method over all prompts; return a JSON-ready report (see `print_table`).
+
+    request_values: max_new_tokens (default 128), temperature, top_k, top_p, seed, stop_ids and
+    ignore_eos, as `generate` takes them; checked once here, before any drafter loads."""
     from tqdm import tqdm
 
-    from spec_jax.decoding.generate import generate
+    from spec_jax.decoding.generate import default_stop_ids, generate
+    from spec_jax.decoding.validation import check_request_values
 
+    values = check_request_values(default_stop_ids(target), **request_values)
     if not methods or methods[0] != AR:
         methods = [AR] + [m for m in methods if m != AR]
     batches = _batches(len(prompt_ids), batch_size)
-    kwargs = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        stop_ids=stop_ids,
-        ignore_eos=ignore_eos,
-        **(extra_generate_kwargs or {}),
-    )
+    kwargs = dict(request_values, **(extra_generate_kwargs or {}))
     # Build (and load) every drafter before timing anything, so a bad checkpoint fails fast.
     built = [(m, *build_drafter(m, target)) for m in methods]
-    greedy = temperature <= 0
+    greedy = values.temperature <= 0
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(methods) * len(batches), desc="bench", file=sys.stderr, disable=not progress)
     names = _method_names([m for m, drafter, _ in built if drafter is not None])
@@ -132,8 +122,9 @@ def run_bench(
         "prompt_set": prompt_set,
         "num_prompts": len(prompt_ids),
         "batch_size": batch_size,
-        "max_new_tokens": max_new_tokens,
-        "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
+        "max_new_tokens": values.max_new_tokens,
+        "sampling": {"temperature": values.temperature, "top_k": values.top_k, "top_p": values.top_p,
+                     "seed": values.seed},
         "greedy": greedy,
         "machine": _machine(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -38,7 +38,7 @@ import jax
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.engine_programs import EnginePrograms
-from spec_jax.decoding.generate import prompt_bucket, stop_id_array, with_k
+from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, stop_id_array, with_k
 from spec_jax.decoding.loop import LoopState, tree_budget
 from spec_jax.decoding.scheduler import AdaptiveK, Scheduler
 from spec_jax.decoding.slots import Counters, EngineEvent, RequestParams, RequestStats, SlotTable
@@ -117,9 +117,9 @@ class Engine:
         sharding_rules: Any = None,
         seed: int = 0,
     ):
-        resolved, own_stop = resolve_target(target)
+        resolved, _ = resolve_target(target)
         self.model = resolved.model
-        self.default_stop_ids = tuple(own_stop if own_stop is not None else self.model.stop_ids)
+        self.default_stop_ids = default_stop_ids(target)
         self.slots = validation.check_int("slots", slots, minimum=1)
         self.chunk_steps = validation.check_int("chunk_steps", chunk_steps, minimum=1)
         if max_admits_per_step is not None:

@@ -231,14 +231,13 @@ def prepare_inputs(
     """Check everything a user can get wrong (before any compile), resolve the stop ids, pad the
     prompts to their bucket: the host half of `generate` (same arguments; `request_values` are
     max_new_tokens, temperature, top_k, top_p, seed, stop_ids and ignore_eos)."""
-    resolved, own_stop = resolve_target(target)
+    resolved, _ = resolve_target(target)
     model = resolved.model
     k, capacity = validation.check_k(k), validation.check_capacity(capacity)
     drafter = with_tree(with_k(drafter, k), tree)
     # Slots a verify pass writes past the last committed token: K, or N for a tree.
     k_eff = max(drafter.k, tree_budget(drafter)) if drafter is not None else 0
-    values = validation.check_request_values(
-        own_stop if own_stop is not None else model.stop_ids, **request_values)
+    values = validation.check_request_values(default_stop_ids(target), **request_values)
     prompts = validation.check_prompts(prompts, model.vocab_size)
     longest = max(len(p) for p in prompts)
     capacity = check_capacity(longest, values.max_new_tokens, k_eff, capacity, model.max_positions)
