@@ -223,3 +223,23 @@ def test_a_stream_without_usage_and_one_cut_short(server, tokenizer):
     lines = asyncio.run(collect(stream_events(reply_for(server), events_of(server, [EngineEvent(7, ids)],
                                                                            disconnected=True))))
     assert parsed_events(lines)[-1] != "[DONE]" and server.engine.cancelled == [7, 7]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--port", "70000"], r"--port must be an integer >= 0 and <= 65535, got 70000"),
+    (["--slots", "0"], r"--slots must be an integer >= 1"),
+    (["--max-admits", "0"], r"--max-admits must be an integer >= 1"),
+    (["--chunk-steps", "0"], r"--chunk-steps must be an integer >= 1"),
+    (["--max-model-len", "1"], r"--max-model-len must be an integer >= 2"),
+    (["--k-choices", "2,x"], r"--k-choices '2,x' must be a comma list of K >= 0"),
+])
+def test_serve_flags_follow_the_one_integer_rule(argv, match):
+    import argparse
+
+    from spec_jax.app import inputs, serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with pytest.raises(inputs.UsageError, match=match):
+        serve.check_args(parser.parse_args(argv))
+    assert serve.check_args(parser.parse_args(["--k-choices", "0,2,4"])) == [0, 2, 4]

@@ -62,18 +62,25 @@ def create_app(state):
 
 
 # --------------------------------------------------------------------------- the command
+def _cli_int(flag: str, value: int | None, minimum: int, maximum: int | None = None) -> None:
+    """A flag's number by the library's one integer rule (`validation.check_int`); None = unset."""
+    from spec_jax.decoding import validation
+
+    if value is None:
+        return
+    try:
+        validation.check_int(flag, value, minimum, validation.INT32_MAX if maximum is None else maximum)
+    except ValueError as e:
+        raise inputs.UsageError(str(e)) from None
+
+
 def check_args(args: argparse.Namespace) -> list[int] | None:
     """The command's numbers, checked before anything loads -> the K choices (None: the drafter's K)."""
-    if not 0 <= args.port <= 65535:
-        raise inputs.UsageError(f"--port must be in 0..65535, got {args.port}.")
-    if args.slots < 1:
-        raise inputs.UsageError(f"--slots must be >= 1, got {args.slots}.")
-    if args.max_admits is not None and args.max_admits < 1:
-        raise inputs.UsageError(f"--max-admits must be >= 1, got {args.max_admits}.")
-    if args.chunk_steps < 1:
-        raise inputs.UsageError(f"--chunk-steps must be >= 1, got {args.chunk_steps}.")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise inputs.UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}.")
+    _cli_int("--port", args.port, 0, 65535)
+    _cli_int("--slots", args.slots, 1)
+    _cli_int("--max-admits", args.max_admits, 1)
+    _cli_int("--chunk-steps", args.chunk_steps, 1)
+    _cli_int("--max-model-len", args.max_model_len, 2)
     if not args.k_choices:
         return None
     try:
