@@ -1,4 +1,8 @@
-"""`spec-jax train data|text|dflash|draft-model|eagle3|medusa`: resumable; re-run the same command to continue."""
+"""`spec-jax train data|text|KIND`: resumable; re-run the same command to continue.
+
+`data` and `text` build datasets; KIND is any drafter kind with a training recipe in
+`spec_jax.drafters.registry` (dflash, draft-model, eagle3, medusa, and any kind registered since).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,17 @@ from typing import Any
 
 from spec_jax.app import inputs
 from spec_jax.app.common import add_target_args, log
+from spec_jax.drafters import registry
 
-HELP = "build self-distillation (or standard-library text) data; train DFlash, a draft model, EAGLE-3 or Medusa heads"
+DATA_KINDS = ("data", "text")
+HELP = "build self-distillation (or standard-library text) data; train a drafter (any kind with a recipe)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=["data", "text", "dflash", "draft-model", "eagle3", "medusa"])
+    trainable = registry.trainable()
+    p.add_argument("kind", choices=[*DATA_KINDS, *(k.name for k in trainable)],
+                   help="data: self-distillation data (the target's own answers); text: standard-library "
+                   "source text; " + "; ".join(f"{k.name}: train {k.help}" for k in trainable))
     add_target_args(p)
     p.add_argument("--data", required=True, nargs="+", metavar="NPZ|DIR",
                    help="token dataset: written by `train data|text`, read (several are joined) by the "
@@ -76,73 +85,104 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    from spec_jax.decoding.validation import SEED_MAX, check_int
-    from spec_jax.training import data as data_lib
-    from spec_jax.training import run as training
-    from spec_jax.training.trainer import TrainConfig
-
     if args.kind != "data" and args.dtype == "bfloat16":
         raise inputs.UsageError(
-            "train dflash|draft-model keeps the frozen target in float32 (its features feed the loss); "
+            f"train {args.kind} keeps the frozen target in float32 (its features feed the loss); "
             "drop --dtype bfloat16 (it applies to `train data` only)."
         )
-    cfg = None
-    if args.kind in ("data", "text"):
-        if len(args.data) != 1:
-            raise inputs.UsageError(f"train {args.kind} writes one dataset: give one --data path.")
-        if args.kind == "data":  # checked before the target loads or anything is written
-            data_lib.check_generation_settings(args.num_prompts, args.answer_tokens, args.generate_batch,
-                                               args.shard_prompts, args.temperature)
-        else:
-            check_int("--text-tokens", args.text_tokens, minimum=1)
-            check_int("--seq-len", args.seq_len, minimum=2)
-        check_int("--seed", args.seed, minimum=0, maximum=SEED_MAX)
-    else:
-        if not args.out:
-            raise inputs.UsageError(
-                "train dflash|draft-model|eagle3 needs --out DIR (checkpoints and the exported drafter)."
-            )
-        cfg = TrainConfig(
-            steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-            learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
-            save_every=args.save_every, eval_every=args.eval_every,
-        )
-        sizes = [("--layers", args.layers, 1), ("--draft-vocab", args.draft_vocab, 2),
-                 ("--data-sequences", args.data_sequences, 2), ("--block-size", args.block_size, 2),
-                 ("--anchors", args.anchors, 1), ("--eval-prompts", args.eval_prompts, 1),
-                 ("--eval-tokens", args.eval_tokens, 1), ("--k", args.k, 1), ("--hidden", args.hidden, 1),
-                 ("--ttt-steps", args.ttt_steps, 1), ("--answer-positions", args.answer_positions, 1)]
-        for flag, value, minimum in sizes:
-            if value is not None:  # None: the command's default
-                check_int(flag, value, minimum=minimum)
+    cfg = _check_data_args(args) if args.kind in DATA_KINDS else _check_train_args(args)
     # auto: generating the data in bfloat16 on GPU/TPU is fine; training features stay float32.
     dtype = inputs.resolve_dtype(args.dtype) if args.kind == "data" else "float32"
     target = inputs.load_target_or_fail(args.target, dtype)
-    progress = not args.no_progress
-    if args.kind in ("data", "text"):
-        path = args.data[0]
-        # A path without .npz is a shard dir: resumable, re-run the same command to continue.
-        sharded = not str(path).endswith(".npz")
-        if args.kind == "text":
-            if sharded:
-                raise inputs.UsageError("train text writes a single file: give --data NAME.npz.")
-            if target.tokenizer is None:
-                raise inputs.UsageError(
-                    f"{target.source} ships no tokenizer, so source text cannot be encoded; pass a "
-                    "checkpoint with tokenizer files (or the default model)."
-                )
-            dataset = data_lib.stdlib_text_dataset(target.tokenizer, args.seq_len, args.text_tokens, args.seed)
-        else:
-            prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
-            dataset = data_lib.build_dataset(
-                target, prompts, max_new_tokens=args.answer_tokens, batch_size=args.generate_batch,
-                temperature=args.temperature, seed=args.seed, progress=progress,
-                shard_dir=path if sharded else None, shard_prompts=args.shard_prompts,
-            )
-        if not sharded:
-            dataset.save(path)
-        log(f"wrote {path}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
+    if args.kind in DATA_KINDS:
+        _build_data(args, target)
         return None
+    from spec_jax.training.run import train_drafter
+
+    dataset = _training_data(args)
+    recipe = registry.get(args.kind).recipe_class().from_flags(target, args)
+    _, _, result = train_drafter(
+        recipe, target, dataset, args.out, cfg, eval_prompts=args.eval_prompts,
+        eval_tokens=args.eval_tokens, features=args.target_features, feature_cache=args.feature_cache,
+        progress=not args.no_progress, init_from=args.init_from,
+    )
+    log(f"{result.summary}; held-out {result.evals[-1:]}; drafter in {args.out}/drafter")
+    return None
+
+
+def _check_data_args(args: argparse.Namespace) -> None:
+    """`train data|text` flags, checked before the target loads or anything is written."""
+    from spec_jax.decoding.validation import SEED_MAX, check_int
+    from spec_jax.training import data as data_lib
+
+    if len(args.data) != 1:
+        raise inputs.UsageError(f"train {args.kind} writes one dataset: give one --data path.")
+    if args.kind == "data":
+        data_lib.check_generation_settings(args.num_prompts, args.answer_tokens, args.generate_batch,
+                                           args.shard_prompts, args.temperature)
+    else:
+        check_int("--text-tokens", args.text_tokens, minimum=1)
+        check_int("--seq-len", args.seq_len, minimum=2)
+    check_int("--seed", args.seed, minimum=0, maximum=SEED_MAX)
+
+
+def _check_train_args(args: argparse.Namespace) -> Any:
+    """The TrainConfig of `train KIND`, its sizes checked before the target loads."""
+    from spec_jax.decoding.validation import check_int
+    from spec_jax.training.trainer import TrainConfig
+
+    if not args.out:
+        raise inputs.UsageError(
+            f"train {args.kind} needs --out DIR (checkpoints and the exported drafter)."
+        )
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
+        save_every=args.save_every, eval_every=args.eval_every,
+    )
+    sizes = [("--layers", args.layers, 1), ("--draft-vocab", args.draft_vocab, 2),
+             ("--data-sequences", args.data_sequences, 2), ("--block-size", args.block_size, 2),
+             ("--anchors", args.anchors, 1), ("--eval-prompts", args.eval_prompts, 1),
+             ("--eval-tokens", args.eval_tokens, 1), ("--k", args.k, 1), ("--hidden", args.hidden, 1),
+             ("--ttt-steps", args.ttt_steps, 1), ("--answer-positions", args.answer_positions, 1)]
+    for flag, value, minimum in sizes:
+        if value is not None:  # None: the command's default
+            check_int(flag, value, minimum=minimum)
+    return cfg
+
+
+def _build_data(args: argparse.Namespace, target: Any) -> None:
+    """`train data` (the target's own answers) or `train text` (standard-library source)."""
+    from spec_jax.training import data as data_lib
+
+    path = args.data[0]
+    # A path without .npz is a shard dir: resumable, re-run the same command to continue.
+    sharded = not str(path).endswith(".npz")
+    if args.kind == "text":
+        if sharded:
+            raise inputs.UsageError("train text writes a single file: give --data NAME.npz.")
+        if target.tokenizer is None:
+            raise inputs.UsageError(
+                f"{target.source} ships no tokenizer, so source text cannot be encoded; pass a "
+                "checkpoint with tokenizer files (or the default model)."
+            )
+        dataset = data_lib.stdlib_text_dataset(target.tokenizer, args.seq_len, args.text_tokens, args.seed)
+    else:
+        prompts = data_lib.training_prompts(args.num_prompts, seed=args.seed)
+        dataset = data_lib.build_dataset(
+            target, prompts, max_new_tokens=args.answer_tokens, batch_size=args.generate_batch,
+            temperature=args.temperature, seed=args.seed, progress=not args.no_progress,
+            shard_dir=path if sharded else None, shard_prompts=args.shard_prompts,
+        )
+    if not sharded:
+        dataset.save(path)
+    log(f"wrote {path}: {len(dataset)} sequences, {dataset.num_tokens} tokens")
+
+
+def _training_data(args: argparse.Namespace) -> Any:
+    """--data joined, or --data-sequences of it drawn (seeded)."""
+    from spec_jax.training import data as data_lib
+
     dataset = data_lib.TokenDataset.concatenate([data_lib.TokenDataset.load(d) for d in args.data])
     if args.data_sequences is not None:
         if not 2 <= args.data_sequences <= len(dataset):
@@ -150,43 +190,4 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                 f"--data-sequences {args.data_sequences}: --data holds {len(dataset)} sequences; pass 2..{len(dataset)}."
             )
         _, dataset = dataset.split(args.data_sequences / len(dataset), args.seed)
-    layers = args.layers or (1 if args.kind in ("eagle3", "medusa") else 2)
-    if args.kind == "medusa":
-        from spec_jax.training.medusa import train_medusa
-
-        _, _, result = train_medusa(
-            target, dataset, args.out, cfg, num_heads=args.k, num_res_blocks=layers,
-            positions=args.answer_positions, eval_prompts=args.eval_prompts,
-            eval_tokens=args.eval_tokens, features=args.target_features,
-            feature_cache=args.feature_cache, progress=progress, init_from=args.init_from,
-        )
-    elif args.kind == "eagle3":
-        _, _, result = training.train_eagle3(
-            target, dataset, args.out, cfg, num_layers=layers, draft_vocab_size=args.draft_vocab or 8192,
-            ttt_steps=args.ttt_steps, k=args.k, eval_prompts=args.eval_prompts,
-            eval_tokens=args.eval_tokens, features=args.target_features,
-            feature_cache=args.feature_cache, progress=progress,
-            init_from=args.init_from,
-        )
-    elif args.kind == "dflash":
-        dflash_cfg = training.smollm2_dflash_config(target.cfg, args.block_size, layers)
-        _, _, result = training.train_dflash(
-            target, dataset, args.out, cfg, dflash_cfg, num_anchors=args.anchors,
-            kl_weight=args.kl_weight or 0.0, teacher_labels=args.teacher_labels,
-            eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
-            features=args.target_features, feature_cache=args.feature_cache, progress=progress,
-            init_from=args.init_from,
-            draft_vocab_size=args.draft_vocab,
-        )
-    else:
-        student = training.small_draft_config(target.cfg, args.hidden, layers)
-        _, _, result = training.train_draft_model(
-            target, dataset, args.out, cfg, student,
-            kl_weight=1.0 if args.kl_weight is None else args.kl_weight,
-            positions=args.answer_positions, eval_prompts=args.eval_prompts,
-            eval_tokens=args.eval_tokens, features=args.target_features,
-            feature_cache=args.feature_cache, progress=progress,
-            init_from=args.init_from,
-        )
-    log(f"{result.summary}; held-out {result.evals[-1:]}; drafter in {args.out}/drafter")
-    return None
+    return dataset

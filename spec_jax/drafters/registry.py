@@ -11,8 +11,8 @@ table, so a new kind is one module plus one `register` call:
 
 `load` and `recipe` may be given as "module:attribute" strings, resolved on first use: the
 built-in entries below name their loaders (`spec_jax.checkpoints.shipped`) and training recipes
-(`spec_jax.training`) that way, so reading the table (for `--help`) imports neither JAX nor those
-layers, and this module imports nothing above `drafters/`.
+(`spec_jax.training`) that way, so reading the table (for `--help`) imports no training code, and
+this module imports nothing of spec_jax (the layers above it import it, never the reverse).
 """
 
 from __future__ import annotations

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 from spec_jax.drafters.draft_vocab import target_to_draft
 from spec_jax.drafters.dflash import DFlashConfig, context_kv, dflash_hidden, dflash_logits
 from spec_jax.models.interface import Target, TargetModel
-from spec_jax.models.resolve import as_target_model
-from spec_jax.training.trainer import cross_entropy, kl_to_teacher
+from spec_jax.training.trainer import TargetModelLoss, cross_entropy, kl_to_teacher
 
 
 def block_hidden(
@@ -61,20 +60,17 @@ def block_hidden(
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashLoss:
+class DFlashLoss(TargetModelLoss):
     """loss(params, target_params, batch, key); batch = dict(tokens [B, T], lengths [B],
     prompt_lengths [B], captured [B, T, n*H] target features, final [B, T, H] when kl_weight)."""
 
     cfg: DFlashConfig
-    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder
+    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder (TargetModelLoss)
     num_anchors: int = 8
     position_decay: float = 4.0
     kl_weight: float = 0.0
     teacher_labels: bool = False  # labels = the target's argmax (needs batch["final"])
     draft_ids: tuple[int, ...] | None = None  # target id of draft id i (reduced draft vocabulary)
-
-    def __post_init__(self):
-        object.__setattr__(self, "target_model", as_target_model(self.target_model))
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         cfg = self.cfg

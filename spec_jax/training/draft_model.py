@@ -12,8 +12,7 @@ import jax.numpy as jnp
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import forward_hidden, init_cache, lm_head
 from spec_jax.models.interface import TargetModel
-from spec_jax.models.resolve import as_target_model
-from spec_jax.training.trainer import cross_entropy, kl_to_teacher, masked_mean
+from spec_jax.training.trainer import TargetModelLoss, cross_entropy, kl_to_teacher, masked_mean
 
 
 def response_mask(tokens_shape, lengths, prompt_lengths) -> jax.Array:
@@ -29,18 +28,15 @@ def sample_positions(key: jax.Array, valid: jax.Array, count: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelLoss:
+class DraftModelLoss(TargetModelLoss):
     """loss(params, target_params, batch, key); batch = dict(tokens, lengths, prompt_lengths,
     final [B, T, H] target final-normed hidden states). Losses at `positions` answer positions
     per sequence, drawn anew each step."""
 
     student_cfg: ModelConfig
-    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder
+    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder (TargetModelLoss)
     kl_weight: float = 1.0
     positions: int = 64  # answer positions per sequence that get the LM-head losses
-
-    def __post_init__(self):
-        object.__setattr__(self, "target_model", as_target_model(self.target_model))
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         tokens = batch["tokens"]

@@ -25,23 +25,19 @@ from spec_jax.drafters.eagle3 import Eagle3Config, eagle3_head, eagle3_layers, f
 from spec_jax.models.attention import attend
 from spec_jax.models.decoder import embed
 from spec_jax.models.interface import TargetModel
-from spec_jax.models.resolve import as_target_model
-from spec_jax.training.trainer import cross_entropy
+from spec_jax.training.trainer import TargetModelLoss, cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Loss:
+class Eagle3Loss(TargetModelLoss):
     """loss(params, target_params, batch, key); batch = dict(tokens [B, T], lengths [B],
     prompt_lengths [B], captured [B, T, n*H] target features at the drafter's capture layers)."""
 
     cfg: Eagle3Config
-    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder
+    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder (TargetModelLoss)
     draft_ids: tuple[int, ...]  # target id of draft id i
     ttt_steps: int = 3
     step_decay: float = 0.8
-
-    def __post_init__(self):
-        object.__setattr__(self, "target_model", as_target_model(self.target_model))
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         cfg = self.cfg

@@ -23,23 +23,20 @@ import numpy as np
 
 from spec_jax.drafters.medusa import MedusaConfig, head_hidden
 from spec_jax.models.interface import TargetModel
-from spec_jax.models.resolve import as_target_model
 from spec_jax.training.draft_model import sample_positions
-from spec_jax.training.trainer import TrainConfig, TrainResult, cross_entropy, masked_mean
+from spec_jax.training.run import Recipe, train_drafter
+from spec_jax.training.trainer import TargetModelLoss, TrainConfig, TrainResult, cross_entropy, masked_mean
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaLoss:
+class MedusaLoss(TargetModelLoss):
     """loss(params, target_params, batch, key); batch = dict(tokens [B, T], lengths [B],
     prompt_lengths [B], captured [B, T, H] the target's last-layer hidden states)."""
 
     cfg: MedusaConfig
-    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder
+    target_model: TargetModel  # a built-in ModelConfig is wrapped in Decoder (TargetModelLoss)
     head_decay: float = 0.8
     positions: int = 32  # hidden states per sequence that get the heads' losses
-
-    def __post_init__(self):
-        object.__setattr__(self, "target_model", as_target_model(self.target_model))
 
     def __call__(self, params: Any, target_params: Any, batch: dict, key: jax.Array):
         cfg = self.cfg
@@ -81,81 +78,76 @@ class MedusaLoss:
         return loss, metrics
 
 
-def train_medusa(
-    target: Any,
-    data: Any,
-    out_dir: str | Path,
-    cfg: TrainConfig,
-    num_heads: int = 4,
-    num_res_blocks: int = 1,
-    head_decay: float = 0.8,
-    positions: int = 32,
-    eval_prompts: int = 4,
-    eval_tokens: int = 64,
-    features: str = "auto",
-    feature_cache: str | Path | None = None,
-    progress: bool = True,
-    init_from: str | Path | None = None,
-) -> tuple[Any, Any, TrainResult]:
-    """Train K Medusa heads for a loaded target and export them to out_dir/drafter
-    (`spec_jax.checkpoints.medusa`). Fresh heads start as the target's LM head (zero blocks, norms
-    from its final norm); init_from: an exported Medusa dir (same shape) to continue from.
-    Resumable: re-running with the same settings continues from out_dir's latest checkpoint."""
-    from spec_jax.checkpoints.medusa import load_medusa, save_medusa
-    from spec_jax.drafters.medusa import (
-        MedusaDrafter,
-        check_compatible,
-        identity_medusa_params,
-        target_final_norm,
-    )
-    from spec_jax.training.run import (
-        _loss_and_batches,
-        feature_mode,
-        held_out_prompts,
-        held_out_tau,
-        run_provenance,
-        write_report,
-    )
-    from spec_jax.checkpoints import CheckpointError
-    from spec_jax.training.trainer import train
+@dataclasses.dataclass(frozen=True)
+class MedusaRecipe(Recipe):
+    """K Medusa heads, exported in `spec_jax.checkpoints.medusa`'s format. Fresh heads start as the
+    target's LM head (zero blocks, norms from its final norm); init_from: exported heads of the
+    same shape."""
 
-    out_dir = Path(out_dir)
-    medusa_cfg = MedusaConfig.for_target(target.cfg, num_heads=num_heads, num_res_blocks=num_res_blocks)
-    check_compatible(medusa_cfg, target.cfg)
-    if init_from is not None:  # a mismatched --init-from fails before the target feature pass
+    kind = "medusa"
+    title = "Medusa"
+
+    cfg: MedusaConfig
+    head_decay: float = 0.8
+    positions: int = 32
+
+    @classmethod
+    def for_target(cls, target: Any, num_heads: int = 4, num_res_blocks: int = 1, **settings: Any) -> MedusaRecipe:
+        from spec_jax.drafters.medusa import check_compatible
+
+        medusa_cfg = MedusaConfig.for_target(target.cfg, num_heads=num_heads, num_res_blocks=num_res_blocks)
+        check_compatible(medusa_cfg, target.cfg)
+        return cls(medusa_cfg, **settings)
+
+    @classmethod
+    def from_flags(cls, target: Any, flags: Any) -> MedusaRecipe:
+        return cls.for_target(target, flags.k, flags.layers or 1, positions=flags.answer_positions)
+
+    @property
+    def drafter(self) -> Any:
+        from spec_jax.drafters.medusa import MedusaDrafter
+
+        return MedusaDrafter(self.cfg)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return (self.cfg.capture_layer,)
+
+    def records(self) -> tuple[dict, dict]:
+        settings = {"drafter": dataclasses.asdict(self.cfg), "head_decay": self.head_decay,
+                    "positions": self.positions}
+        return settings, {"num_heads": self.cfg.num_heads, "num_res_blocks": self.cfg.num_res_blocks,
+                          "head_decay": self.head_decay, "positions": self.positions}
+
+    def initial_params(self, target: Any, seed: int, init_from: str | Path | None) -> Any:
+        from spec_jax.checkpoints import CheckpointError
+        from spec_jax.checkpoints.medusa import load_medusa
+        from spec_jax.drafters.medusa import identity_medusa_params, target_final_norm
+
+        if init_from is None:
+            return jax.device_get(identity_medusa_params(self.cfg, target_final_norm(target.target)))
         saved, init = load_medusa(init_from)
-        if dataclasses.replace(saved.cfg, dtype=medusa_cfg.dtype) != medusa_cfg:
+        if dataclasses.replace(saved.cfg, dtype=self.cfg.dtype) != self.cfg:
             raise CheckpointError(
                 f"--init-from {init_from}: those heads ({saved.cfg}) differ from the ones this run trains "
-                f"({medusa_cfg}); pass matching --k/--layers or drop --init-from."
+                f"({self.cfg}); pass matching --k/--layers or drop --init-from."
             )
-        init = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), init)
-    else:
-        init = jax.device_get(identity_medusa_params(medusa_cfg, target_final_norm(target.target)))
-    data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
-    capture = (medusa_cfg.capture_layer,)
-    mode = feature_mode(features, data, capture, target.cfg.hidden_size)
-    loss, batches, feature_s = _loss_and_batches(
-        MedusaLoss(medusa_cfg, target.cfg, head_decay=head_decay, positions=positions),
-        target, data, capture, cfg, mode, progress, out_dir, feature_cache,
-    )
-    drafter = MedusaDrafter(medusa_cfg)
-    result = train(
-        loss, init, target.params, batches, cfg, out_dir,
-        run_config={"kind": "medusa", **run_provenance(target, data),
-                    "drafter": dataclasses.asdict(medusa_cfg), "head_decay": head_decay,
-                    "positions": positions, "data_tokens": data.num_tokens,
-                    "init_from": str(init_from) if init_from else None},
-        evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
-        progress=progress,
-    )
-    params = jax.device_get(result.state.params)
-    save_medusa(out_dir / "drafter", medusa_cfg, params, overwrite=True)
-    write_report(out_dir, "Medusa", result, {
-        "kind": "medusa", "data_sequences": len(data), "data_tokens": data.num_tokens,
-        "num_heads": num_heads, "num_res_blocks": num_res_blocks, "head_decay": head_decay,
-        "positions": positions, "init_from": str(init_from) if init_from else None,
-        "target_features": mode, "feature_seconds": feature_s, "held_out": eval_source,
-        "eval_tokens": eval_tokens, "backend": jax.default_backend(), "train": dataclasses.asdict(cfg),
-    })
-    return drafter, params, result
+        return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), init)
+
+    def loss(self, target: Any, draft_ids: np.ndarray | None) -> Any:
+        return MedusaLoss(self.cfg, target.cfg, head_decay=self.head_decay, positions=self.positions)
+
+    def export(self, drafter_dir: Path, params: Any, target: Any) -> None:
+        from spec_jax.checkpoints.medusa import save_medusa
+
+        save_medusa(drafter_dir, self.cfg, params, overwrite=True)
+
+
+def train_medusa(target: Any, data: Any, out_dir: str | Path, cfg: TrainConfig, num_heads: int = 4,
+                 num_res_blocks: int = 1, head_decay: float = 0.8, positions: int = 32,
+                 **options: Any) -> tuple[Any, Any, TrainResult]:
+    """Train K Medusa heads for a loaded target (`MedusaRecipe`) and export them to
+    out_dir/drafter; options: `spec_jax.training.run.train_drafter`'s. Resumable: re-running with
+    the same settings continues from out_dir's latest checkpoint."""
+    recipe = MedusaRecipe.for_target(target, num_heads, num_res_blocks, head_decay=head_decay, positions=positions)
+    return train_drafter(recipe, target, data, out_dir, cfg, **options)

@@ -1,7 +1,12 @@
-"""End-to-end drafter training for a target: features, the loop, held-out tau, export, report.
+"""End-to-end drafter training for a target: one skeleton, one recipe per drafter kind.
 
-Used by `spec-jax train dflash|draft-model`. Exports in the format `--drafter` loads: DFlash in the
-z-lab format (`spec_jax.checkpoints.dflash.save_dflash`), a draft model as an HF directory.
+`train_drafter(recipe, target, data, out_dir, cfg)` runs every kind the same way: initial params
+(fresh, or `--init-from` a saved drafter) -> held-out split -> the target's features -> the optax
+loop with progress and held-out tau -> export (atomic) -> training log and curve. A `Recipe`
+supplies what differs per kind (its loss, init, export); `spec-jax train KIND` builds one from its
+flags through the kind's entry in `spec_jax.drafters.registry`. Exports are in the format
+`--drafter` loads: DFlash in the z-lab (or speculators) format, a draft model as an HF directory,
+EAGLE-3 in the speculators format, Medusa heads in theirs (`spec_jax.training.medusa`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.models.config import ModelConfig
+from spec_jax.drafters.draft_vocab import offsets
+from spec_jax.models.config import ModelConfig, config_fields
 from spec_jax.models.decoder import init_params
 from spec_jax.training.data import TokenDataset, iterate_batches
 from spec_jax.training.features import gather_features, pooled_features
@@ -27,24 +33,20 @@ from spec_jax.training.trainer import TrainConfig, TrainResult, train
 def smollm2_dflash_config(target_cfg: ModelConfig, block_size: int = 8, num_layers: int = 2):
     """A DFlash drafter shaped for a target: the target's width and heads, Qwen3-style layers,
     context from four target layers spread over its depth, an unused special token as mask."""
-    from spec_jax.drafters.dflash import DFlashConfig
+    from spec_jax.drafters.dflash import DFlashConfig, dflash_layers
 
     n = target_cfg.num_layers
     ids = tuple(sorted({int(round(1 + i * (n - 4) / 3)) for i in range(4)}))
     return DFlashConfig(
-        num_layers=num_layers,
-        hidden_size=target_cfg.hidden_size,
-        num_heads=target_cfg.num_heads,
-        num_kv_heads=target_cfg.num_kv_heads,
-        head_dim=target_cfg.head_dim,
-        intermediate_size=target_cfg.intermediate_size,
+        layer=dflash_layers(
+            num_layers, target_cfg.hidden_size, target_cfg.num_heads, target_cfg.num_kv_heads,
+            target_cfg.head_dim, target_cfg.intermediate_size, vocab_size=target_cfg.vocab_size,
+            rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
+        ),
         block_size=block_size,
         target_layer_ids=ids,
         mask_token_id=7,  # SmolLM2 '<gh_stars>': never produced in chat; any fixed id works
-        rms_norm_eps=target_cfg.rms_norm_eps,
-        rope_theta=target_cfg.rope_theta,
         num_target_layers=n,
-        vocab_size=target_cfg.vocab_size,
     )
 
 
@@ -83,40 +85,26 @@ def init_draft_from_target(student_cfg: ModelConfig, target_params: Any, key: ja
 
 
 # Config fields that follow the layer count: a deeper run may differ from its --init-from in these.
-PER_LAYER_FIELDS = ("num_layers", "layer_types", "layer_windows")
+PER_LAYER_FIELDS = ("num_layers", "layer_types")
 
 
-def warm_start_params(kind: str, path: str | Path, expected_cfg: Any, fresh: Any = None) -> Any:
-    """Params of an exported drafter (`drafter/` of an earlier run, or a shipped one) to continue
-    training from; its config must equal the one this run trains (a DFlash block size may differ),
-    else a clear error. With `fresh` (this run's own initial params), a run with more layers than
-    the saved drafter grows it: the saved layers carry over and the extra ones come from `fresh`,
-    starting as the identity."""
+def warm_start_params(
+    kind: str, path: str | Path, found: Any, params: Any, expected_cfg: Any, fresh: Any = None,
+    free: Sequence[str] = ("dtype",),
+) -> Any:
+    """Params of an exported drafter (`drafter/` of an earlier run, or a shipped one; `found` is its
+    config, `params` its weights) to continue training from; its config must equal the one this
+    run trains except in `free` fields, else a clear error. With `fresh` (this run's own initial
+    params), a run with more layers than the saved drafter grows it: the saved layers carry over
+    and the extra ones come from `fresh`, starting as the identity."""
     from spec_jax.checkpoints import CheckpointError
 
-    if kind == "dflash":
-        from spec_jax.checkpoints.dflash import load_dflash
-
-        drafter, params = load_dflash(path)
-        found = drafter.cfg
-    elif kind == "eagle3":
-        from spec_jax.checkpoints.eagle3 import load_eagle3
-
-        drafter, params = load_eagle3(path)
-        found = drafter.cfg
-    else:
-        from spec_jax.checkpoints.hf import load_hf_dir
-
-        found, params = load_hf_dir(Path(path), "float32")
-    # No DFlash weight depends on the block size (drafts are positions of one block, told apart by
-    # RoPE), so a block-8 drafter warm-starts a block-16 run and the reverse.
-    free = ("dtype", "block_size") if kind == "dflash" else ("dtype",)
-    keys = [f.name for f in dataclasses.fields(expected_cfg) if f.name not in free]
-    differ = [k for k in keys if getattr(found, k, None) != getattr(expected_cfg, k)]
+    found_fields, expected_fields = config_fields(found), config_fields(expected_cfg)
+    differ = [k for k in expected_fields if k not in free and found_fields.get(k) != expected_fields[k]]
     if fresh is not None and _only_deeper(found, expected_cfg, differ):
         params = identity_layers_appended(params, fresh["layers"][found.num_layers:])
     elif differ:
-        detail = ", ".join(f"{k}: {getattr(found, k, None)} there, {getattr(expected_cfg, k)} here" for k in differ)
+        detail = ", ".join(f"{k}: {found_fields.get(k)} there, {expected_fields[k]} here" for k in differ)
         raise CheckpointError(
             f"--init-from {path}: that {kind} drafter differs from the one this run trains ({detail}); "
             "pass matching --layers/--hidden (a larger --layers grows a dflash or "
@@ -222,16 +210,20 @@ def feature_mode(mode: str, data: TokenDataset, capture_layers: Sequence[int], h
     return "per-step"
 
 
-def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode: str, progress: bool,
-                      out_dir: Path, feature_cache: str | Path | None):
-    """The loss and batch stream for a feature mode, and the seconds spent precomputing.
-    Precomputed features live in feature_cache (default out_dir/target_features), memory-mapped,
-    one store per data file or shard: a resumed run or a later one sharing parts of the data
-    skips their pass."""
+def target_feature_batches(loss, target, data, capture_layers, cfg: TrainConfig, features: str,
+                           progress: bool, out_dir: Path, feature_cache: str | Path | None):
+    """(loss, batch stream, feature mode, seconds spent precomputing) for a loss that reads the
+    target's hidden states at `capture_layers` (() = its final ones only; None = none: no target
+    pass). Precomputed features live in feature_cache (default out_dir/target_features),
+    memory-mapped, one store per data file or shard: a resumed run or a later one sharing parts
+    of the data skips their pass."""
     from spec_jax.training.features import WithTargetFeatures
 
+    if capture_layers is None:
+        return loss, _batches(data, None, cfg), "none", 0.0
+    mode = feature_mode(features, data, capture_layers, target.cfg.hidden_size)
     if mode == "per-step":
-        return WithTargetFeatures(loss, target.cfg, tuple(capture_layers)), _batches(data, None, cfg), 0.0
+        return WithTargetFeatures(loss, target.cfg, tuple(capture_layers)), _batches(data, None, cfg), mode, 0.0
     t0 = time.perf_counter()
     import ml_dtypes
 
@@ -239,7 +231,7 @@ def _loss_and_batches(loss, target, data, capture_layers, cfg: TrainConfig, mode
     pool = Path(feature_cache) if feature_cache else out_dir / "target_features"
     features = pooled_features(target.params, target.cfg, data, capture_layers, cfg.seq_len, pool,
                                dtype=dtype, progress=progress)
-    return loss, _batches(data, features, cfg), time.perf_counter() - t0
+    return loss, _batches(data, features, cfg), mode, time.perf_counter() - t0
 
 
 def _batches(data: TokenDataset, features, cfg: TrainConfig):
@@ -289,82 +281,96 @@ def write_report(out_dir: Path, name: str, result: TrainResult, meta: dict[str, 
     plt.close(fig)
 
 
-def train_dflash(
+
+
+# --------------------------------------------------------------------------- the skeleton
+class Recipe:
+    """What one drafter kind brings to `train_drafter`. A kind registers its recipe class in
+    `spec_jax.drafters.registry`; `spec-jax train KIND` builds it with `from_flags`.
+
+    Attributes (plain or properties): `kind` (the registry name, recorded in the run config and
+    log), `title` (the curve's), `drafter` (what held-out tau decodes with) and `capture_layers`
+    (target layers the loss reads: () its final hidden states only, None no target pass)."""
+
+    kind: str = ""
+    title: str = ""
+    capture_layers: tuple[int, ...] | None = ()
+
+    @classmethod
+    def from_flags(cls, target: Any, flags: Any) -> Recipe:
+        """The recipe for `spec-jax train KIND`'s flags (an argparse namespace)."""
+        raise NotImplementedError
+
+    def records(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(settings the run config records, so a resume with others is refused; fields the
+        training log adds)."""
+        raise NotImplementedError
+
+    def initial_params(self, target: Any, seed: int, init_from: str | Path | None) -> Any:
+        """Host params to start from: fresh, or those of the exported drafter at `init_from`
+        (a mismatch fails here, before the target's feature pass)."""
+        raise NotImplementedError
+
+    def draft_vocabulary(self, init: Any, warm: bool, all_data: TokenDataset, train_data: TokenDataset,
+                         target: Any) -> np.ndarray | None:
+        """Target ids of the drafter's own reduced vocabulary, fixed from the data (and `init`
+        made ready to train its head); None: the target's vocabulary."""
+        return None
+
+    def loss(self, target: Any, draft_ids: np.ndarray | None) -> Any:
+        """loss(params, target_params, batch, key) -> (loss, metrics)."""
+        raise NotImplementedError
+
+    def export(self, drafter_dir: Path, params: Any, target: Any) -> None:
+        """Write the trained drafter where `--drafter KIND=drafter_dir` loads it."""
+        raise NotImplementedError
+
+
+def train_drafter(
+    recipe: Recipe,
     target: Any,
     data: TokenDataset,
     out_dir: str | Path,
     cfg: TrainConfig,
-    dflash_cfg: Any = None,
-    num_anchors: int = 8,
-    kl_weight: float = 0.0,
-    teacher_labels: bool = False,
+    *,
     eval_prompts: int = 4,
     eval_tokens: int = 64,
     features: str = "auto",
     feature_cache: str | Path | None = None,
     progress: bool = True,
     init_from: str | Path | None = None,
-    draft_vocab_size: int | None = None,
 ) -> tuple[Any, Any, TrainResult]:
-    """init_from: an exported DFlash drafter dir to continue from (same config) instead of random.
-    draft_vocab_size: give the drafter its own head over the data's most frequent answer tokens
-    (rows start from the target's LM head; exported in the speculators format). A full-vocabulary
-    init_from drafter gets that head added; a reduced one keeps its own vocabulary."""
-    from spec_jax.checkpoints.dflash import read_dflash_config, save_dflash
-    from spec_jax.drafters.dflash import DFlashDrafter, check_compatible, init_dflash_params
-    from spec_jax.drafters.draft_vocab import offsets
-    from spec_jax.training.dflash import DFlashLoss
-
+    """Train `recipe`'s drafter for a loaded target and export it to out_dir/drafter; returns
+    (drafter, exported params, result). Resumable: re-running with the same settings continues
+    from out_dir's latest checkpoint. init_from: an exported drafter dir to continue from."""
     out_dir = Path(out_dir)
-    dflash_cfg = dflash_cfg or smollm2_dflash_config(target.cfg)
-    size = draft_vocab_size if draft_vocab_size and draft_vocab_size < target.cfg.vocab_size else None
-    dflash_cfg = dataclasses.replace(dflash_cfg, draft_vocab_size=size, vocab_size=target.cfg.vocab_size)
-    check_compatible(dflash_cfg, target.cfg)
-    # Warm-start params first: a mismatched --init-from fails before the target feature pass.
-    if init_from is not None:
-        saved_vocab = read_dflash_config(Path(init_from)).draft_vocab_size
-        # A full-vocabulary drafter may start a reduced-vocabulary run: its head is added below.
-        expected = dflash_cfg if saved_vocab or not size else dataclasses.replace(dflash_cfg, draft_vocab_size=None)
-        fresh = jax.device_get(init_dflash_params(expected, jax.random.key(cfg.seed)))
-        init = warm_start_params("dflash", init_from, expected, fresh)
-    else:
-        init = jax.device_get(init_dflash_params(dflash_cfg, jax.random.key(cfg.seed)))
-    data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
-    draft_ids = take_draft_vocabulary(init, init_from is not None, size, data, target) if size else None
-    mode = feature_mode(features, data, dflash_cfg.target_layer_ids, target.cfg.hidden_size)
-    drafter = DFlashDrafter(dflash_cfg)
-    vocab_map = {} if size is None else {"d2t": jnp.asarray(offsets(draft_ids))}
-    loss, batches, feature_s = _loss_and_batches(
-        DFlashLoss(dflash_cfg, target.cfg, num_anchors=num_anchors, kl_weight=kl_weight,
-                   teacher_labels=teacher_labels,
-                   draft_ids=None if size is None else tuple(int(i) for i in draft_ids)),
-        target, data, dflash_cfg.target_layer_ids, cfg, mode, progress, out_dir, feature_cache,
+    init = recipe.initial_params(target, cfg.seed, init_from)
+    train_data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
+    draft_ids = recipe.draft_vocabulary(init, init_from is not None, data, train_data, target)
+    # The draft vocabulary's map is fixed by the data: it travels with the params, untrained.
+    vocab_map = {} if draft_ids is None else {"d2t": jnp.asarray(offsets(draft_ids))}
+    loss, batches, mode, feature_s = target_feature_batches(
+        recipe.loss(target, draft_ids), target, train_data, recipe.capture_layers, cfg, features,
+        progress, out_dir, feature_cache,
     )
+    drafter, source = recipe.drafter, str(init_from) if init_from else None
+    settings, report = recipe.records()
     result = train(
-        loss,
-        init,
-        target.params,
-        batches,
-        cfg,
-        out_dir,
-        run_config={"kind": "dflash", **run_provenance(target, data),
-                    "drafter": dataclasses.asdict(dflash_cfg), "anchors": num_anchors,
-                    "kl_weight": kl_weight, "teacher_labels": teacher_labels, "data_tokens": data.num_tokens,
-                    "init_from": str(init_from) if init_from else None,
-                    # The draft vocabulary comes from the data: a resume over other data must not reuse it.
-                    **({} if size is None else {"draft_vocab_sha256": _sha256(draft_ids)})},
+        loss, init, target.params, batches, cfg, out_dir,
+        run_config={"kind": recipe.kind, **run_provenance(target, train_data), **settings,
+                    "data_tokens": train_data.num_tokens, "init_from": source,
+                    # A resume over other data must not reuse another draft vocabulary.
+                    **({} if draft_ids is None else {"draft_vocab_sha256": _sha256(draft_ids)})},
         evaluate=lambda params, step: held_out_tau(target, drafter, {**params, **vocab_map}, prompts, eval_tokens),
         progress=progress,
     )
     params = {**jax.device_get(result.state.params), **jax.device_get(vocab_map)}
-    save_dflash(out_dir / "drafter", dflash_cfg, params, overwrite=True,
-                layout="z-lab" if size is None else "speculators")
-    write_report(out_dir, "DFlash", result, {
-        "kind": "dflash", "data_sequences": len(data), "data_tokens": data.num_tokens,
-        "anchors": num_anchors, "kl_weight": kl_weight, "teacher_labels": teacher_labels,
-        "draft_vocab_size": size, "init_from": str(init_from) if init_from else None,
-        "target_features": mode, "feature_seconds": feature_s, "held_out": eval_source,
-        "eval_tokens": eval_tokens, "backend": jax.default_backend(), "train": dataclasses.asdict(cfg),
+    recipe.export(out_dir / "drafter", params, target)
+    write_report(out_dir, recipe.title, result, {
+        "kind": recipe.kind, "data_sequences": len(train_data), "data_tokens": train_data.num_tokens,
+        **report, "init_from": source, "target_features": mode, "feature_seconds": feature_s,
+        "held_out": eval_source, "eval_tokens": eval_tokens, "backend": jax.default_backend(),
+        "train": dataclasses.asdict(cfg),
     })
     return drafter, params, result
 
@@ -389,71 +395,142 @@ def _sha256(ids: Any) -> str:
     return hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()
 
 
-def train_draft_model(
-    target: Any,
-    data: TokenDataset,
-    out_dir: str | Path,
-    cfg: TrainConfig,
-    student_cfg: ModelConfig | None = None,
-    kl_weight: float = 1.0,
-    eval_prompts: int = 4,
-    eval_tokens: int = 64,
-    k: int = 4,
-    positions: int = 64,
-    features: str = "auto",
-    feature_cache: str | Path | None = None,
-    progress: bool = True,
-    init_from: str | Path | None = None,
-) -> tuple[Any, Any, TrainResult]:
-    """init_from: an exported draft-model dir to continue from (same config) instead of a fresh
-    student with the target's projected embedding."""
-    from spec_jax.checkpoints import save_hf_dir
-    from spec_jax.drafters.draft_model import DraftModelDrafter
-    from spec_jax.training.draft_model import DraftModelLoss
+# --------------------------------------------------------------------------- the recipes
+@dataclasses.dataclass(frozen=True)
+class DFlashRecipe(Recipe):
+    """DFlash (`spec_jax.training.dflash`). draft_vocab_size on `for_target`: give the drafter its
+    own head over the data's most frequent answer tokens (rows start from the target's LM head;
+    exported in the speculators format). A full-vocabulary init_from drafter gets that head
+    added; a reduced one keeps its own vocabulary. A DFlash drafter warm-starts a run of another
+    block size: no weight depends on it (drafts are positions of one block, told apart by RoPE)."""
 
-    out_dir = Path(out_dir)
-    student_cfg = student_cfg or small_draft_config(target.cfg)
-    if init_from is not None:
-        fresh = jax.device_get(init_params(student_cfg, jax.random.key(cfg.seed)))
-        init = warm_start_params("draft-model", init_from, student_cfg, fresh)
-    else:
-        init = init_draft_from_target(student_cfg, target.params, jax.random.key(cfg.seed))
-    data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
-    loss = DraftModelLoss(student_cfg, target.cfg, kl_weight=kl_weight, positions=positions)
-    if kl_weight > 0:  # the teacher's final hidden states, for its logits
-        mode = feature_mode(features, data, (), target.cfg.hidden_size)
-        loss, batches, feature_s = _loss_and_batches(
-            loss, target, data, (), cfg, mode, progress, out_dir, feature_cache
-        )
-    else:  # cross-entropy on the target's own answers needs no target pass
-        mode, batches, feature_s = "none", _batches(data, None, cfg), 0.0
-    drafter = DraftModelDrafter(student_cfg, k=k)
-    result = train(
-        loss,
-        init,
-        target.params,
-        batches,
-        cfg,
-        out_dir,
-        run_config={"kind": "draft-model", **run_provenance(target, data),
-                    "student": dataclasses.asdict(student_cfg),
-                    "kl_weight": kl_weight, "positions": positions, "data_tokens": data.num_tokens,
-                    "init_from": str(init_from) if init_from else None},
-        evaluate=lambda params, step: held_out_tau(target, drafter, params, prompts, eval_tokens),
-        progress=progress,
-    )
-    save_hf_dir(
-        out_dir / "drafter", student_cfg, jax.device_get(result.state.params),
-        tokenizer=target.tokenizer, overwrite=True,
-    )
-    write_report(out_dir, "draft model", result, {
-        "kind": "draft-model", "data_sequences": len(data), "data_tokens": data.num_tokens,
-        "kl_weight": kl_weight, "k": k, "init_from": str(init_from) if init_from else None,
-        "target_features": mode, "feature_seconds": feature_s,
-        "held_out": eval_source, "eval_tokens": eval_tokens, "backend": jax.default_backend(),
-        "train": dataclasses.asdict(cfg),
-    })
-    return drafter, result.state.params, result
+    kind = "dflash"
+    title = "DFlash"
+
+    cfg: Any  # DFlashConfig with the target's vocabulary size and the draft vocabulary size
+    num_anchors: int = 8
+    kl_weight: float = 0.0
+    teacher_labels: bool = False
+
+    @classmethod
+    def for_target(cls, target: Any, dflash_cfg: Any = None, draft_vocab_size: int | None = None,
+                   **settings: Any) -> DFlashRecipe:
+        from spec_jax.drafters.dflash import check_compatible
+
+        dflash_cfg = dflash_cfg or smollm2_dflash_config(target.cfg)
+        size = draft_vocab_size if draft_vocab_size and draft_vocab_size < target.cfg.vocab_size else None
+        dflash_cfg = dataclasses.replace(dflash_cfg, draft_vocab_size=size,
+                                         layer=dflash_cfg.layer.replace(vocab_size=target.cfg.vocab_size))
+        check_compatible(dflash_cfg, target.cfg)
+        return cls(dflash_cfg, **settings)
+
+    @classmethod
+    def from_flags(cls, target: Any, flags: Any) -> DFlashRecipe:
+        dflash_cfg = smollm2_dflash_config(target.cfg, flags.block_size, flags.layers or 2)
+        return cls.for_target(target, dflash_cfg, flags.draft_vocab, num_anchors=flags.anchors,
+                              kl_weight=flags.kl_weight or 0.0, teacher_labels=flags.teacher_labels)
+
+    @property
+    def drafter(self) -> Any:
+        from spec_jax.drafters.dflash import DFlashDrafter
+
+        return DFlashDrafter(self.cfg)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.cfg.target_layer_ids
+
+    def records(self) -> tuple[dict, dict]:
+        settings = {"drafter": dataclasses.asdict(self.cfg), "anchors": self.num_anchors,
+                    "kl_weight": self.kl_weight, "teacher_labels": self.teacher_labels}
+        return settings, {"anchors": self.num_anchors, "kl_weight": self.kl_weight,
+                          "teacher_labels": self.teacher_labels, "draft_vocab_size": self.cfg.draft_vocab_size}
+
+    def initial_params(self, target: Any, seed: int, init_from: str | Path | None) -> Any:
+        from spec_jax.checkpoints.dflash import load_dflash, read_dflash_config
+        from spec_jax.drafters.dflash import init_dflash_params
+
+        if init_from is None:
+            return jax.device_get(init_dflash_params(self.cfg, jax.random.key(seed)))
+        saved_vocab = read_dflash_config(Path(init_from)).draft_vocab_size
+        # A full-vocabulary drafter may start a reduced-vocabulary run: its head is added later.
+        expected = (self.cfg if saved_vocab or not self.cfg.draft_vocab_size
+                    else dataclasses.replace(self.cfg, draft_vocab_size=None))
+        fresh = jax.device_get(init_dflash_params(expected, jax.random.key(seed)))
+        saved, params = load_dflash(init_from)
+        return warm_start_params("dflash", init_from, saved.cfg, params, expected, fresh,
+                                 free=("dtype", "block_size"))
+
+    def draft_vocabulary(self, init, warm, all_data, train_data, target):
+        size = self.cfg.draft_vocab_size
+        return take_draft_vocabulary(init, warm, size, train_data, target) if size else None
+
+    def loss(self, target: Any, draft_ids: np.ndarray | None) -> Any:
+        from spec_jax.training.dflash import DFlashLoss
+
+        return DFlashLoss(self.cfg, target.cfg, num_anchors=self.num_anchors, kl_weight=self.kl_weight,
+                          teacher_labels=self.teacher_labels,
+                          draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids))
+
+    def export(self, drafter_dir: Path, params: Any, target: Any) -> None:
+        from spec_jax.checkpoints.dflash import save_dflash
+
+        save_dflash(drafter_dir, self.cfg, params, overwrite=True,
+                    layout="z-lab" if self.cfg.draft_vocab_size is None else "speculators")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelRecipe(Recipe):
+    """A small draft LM (`spec_jax.training.draft_model`): fresh, it starts with the target's
+    projected embedding; with kl_weight 0 it trains on the target's answers alone (no target pass)."""
+
+    kind = "draft-model"
+    title = "draft model"
+
+    student: ModelConfig
+    kl_weight: float = 1.0
+    k: int = 4  # drafts per step of held-out tau
+    positions: int = 64
+
+    @classmethod
+    def from_flags(cls, target: Any, flags: Any) -> DraftModelRecipe:
+        return cls(small_draft_config(target.cfg, flags.hidden, flags.layers or 2),
+                   kl_weight=1.0 if flags.kl_weight is None else flags.kl_weight,
+                   positions=flags.answer_positions)
+
+    @property
+    def drafter(self) -> Any:
+        from spec_jax.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(self.student, k=self.k)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...] | None:
+        return () if self.kl_weight > 0 else None  # the teacher's final hidden states, for its logits
+
+    def records(self) -> tuple[dict, dict]:
+        settings = {"student": dataclasses.asdict(self.student), "kl_weight": self.kl_weight,
+                    "positions": self.positions}
+        return settings, {"kl_weight": self.kl_weight, "k": self.k}
+
+    def initial_params(self, target: Any, seed: int, init_from: str | Path | None) -> Any:
+        from spec_jax.checkpoints.hf import load_hf_dir
+
+        if init_from is None:
+            return init_draft_from_target(self.student, target.params, jax.random.key(seed))
+        fresh = jax.device_get(init_params(self.student, jax.random.key(seed)))
+        found, params = load_hf_dir(Path(init_from), "float32")
+        return warm_start_params("draft-model", init_from, found, params, self.student, fresh)
+
+    def loss(self, target: Any, draft_ids: np.ndarray | None) -> Any:
+        from spec_jax.training.draft_model import DraftModelLoss
+
+        return DraftModelLoss(self.student, target.cfg, kl_weight=self.kl_weight, positions=self.positions)
+
+    def export(self, drafter_dir: Path, params: Any, target: Any) -> None:
+        from spec_jax.checkpoints import save_hf_dir
+
+        save_hf_dir(drafter_dir, self.student, params, tokenizer=target.tokenizer, overwrite=True)
 
 
 def eagle3_config(
@@ -465,7 +542,7 @@ def eagle3_config(
     from spec_jax.drafters.eagle3 import Eagle3Config, default_aux_layer_ids
 
     return Eagle3Config(
-        layer=target_cfg.replace(num_layers=num_layers, layer_windows=(), bos_token_id=None,
+        layer=target_cfg.replace(num_layers=num_layers, layer_types=(), bos_token_id=None,
                                  eos_token_ids=(), tie_embeddings=False, dtype="float32"),
         draft_vocab_size=draft_vocab_size or target_cfg.vocab_size,
         aux_layer_ids=default_aux_layer_ids(target_cfg.num_layers, distinct=True),
@@ -474,65 +551,93 @@ def eagle3_config(
     )
 
 
-def train_eagle3(
-    target: Any,
-    data: TokenDataset,
-    out_dir: str | Path,
-    cfg: TrainConfig,
-    num_layers: int = 1,
-    draft_vocab_size: int | None = None,
-    ttt_steps: int = 3,
-    k: int = 4,
-    eval_prompts: int = 4,
-    eval_tokens: int = 64,
-    features: str = "auto",
-    feature_cache: str | Path | None = None,
-    progress: bool = True,
-    init_from: str | Path | None = None,
-) -> tuple[Any, Any, TrainResult]:
-    """Train an EAGLE-3 head (multi-step, see `spec_jax.training.eagle3`) and export it in the
-    speculators format to out_dir/drafter. The draft vocabulary is the data's most frequent
-    answer tokens (plus the target's EOS ids); its lm_head rows start from the target's own
-    output embedding of those tokens. init_from: an exported EAGLE-3 head to continue from."""
-    from spec_jax.checkpoints.eagle3 import save_eagle3
-    from spec_jax.drafters.eagle3 import Eagle3Drafter, check_compatible, init_eagle3_params
-    from spec_jax.drafters.draft_vocab import offsets
-    from spec_jax.training.eagle3 import Eagle3Loss
+@dataclasses.dataclass(frozen=True)
+class Eagle3Recipe(Recipe):
+    """An EAGLE-3 head (multi-step, `spec_jax.training.eagle3`), exported in the speculators
+    format. Its draft vocabulary is the data's most frequent answer tokens (plus the target's EOS
+    ids); its lm_head rows start from the target's own output embedding of those tokens."""
 
-    out_dir = Path(out_dir)
-    size = min(draft_vocab_size or target.cfg.vocab_size, target.cfg.vocab_size)
-    eagle_cfg = eagle3_config(target.cfg, num_layers, size, k)
-    check_compatible(eagle_cfg, target.cfg)
-    if init_from is not None:
-        init = warm_start_params("eagle3", init_from, eagle_cfg)
-    else:
-        init = jax.device_get(init_eagle3_params(eagle_cfg, jax.random.key(cfg.seed)))
-    draft_ids = take_draft_vocabulary(init, init_from is not None, size, data, target)
-    data, prompts, eval_source = held_out_prompts(target, data, eval_prompts, cfg.seed, cfg.seq_len)
-    mode = feature_mode(features, data, eagle_cfg.capture_layers, target.cfg.hidden_size)
-    loss, batches, feature_s = _loss_and_batches(
-        Eagle3Loss(eagle_cfg, target.cfg, tuple(int(i) for i in draft_ids), ttt_steps=ttt_steps),
-        target, data, eagle_cfg.capture_layers, cfg, mode, progress, out_dir, feature_cache,
-    )
-    d2t = jnp.asarray(offsets(draft_ids))
-    drafter = Eagle3Drafter(eagle_cfg, k=k)
-    result = train(
-        loss, init, target.params, batches, cfg, out_dir,
-        # The draft vocabulary comes from the data: a resume over other data must not reuse it.
-        run_config={"kind": "eagle3", **run_provenance(target, data),
-                    "drafter": dataclasses.asdict(eagle_cfg), "ttt_steps": ttt_steps,
-                    "data_tokens": data.num_tokens, "init_from": str(init_from) if init_from else None,
-                    "draft_vocab_sha256": _sha256(draft_ids)},
-        evaluate=lambda params, step: held_out_tau(target, drafter, {**params, "d2t": d2t}, prompts, eval_tokens),
-        progress=progress,
-    )
-    params = {**jax.device_get(result.state.params), "d2t": np.asarray(d2t)}
-    save_eagle3(out_dir / "drafter", eagle_cfg, params, overwrite=True)
-    write_report(out_dir, "EAGLE-3", result, {
-        "kind": "eagle3", "data_sequences": len(data), "data_tokens": data.num_tokens,
-        "draft_vocab_size": size, "ttt_steps": ttt_steps, "k": k,
-        "init_from": str(init_from) if init_from else None, "target_features": mode,
-        "feature_seconds": feature_s, "held_out": eval_source, "eval_tokens": eval_tokens,
-        "backend": jax.default_backend(), "train": dataclasses.asdict(cfg),
-    })
-    return drafter, params, result
+    kind = "eagle3"
+    title = "EAGLE-3"
+
+    cfg: Any  # Eagle3Config
+    ttt_steps: int = 3
+    k: int = 4
+
+    @classmethod
+    def for_target(cls, target: Any, num_layers: int = 1, draft_vocab_size: int | None = None, k: int = 4,
+                   ttt_steps: int = 3) -> Eagle3Recipe:
+        from spec_jax.drafters.eagle3 import check_compatible
+
+        size = min(draft_vocab_size or target.cfg.vocab_size, target.cfg.vocab_size)
+        eagle_cfg = eagle3_config(target.cfg, num_layers, size, k)
+        check_compatible(eagle_cfg, target.cfg)
+        return cls(eagle_cfg, ttt_steps=ttt_steps, k=k)
+
+    @classmethod
+    def from_flags(cls, target: Any, flags: Any) -> Eagle3Recipe:
+        return cls.for_target(target, flags.layers or 1, flags.draft_vocab or 8192, flags.k, flags.ttt_steps)
+
+    @property
+    def drafter(self) -> Any:
+        from spec_jax.drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(self.cfg, k=self.k)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.cfg.capture_layers
+
+    def records(self) -> tuple[dict, dict]:
+        settings = {"drafter": dataclasses.asdict(self.cfg), "ttt_steps": self.ttt_steps}
+        return settings, {"draft_vocab_size": self.cfg.draft_vocab_size, "ttt_steps": self.ttt_steps, "k": self.k}
+
+    def initial_params(self, target: Any, seed: int, init_from: str | Path | None) -> Any:
+        from spec_jax.checkpoints.eagle3 import load_eagle3
+        from spec_jax.drafters.eagle3 import init_eagle3_params
+
+        if init_from is None:
+            return jax.device_get(init_eagle3_params(self.cfg, jax.random.key(seed)))
+        saved, params = load_eagle3(init_from)
+        return warm_start_params("eagle3", init_from, saved.cfg, params, self.cfg)
+
+    def draft_vocabulary(self, init, warm, all_data, train_data, target):
+        return take_draft_vocabulary(init, warm, self.cfg.draft_vocab_size, all_data, target)
+
+    def loss(self, target: Any, draft_ids: np.ndarray | None) -> Any:
+        from spec_jax.training.eagle3 import Eagle3Loss
+
+        return Eagle3Loss(self.cfg, target.cfg, tuple(int(i) for i in draft_ids), ttt_steps=self.ttt_steps)
+
+    def export(self, drafter_dir: Path, params: Any, target: Any) -> None:
+        from spec_jax.checkpoints.eagle3 import save_eagle3
+
+        save_eagle3(drafter_dir, self.cfg, params, overwrite=True)
+
+
+# --------------------------------------------------------------------------- by name, from Python
+def train_dflash(target: Any, data: TokenDataset, out_dir: str | Path, cfg: TrainConfig, dflash_cfg: Any = None,
+                 num_anchors: int = 8, kl_weight: float = 0.0, teacher_labels: bool = False,
+                 draft_vocab_size: int | None = None, **options: Any) -> tuple[Any, Any, TrainResult]:
+    """A DFlash drafter (`DFlashRecipe`); options: `train_drafter`'s."""
+    recipe = DFlashRecipe.for_target(target, dflash_cfg, draft_vocab_size, num_anchors=num_anchors,
+                                     kl_weight=kl_weight, teacher_labels=teacher_labels)
+    return train_drafter(recipe, target, data, out_dir, cfg, **options)
+
+
+def train_draft_model(target: Any, data: TokenDataset, out_dir: str | Path, cfg: TrainConfig,
+                      student_cfg: ModelConfig | None = None, kl_weight: float = 1.0, k: int = 4,
+                      positions: int = 64, **options: Any) -> tuple[Any, Any, TrainResult]:
+    """A small draft LM (`DraftModelRecipe`; default shape `small_draft_config`); options:
+    `train_drafter`'s."""
+    recipe = DraftModelRecipe(student_cfg or small_draft_config(target.cfg), kl_weight=kl_weight, k=k,
+                              positions=positions)
+    return train_drafter(recipe, target, data, out_dir, cfg, **options)
+
+
+def train_eagle3(target: Any, data: TokenDataset, out_dir: str | Path, cfg: TrainConfig, num_layers: int = 1,
+                 draft_vocab_size: int | None = None, ttt_steps: int = 3, k: int = 4,
+                 **options: Any) -> tuple[Any, Any, TrainResult]:
+    """An EAGLE-3 head (`Eagle3Recipe`); options: `train_drafter`'s."""
+    recipe = Eagle3Recipe.for_target(target, num_layers, draft_vocab_size, k, ttt_steps)
+    return train_drafter(recipe, target, data, out_dir, cfg, **options)

@@ -52,6 +52,16 @@ class TrainConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
 
 
+class TargetModelLoss:
+    """Base of the frozen drafter-loss dataclasses: their `target_model` field may be given as a
+    built-in ModelConfig, wrapped here in Decoder (the loss talks to the target interface only)."""
+
+    def __post_init__(self):
+        from spec_jax.models.resolve import as_target_model
+
+        object.__setattr__(self, "target_model", as_target_model(self.target_model))
+
+
 # Settings that change how often a run saves, evaluates and logs, not what it computes: a run
 # resumed with other values is the same run.
 SCHEDULE_ONLY = ("save_every", "eval_every", "log_every")
