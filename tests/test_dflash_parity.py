@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from scipy import stats as scipy_stats
 
 from dflash_testlib import (
     MASK_ID,
@@ -189,16 +190,62 @@ def test_greedy_dflash_equals_autoregressive(targets, tmp_path_factory):
     assert accepted[1] > 0 and accepted[8] > 0, f"{name}: no draft accepted ({accepted}); fit longer"
 
 
-def test_sampled_dflash_runs(targets, tmp_path_factory):
-    """Temperature > 0: sampled drafts with their warped probs go through the exact acceptance."""
-    _, _, target, prompts, _, drafter, params = fitted_case("qwen3-1layer-mha-b4", targets, tmp_path_factory)
-    out = generate(
-        (target.model.cfg, target.params), prompts[:2], drafter, params, max_new_tokens=24,
-        temperature=0.7, top_k=20, ignore_eos=True, seed=3,
-    )
-    assert [len(g) for g in out.generated_ids] == [24, 24]
-    assert all(0 <= t < VOCAB for g in out.generated_ids for t in g)
-    assert out.stats.steps > 0
+SAMPLED_ROWS, SAMPLED_SEEDS, P_FAIL = 1024, 4, 1e-4
+
+
+def _warped(logits: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
+    """Temperature then top-k (transformers' order), as probabilities, in float64."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    kth = np.sort(scaled)[::-1][top_k - 1]
+    scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max())
+    return probs / probs.sum()
+
+
+def _exact_joint(model, prompt, horizon, temperature, top_k) -> dict[tuple[int, ...], float]:
+    """P(t_1..t_horizon | prompt) under the warped torch target, over its support."""
+    joint = {(): 1.0}
+    with torch.no_grad():
+        for _ in range(horizon):
+            grown = {}
+            for prefix, p in joint.items():
+                logits = model(torch.tensor([list(prompt) + list(prefix)])).logits[0, -1].numpy()
+                q = _warped(logits, temperature, top_k)
+                for t in np.flatnonzero(q > 0):
+                    grown[prefix + (int(t),)] = p * q[t]
+            joint = grown
+    return joint
+
+
+def test_sampled_dflash_matches_target_distribution(targets, tmp_path_factory):
+    """Temperature 0.7, top-k 3: sampled block drafts go through the exact acceptance, and the first
+    3 tokens (the prefill token, then one verify step of K = 3 capped at 2 tokens) over 4 seeds x
+    1024 identical rows follow the joint the torch target gives (chi-square, p > 1e-4; a token
+    sequence the target cannot produce fails outright)."""
+    _, model, target, prompts, _, drafter, params = fitted_case("qwen3-1layer-mha-b4", targets, tmp_path_factory)
+    temperature, top_k, horizon = 0.7, 3, 3
+    joint = _exact_joint(model, prompts[0], horizon, temperature, top_k)
+    counts = dict.fromkeys(joint, 0)
+    accepted = 0
+    for seed in range(SAMPLED_SEEDS):
+        out = generate(
+            (target.model.cfg, target.params), [prompts[0]] * SAMPLED_ROWS, drafter, params,
+            max_new_tokens=horizon, temperature=temperature, top_k=top_k, ignore_eos=True, seed=seed,
+        )
+        for ids in out.generated_ids:
+            assert tuple(ids) in counts, f"sampled {ids}, which the warped target gives probability 0"
+            counts[tuple(ids)] += 1
+        accepted += out.stats.accepted
+    assert accepted > 0, "no draft was accepted: the test did not exercise the acceptance rule"
+    observed = np.array([counts[c] for c in joint], np.float64)
+    expected = np.array([joint[c] for c in joint]) * observed.sum()
+    small = expected < 5  # pooled, as chi-square needs
+    if small.any():
+        observed = np.append(observed[~small], observed[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    p_value = scipy_stats.chisquare(observed, expected).pvalue
+    print(f"sampled DFlash: {len(joint)} sequences, {accepted} drafts accepted, chi-square p = {p_value:.3g}")
+    assert p_value > P_FAIL, f"sampled DFlash output is not the target's distribution (p = {p_value:.2e})"
 
 
 def _load_speculators_dflash(directory, target_model):
