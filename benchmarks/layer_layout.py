@@ -33,12 +33,12 @@ import numpy as np
 
 from spec_jax.checkpoints import random_target
 from spec_jax.models.decoder import (
-    causal_window_mask,
     decoder_layer,
     embed,
     lm_head,
     rms_norm,
     rope_inv_freq,
+    window_mask,
 )
 from spec_jax.app.roofline import ar_loop_step, best_seconds, measure_copy_bandwidth
 
@@ -53,7 +53,7 @@ def minimal_decode(layout: str, cfg: Any, steps: int):
     def layer(x, lp, k_cache, v_cache, position):
         # Attend to the cached context and this token's own key (no cache write: weights only).
         slots = jnp.arange(k_cache.shape[2], dtype=jnp.int32)[None]
-        mask = causal_window_mask(position, slots, cfg.layer_windows[0])
+        mask = window_mask(position, slots, cfg.layer_windows[0])
         self_mask = jnp.ones((1, 1, 1), bool)
         attend_to = lambda k, v: ([(k_cache, v_cache, mask), (k, v, self_mask)], None)  # noqa: E731
         x, _ = decoder_layer(lp, x, position, inv_freq, cfg.rms_norm_eps, attend_to)

@@ -28,17 +28,17 @@ class SamplingParams:
     @classmethod
     def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
         validate_sampling(temperature, top_k, top_p)
-        return cls(
-            temperature=jnp.asarray(temperature, jnp.float32),
-            top_k=jnp.asarray(top_k, jnp.int32),
-            top_p=jnp.asarray(top_p, jnp.float32),
-        )
+        return cls._of(temperature, top_k, top_p)
 
     @classmethod
     def per_row(cls, temperature, top_k, top_p) -> "SamplingParams":
         """Values per row: three sequences of length B, each entry checked like `create`'s."""
         for t, k, p in zip(temperature, top_k, top_p, strict=True):
             validate_sampling(t, k, p)
+        return cls._of(temperature, top_k, top_p)
+
+    @classmethod
+    def _of(cls, temperature, top_k, top_p) -> "SamplingParams":
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
             top_k=jnp.asarray(top_k, jnp.int32),

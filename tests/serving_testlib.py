@@ -11,7 +11,7 @@ import jax
 
 from spec_jax.checkpoints import save_hf_dir
 from spec_jax.models import init_params
-from spec_jax.models.config import ModelConfig
+from tiny_configs import small_llama
 
 CORPUS = [
     "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))\n",
@@ -46,10 +46,7 @@ def make_tokenizer(vocab_size: int = 320):
 def save_tiny_target(directory: Path, max_positions: int = 512) -> Path:
     """A 2-layer random decoder whose vocabulary is the tokenizer's, saved with it."""
     tokenizer = make_tokenizer()
-    cfg = ModelConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, tie_embeddings=True, max_position_embeddings=max_positions,
-        eos_token_ids=(tokenizer.eos_token_id,),
-    )
+    cfg = small_llama(len(tokenizer), max_position_embeddings=max_positions,
+                      eos_token_ids=(tokenizer.eos_token_id,))
     params = init_params(cfg, jax.random.key(0), scale=4.0)
     return save_hf_dir(directory, cfg, params, tokenizer=tokenizer)

@@ -9,7 +9,7 @@ import pytest
 from spec_jax.checkpoints import save_hf_dir
 from spec_jax.app.main import main
 from spec_jax.models import init_params
-from spec_jax.models.config import ModelConfig
+from tiny_configs import small_llama
 
 VOCAB = 61
 # Repetitive prompts so the n-gram drafter finds matches.
@@ -22,19 +22,7 @@ STATS_KEYS = {"steps", "drafted", "accepted", "tau", "acceptance_histogram"}
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    cfg = ModelConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        tie_embeddings=True,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_ids=(TINY_EOS,),
-    )
+    cfg = small_llama(VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_ids=(TINY_EOS,))
     params = init_params(cfg, jax.random.key(0), scale=4.0)
     return str(save_hf_dir(tmp_path_factory.mktemp("tiny") / "model", cfg, params))
 

@@ -12,18 +12,15 @@ import pytest
 import spec_jax
 from spec_jax.checkpoints import CheckpointNotFoundError, save_hf_dir
 from spec_jax.checkpoints import default_model as default_model_module
-from spec_jax.models import ModelConfig, init_params
+from spec_jax.models import init_params
+from tiny_configs import small_llama
 
 # The module (the package re-exports the function under the same name).
 generate_module = importlib.import_module("spec_jax.decoding.generate")
 
 VOCAB = 64
 START, TEXT_EOS = 1, 0  # <|im_start|>, <|endoftext|> (the tokenizer's EOS)
-CFG = ModelConfig(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, tie_embeddings=True, max_position_embeddings=64,
-    eos_token_ids=(TEXT_EOS,),
-)
+CFG = small_llama(VOCAB, max_position_embeddings=64, eos_token_ids=(TEXT_EOS,))
 TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['content'] }} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>{% endif %}"

@@ -131,7 +131,7 @@ def test_generate_does_not_depend_on_the_capacity(models, kind):
     call = prepare_inputs(models.target, prompts, drafter, params, max_new_tokens=40, capacity=4096)
     compiled, compile_s = compiled_loop(call.target.model, call.drafter, call.capacity, call.inputs)
     assert compile_s == 0.0  # the program generate just ran
-    shapes = {f"f32[{len(prompts)},{c.num_kv_heads},4096,{c.head_dim}]" for c in (models.cfg, TINY_DFLASH)}
+    shapes = {f"f32[{len(prompts)},{c.num_kv_heads},4096,{c.head_dim}]" for c in (models.cfg, TINY_DFLASH.layer)}
     copies = [line for lines in while_body_computations(compiled.as_text()) for line in lines
               if " copy(" in line and any(f"= {shape}" in line for shape in shapes)]
     assert copies == [], "\n".join(copies[:4])

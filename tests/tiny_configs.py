@@ -23,6 +23,15 @@ TINY_TARGET = ModelConfig(
 TINY_DRAFT = TINY_TARGET.replace(num_layers=1)
 
 
+def small_llama(vocab_size: int, **fields) -> ModelConfig:
+    """The 2-layer, 32-wide Llama the CLI, serving and library-rule tests save with a
+    tokenizer's vocabulary (tied embeddings); `fields` set its positions and special tokens."""
+    return ModelConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, tie_embeddings=True, **fields,
+    )
+
+
 def tiny_dflash(block_size: int) -> DFlashConfig:
     """A one-layer DFlash drafter for TINY_TARGET (reads both its layers; mask = the last id)."""
     return DFlashConfig(

@@ -39,6 +39,7 @@ from spec_jax.models.decoder import (
     rms_norm,
     rope,
     rope_inv_freq,
+    window_mask,
     write_kv,
 )
 from spec_jax.models.interface import Target, TargetModel
@@ -108,17 +109,10 @@ class DFlashConfig:
         if not self.target_layer_ids:
             raise ValueError("DFlash target_layer_ids is empty; name at least one target layer.")
 
-    @property
-    def num_layers(self) -> int:
-        return self.layer.num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
-    def dtype(self) -> str:
-        return self.layer.dtype
+    # What the loop, sharding and training read of any drafter config.
+    num_layers = property(lambda self: self.layer.num_layers)
+    hidden_size = property(lambda self: self.layer.hidden_size)
+    dtype = property(lambda self: self.layer.dtype)
 
     @property
     def vocab_size(self) -> int | None:
@@ -210,13 +204,6 @@ def check_compatible(cfg: DFlashConfig, target_cfg: TargetModel | ModelConfig) -
         )
 
 
-def _attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int, causal: bool) -> jax.Array:
-    """q_pos [B, T], k_pos [B, S] -> [B, T, S] bool: |q - k| < window, and k <= q when causal."""
-    diff = q_pos[:, :, None] - k_pos[:, None, :]
-    in_window = (diff < window) & (-diff < window)
-    return in_window & (diff >= 0) if causal else in_window
-
-
 def context_kv(
     cfg: DFlashConfig, params: Params, captured: jax.Array, positions: jax.Array
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -264,14 +251,14 @@ def dflash_hidden(
     layers = zip(params["layers"], ctx_k, ctx_v, cfg.layer.layer_windows, cfg.layer_causal)
     with jax.named_scope("dflash_block"):
         for i, (lp, layer_ctx_k, layer_ctx_v, window, causal) in enumerate(layers):
-            block_mask = block_visible & _attention_mask(positions, positions, window, causal)
+            block_mask = block_visible & window_mask(positions, positions, window, causal)
 
             # Queries see the (read-only) context cache and the block's own keys.
             def context_and_block(q, k, v, ctx=(layer_ctx_k, layer_ctx_v), own=block_mask,
                                   window=window, causal=causal):
                 if ctx_lengths is not None:
                     return attend_cache_and_pass(q, *ctx, ctx_lengths, positions, window, k, v, own), None
-                ctx_mask = ctx_visible & _attention_mask(positions, ctx_positions, window, causal)
+                ctx_mask = ctx_visible & window_mask(positions, ctx_positions, window, causal)
                 return attend(q, [(*ctx, ctx_mask), (k, v, own)]), None
 
             with jax.named_scope(f"layer_{i}"):

@@ -37,13 +37,13 @@ from spec_jax.models.decoder import (
     KVCache,
     attend,
     attend_cache_and_pass,
-    causal_window_mask,
     decoder_layer,
     einsum,
     embed,
     empty_cache,
     rms_norm,
     rope_inv_freq,
+    window_mask,
     write_kv,
 )
 from spec_jax.drafters.tree import (
@@ -131,6 +131,29 @@ class Eagle3Config:
     def kv_bytes_per_token(self) -> int:
         """Pair-cache bytes per committed token (every draft layer caches k and v)."""
         return self.layer.kv_bytes_per_token
+
+
+def _pairs_and_passes(
+    cache: KVCache, pass_k: list[list[jax.Array]], pass_v: list[list[jax.Array]],
+    position: jax.Array, visible: jax.Array,
+):
+    """layer i -> its attend_to for a drafting pass at `position` [B, T]: the pass's keys/values
+    join layer i's earlier passes (pass_k[i], pass_v[i]), and the queries see every real pair in
+    `cache` plus the passes' keys that `visible` [B, T, all so far] allows."""
+
+    def for_layer(i: int):
+        def attend_to(q, k, v):
+            pass_k[i].append(k)
+            pass_v[i].append(v)
+            own = (jnp.concatenate(pass_k[i], axis=2), jnp.concatenate(pass_v[i], axis=2))
+            # cache.lengths = last_pair + 1: every real pair; pair index = position - 1.
+            out = attend_cache_and_pass(
+                q, cache.k[i], cache.v[i], cache.lengths, position - 1, GLOBAL_WINDOW, *own, visible,
+            )
+            return out, None
+        return attend_to
+
+    return for_layer
 
 
 def eagle3_weight_specs(cfg: Eagle3Config) -> dict[str, Any]:
@@ -308,7 +331,7 @@ class Eagle3Drafter:
             pairs = jnp.broadcast_to(jnp.arange(prompt_len - 1, dtype=jnp.int32), (batch, prompt_len - 1))
             hidden = fuse_features(self.cfg, params, prefill_captured[:, :-1])
             token_embeds = self._embed(params, target, prompt_tokens[:, 1:])
-            visible = causal_window_mask(pairs, pairs, GLOBAL_WINDOW)
+            visible = window_mask(pairs, pairs, GLOBAL_WINDOW)
 
             def write_and_attend(i):
                 def attend_to(q, k, v):
@@ -347,7 +370,7 @@ class Eagle3Drafter:
 
         hidden = fuse_features(cfg, params, state.pending)
         token_embeds = self._embed(params, target, tokens[rows[:, None], jnp.minimum(pairs + 1, seq - 1)])
-        own_visible = causal_window_mask(pairs, pairs, GLOBAL_WINDOW)
+        own_visible = window_mask(pairs, pairs, GLOBAL_WINDOW)
 
         def pending_attend(i):
             def attend_to(q, k, v):  # the cached pairs (< done, the live part only) and their own
@@ -398,20 +421,8 @@ class Eagle3Drafter:
             if step == self.k - 1:
                 break
             position = (last_pair + 2 + step)[:, None]  # [B, 1]
-
-            def chain_attend(i):
-                def attend_to(q, k, v):
-                    chain_k[i].append(k)
-                    chain_v[i].append(v)
-                    own = (jnp.concatenate(chain_k[i], axis=2), jnp.concatenate(chain_v[i], axis=2))
-                    # cache.lengths = last_pair + 1: every real pair; pair index = position - 1.
-                    out = attend_cache_and_pass(
-                        q, cache.k[i], cache.v[i], cache.lengths, position - 1, GLOBAL_WINDOW,
-                        *own, jnp.ones((batch, 1, step + 1), bool),
-                    )
-                    return out, None
-                return attend_to
-
+            chain_attend = _pairs_and_passes(cache, chain_k, chain_v, position,
+                                             jnp.ones((batch, 1, step + 1), bool))
             out, _ = eagle3_layers(cfg, params, self._embed(params, target, draft[:, None]),
                                    step_hidden, position, chain_attend)
             step_logits, step_hidden = eagle3_head(cfg, params, out)
@@ -448,20 +459,7 @@ class Eagle3Drafter:
             fed = level * width  # nodes fed once this pass runs: levels 1..level
             visible = ancestor_mask(node_parents)[:, frontier, :fed]  # [B, W, fed]
             position = (last_pair + 1 + level)[:, None] + jnp.zeros((1, width), jnp.int32)
-
-            def level_attend(i, visible=visible, position=position):
-                def attend_to(q, k_new, v_new):
-                    fed_k[i].append(k_new)
-                    fed_v[i].append(v_new)
-                    own = (jnp.concatenate(fed_k[i], axis=2), jnp.concatenate(fed_v[i], axis=2))
-                    # cache.lengths = last_pair + 1: every real pair; pair index = position - 1.
-                    out = attend_cache_and_pass(
-                        q, cache.k[i], cache.v[i], cache.lengths, position - 1, GLOBAL_WINDOW,
-                        *own, visible,
-                    )
-                    return out, None
-                return attend_to
-
+            level_attend = _pairs_and_passes(cache, fed_k, fed_v, position, visible)
             level_tokens = node_tokens[:, (level - 1) * width:]
             out, _ = eagle3_layers(cfg, params, self._embed(params, target, level_tokens),
                                    parent_hidden, position, level_attend)

@@ -93,17 +93,28 @@ def attend(q: jax.Array, parts: AttentionParts) -> jax.Array:
     return ungroup_queries(out, q.shape[1])
 
 
+def window_mask(
+    q_pos: jax.Array, k_pos: jax.Array, window: int | jax.Array, causal: bool = True
+) -> jax.Array:
+    """q_pos [B, T], k_pos [B or 1, S] -> [B, T, S] bool: the key is within the query's window,
+    q - window < k, and not after it (k <= q) when causal; without causality |q - k| < window.
+    The one sliding-window rule of every attention: the decoder's, DFlash's, EAGLE-3's."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    if causal:
+        return (diff >= 0) & (diff < window)
+    return (diff < window) & (-diff < window)
+
+
 def cache_visibility(
     cache_lengths: jax.Array, q_positions: jax.Array, slots: jax.Array | int, window: int
 ) -> jax.Array:
     """[B, T, S] bool: committed slot s (holding position s) is visible to query t of row b when
-    s < cache_lengths[b] and it is inside the window: q_positions[b, t] - s < window.
-    `slots`: the slot indices [S], or an int capacity meaning all of them (0 .. capacity - 1)."""
+    s < cache_lengths[b] and it is inside the window (`window_mask`; committed slots are never
+    after a query). `slots`: the slot indices [S], or an int capacity meaning all of them."""
     if isinstance(slots, int):
         slots = jnp.arange(slots, dtype=jnp.int32)
     committed = slots[None, None, :] < cache_lengths[:, None, None]
-    in_window = q_positions[:, :, None] - slots[None, None, :] < window
-    return committed & in_window
+    return committed & window_mask(q_positions, slots[None, :], window)
 
 
 def live_span(

@@ -28,6 +28,7 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
     attend_cache_and_pass,
     einsum,
     float32_precision,
+    window_mask,
 )
 from spec_jax.models.config import LinearRopeScaling, ModelConfig, RopeScaling
 from spec_jax.models.interface import ForwardOutput, chain_mask
@@ -193,12 +194,6 @@ def mlp(lp: Params, x: jax.Array, activation: str = "silu") -> jax.Array:
     return einsum("btf,fh->bth", act * up, lp["w_down"])
 
 
-def causal_window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | jax.Array) -> jax.Array:
-    """q_pos [B, T], k_pos [B, S] -> [B, T, S]: key visible when q - window < k <= q."""
-    diff = q_pos[:, :, None] - k_pos[:, None, :]
-    return (diff >= 0) & (diff < window)
-
-
 # What one layer's queries attend to: given its queries [B, T, N, D] and new keys/values
 # [B, Kv, T, D] (normed, rotated), return the attention output [B, T, N, D] and anything the caller
 # wants back (e.g. updated caches).
@@ -330,8 +325,7 @@ def forward_hidden(
     for i, lp in enumerate(params["layers"]):
         window = cfg.layer_windows[i]
         if window not in pass_masks:
-            in_window = positions[:, :, None] - positions[:, None, :] < window
-            pass_masks[window] = pass_mask & in_window
+            pass_masks[window] = pass_mask & window_mask(positions, positions, window)
 
         # Write this pass's keys/values first, then attend: the attention reads the written
         # buffer (its committed slots only), so XLA updates the cache in place (no copy per layer).
@@ -389,25 +383,12 @@ class Decoder:
 
     cfg: ModelConfig
 
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def max_positions(self) -> int:
-        return self.cfg.max_position_embeddings
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return self.cfg.eos_token_ids
+    # The TargetModel attributes, read from the config.
+    vocab_size = property(lambda self: self.cfg.vocab_size)
+    hidden_size = property(lambda self: self.cfg.hidden_size)
+    num_layers = property(lambda self: self.cfg.num_layers)
+    max_positions = property(lambda self: self.cfg.max_position_embeddings)
+    stop_ids = property(lambda self: self.cfg.eos_token_ids)
 
     @property
     def dtype(self) -> Any:
