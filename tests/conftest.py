@@ -33,6 +33,20 @@ if not _ACCELERATOR and not os.environ.get("SPEC_JAX_TEST_OPTIMIZED"):
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# JAX's persistent compilation cache: a rerun of the suite (the fast lane in an inner loop) loads
+# the tiny models' programs instead of compiling them again; the subprocess workers and CLI runs
+# inherit it through these variables. SPEC_JAX_TEST_COMPILATION_CACHE names the directory, or
+# "off" turns it off. Compile-count tests still see a cached program: JAX reports a persistent-
+# cache hit as a backend compile event too.
+_TEST_CACHE = os.environ.get("SPEC_JAX_TEST_COMPILATION_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "spec_jax", "test-compilation-cache"
+)
+if _TEST_CACHE != "off":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _TEST_CACHE)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # tiny programs too
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))  # LRU-evicted past 4 GiB
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp
 import numpy as np
