@@ -115,7 +115,7 @@ def test_grown_drafter_starts_as_the_saved_one(setup, kind):
 
     target_params, data, features, _ = setup
     if kind == "dflash":
-        deep_cfg = dataclasses.replace(DFLASH, num_layers=3, layer_types=())
+        deep_cfg = dataclasses.replace(DFLASH, layer=DFLASH.layer.replace(num_layers=3, layer_types=()))
         shallow, deep_loss = init_dflash_params(DFLASH, jax.random.key(1)), DFlashLoss(deep_cfg, TARGET, num_anchors=4)
         shallow_loss, fresh = DFlashLoss(DFLASH, TARGET, num_anchors=4), init_dflash_params(deep_cfg, jax.random.key(2))
     else:
@@ -176,7 +176,7 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error(tmp_path, setup):
     with pytest.raises(ValueError, match="different run"):
         train(loss, p0, target_params, batches, CFG, tmp_path / "run", {"r": 2}, progress=False)
     # Same settings, but a drafter of another shape.
-    wide = dataclasses.replace(DFLASH, intermediate_size=96)
+    wide = dataclasses.replace(DFLASH, layer=DFLASH.layer.replace(intermediate_size=96))
     with pytest.raises(ValueError, match="does not match"):
         train(DFlashLoss(wide, TARGET, num_anchors=4), init_dflash_params(wide, jax.random.key(1)),
               target_params, batches, CFG, tmp_path / "run", {"r": 1}, progress=False)
