@@ -458,7 +458,7 @@ class DFlashRecipe(Recipe):
                     else dataclasses.replace(self.cfg, draft_vocab_size=None))
         fresh = jax.device_get(init_dflash_params(expected, jax.random.key(seed)))
         saved, params = load_dflash(init_from)
-        return warm_start_params("dflash", init_from, saved.cfg, params, expected, fresh,
+        return warm_start_params(self.kind, init_from, saved.cfg, params, expected, fresh,
                                  free=("dtype", "block_size"))
 
     def draft_vocabulary(self, init, warm, all_data, train_data, target):
@@ -520,7 +520,7 @@ class DraftModelRecipe(Recipe):
             return init_draft_from_target(self.student, target.params, jax.random.key(seed))
         fresh = jax.device_get(init_params(self.student, jax.random.key(seed)))
         found, params = load_hf_dir(Path(init_from), "float32")
-        return warm_start_params("draft-model", init_from, found, params, self.student, fresh)
+        return warm_start_params(self.kind, init_from, found, params, self.student, fresh)
 
     def loss(self, target: Any, draft_ids: np.ndarray | None) -> Any:
         from spec_jax.training.draft_model import DraftModelLoss
@@ -599,7 +599,7 @@ class Eagle3Recipe(Recipe):
         if init_from is None:
             return jax.device_get(init_eagle3_params(self.cfg, jax.random.key(seed)))
         saved, params = load_eagle3(init_from)
-        return warm_start_params("eagle3", init_from, saved.cfg, params, self.cfg)
+        return warm_start_params(self.kind, init_from, saved.cfg, params, self.cfg)
 
     def draft_vocabulary(self, init, warm, all_data, train_data, target):
         return take_draft_vocabulary(init, warm, self.cfg.draft_vocab_size, all_data, target)
