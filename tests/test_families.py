@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from spec_jax.checkpoints import load_hf_dir, load_target, save_hf_dir  # noqa: E402
 from spec_jax.decoding import generate  # noqa: E402
-from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params  # noqa: E402
+from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_layers, init_dflash_params  # noqa: E402
 from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params  # noqa: E402
 from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params  # noqa: E402
