@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     target = load_target(args.target, dtype=args.dtype)
+    shaped = smollm2_dflash_config(target.cfg, args.block_size, args.layers)
     cfg = dataclasses.replace(
-        smollm2_dflash_config(target.cfg, args.block_size, args.layers), dtype=args.dtype,
+        shaped, layer=shaped.layer.replace(dtype=args.dtype),
         target_layer_ids=default_target_layer_ids(target.cfg.num_layers, args.layers))
     drafter, params = DFlashDrafter(cfg), init_dflash_params(cfg, jax.random.key(0))
     prompts = np.random.default_rng(0).integers(0, target.cfg.vocab_size, (args.batch_size, args.context)).tolist()

@@ -218,7 +218,7 @@ TINY_DRAFT = TINY.replace(num_layers=1)
 
 def lowered_texts(dtype: str) -> dict[str, str]:
     cfg = TINY.replace(dtype=dtype)
-    dflash_cfg = dataclasses.replace(TINY_DFLASH, dtype=dtype)
+    dflash_cfg = dataclasses.replace(TINY_DFLASH, layer=TINY_DFLASH.layer.replace(dtype=dtype))
     draft_cfg = TINY_DRAFT.replace(dtype=dtype)
     out = {
         "ar": lower_loop(cfg, None, None).as_text(),

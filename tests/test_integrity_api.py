@@ -94,7 +94,7 @@ def test_drafter_params_are_checked_against_its_weight_specs(models):
     """Issue 33, case 6: params of another width or depth ran unnoticed; params that do not fit
     at all failed with KeyError 'fc', NoneType or einsum shape errors from inside tracing."""
     dflash = DFlashDrafter(TINY_DFLASH)
-    wide = abstract_dflash(dataclasses.replace(TINY_DFLASH, intermediate_size=96))
+    wide = abstract_dflash(dataclasses.replace(TINY_DFLASH, layer=TINY_DFLASH.layer.replace(intermediate_size=96)))
     refused(models, r"DFlashDrafter params do not fit the drafter: weight \['layers'\]\[0\]\['w_down'\] "
                     r"expected shape \(128, 64\), found \(96, 64\); pass the params made for this drafter",
             [[1, 2, 3]], dflash, wide, max_new_tokens=4)
