@@ -89,6 +89,26 @@ def memory_map_count() -> int:
         return 0
 
 
+# The compile-heavy files: each compiles many loops (drafter kinds x batches x trees, families,
+# training runs, fake-device meshes, HTTP servers) or fits a reference drafter. The fast lane,
+# `pytest -m "not slow"`, runs the rest (acceptance, AR generate, input and checkpoint errors, the
+# architecture, the serving parts without a model) in a few minutes; CI runs everything.
+SLOW_FILES = frozenset({
+    "test_bring_your_own_model.py", "test_cli.py", "test_compiled_program.py",
+    "test_dflash_parity.py", "test_eagle3.py", "test_engine.py", "test_families.py",
+    "test_families_gguf.py", "test_families_training.py", "test_gguf.py", "test_hf_parity.py",
+    "test_integrity_training.py", "test_live_attention.py", "test_medusa.py", "test_registry.py",
+    "test_roofline.py", "test_sampling_stats.py", "test_serve.py", "test_sharding.py",
+    "test_speculative_greedy.py", "test_stream.py", "test_training.py", "test_trees.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def bounded_memory_maps():
     yield

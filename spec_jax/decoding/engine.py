@@ -38,7 +38,7 @@ import jax
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.engine_programs import EnginePrograms
-from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, stop_id_array, with_k
+from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, round_capacity, stop_id_array, with_k
 from spec_jax.decoding.loop import LoopState, tree_budget
 from spec_jax.decoding.scheduler import AdaptiveK, Scheduler
 from spec_jax.decoding.slots import Counters, EngineEvent, RequestParams, RequestStats, SlotTable
@@ -49,7 +49,7 @@ from spec_jax.sharding.placement import gather_to_host
 __all__ = ["AdaptiveK", "Engine", "EngineEvent", "RequestParams", "RequestStats"]
 
 DEFAULT_MAX_MODEL_LEN = 1024
-CAPACITY_MULTIPLE = 128
+CAPACITY_MULTIPLE = 128  # the engine's multiple for round_capacity (its cache is sized once per server)
 
 
 def k_variants(drafter: Drafter | None, k_choices: Sequence[int] | None) -> list[int]:
@@ -76,7 +76,7 @@ def model_length_and_capacity(max_model_len: Any, pass_max: int, max_positions: 
             f"max_model_len {max_model_len} + K={pass_max} + 1 exceeds the model's "
             f"{max_positions} positions; lower max_model_len to {max_positions - pass_max - 1} or less."
         )
-    capacity = -(-(max_model_len + pass_max + 1) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    capacity = round_capacity(max_model_len + pass_max + 1, CAPACITY_MULTIPLE)
     return max_model_len, min(capacity, max_positions)
 
 

@@ -44,9 +44,15 @@ def prompt_bucket(length: int) -> int:
     return bucket
 
 
+def round_capacity(slots: int, multiple: int) -> int:
+    """The one capacity rounding: `slots` rounded up to a multiple of `multiple`. `generate` uses
+    CAPACITY_BUCKET (256: coarse, so a new max_new_tokens rarely recompiles); the engine sizes its
+    cache once per server and uses a finer multiple (less memory per slot)."""
+    return -(-slots // multiple) * multiple
+
+
 def default_capacity(bucket: int, max_new_tokens: int, k: int, multiple: int = CAPACITY_BUCKET) -> int:
-    need = bucket + max_new_tokens + k + 1
-    return -(-need // multiple) * multiple
+    return round_capacity(bucket + max_new_tokens + k + 1, multiple)
 
 
 @dataclasses.dataclass(frozen=True)
