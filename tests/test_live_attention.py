@@ -125,8 +125,13 @@ def test_generate_does_not_depend_on_the_capacity(models, kind):
     prompts = make_prompts([3, 16, 9], seed=1)
     outs = [generate(models.target, prompts, drafter, params, max_new_tokens=40, capacity=capacity)
             for capacity in (128, 4096)]
-    assert outs[0].generated_ids == outs[1].generated_ids
-    assert outs[0].stats.tau == outs[1].stats.tau
+    for prompt, a, b in zip(prompts, outs[0].generated_ids, outs[1].generated_ids):
+        if a != b:  # only an exact tie may differ: the two reads sum attention in another order
+            first = next(i for i in range(min(len(a), len(b))) if a[i] != b[i])
+            gap = top2_gap(models, prompt + a[:first])
+            assert gap < TIE, f"capacity changed token {first} where the target's top-2 gap is {gap:.2e}"
+    if outs[0].generated_ids == outs[1].generated_ids:
+        assert outs[0].stats.tau == outs[1].stats.tau
 
     call = prepare_inputs(models.target, prompts, drafter, params, max_new_tokens=40, capacity=4096)
     compiled, compile_s = compiled_loop(call.target.model, call.drafter, call.capacity, call.inputs)
@@ -135,3 +140,17 @@ def test_generate_does_not_depend_on_the_capacity(models, kind):
     copies = [line for lines in while_body_computations(compiled.as_text()) for line in lines
               if " copy(" in line and any(f"= {shape}" in line for shape in shapes)]
     assert copies == [], "\n".join(copies[:4])
+
+
+TIE = 1e-4  # logit gap below which float summation order may pick either token
+
+
+def top2_gap(models, tokens) -> float:
+    """The target's gap between its two largest next-token logits after `tokens` (a full forward)."""
+    from spec_jax.models import forward, init_cache
+
+    ids = jnp.asarray([tokens])
+    logits, _, _ = forward(models.params, models.cfg, ids, jnp.arange(len(tokens))[None],
+                           init_cache(models.cfg, 1, len(tokens)))
+    top = np.sort(np.asarray(logits[0, -1]))[::-1]
+    return float(top[0] - top[1])
