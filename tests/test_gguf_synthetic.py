@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import spec_jax.checkpoints as checkpoints  # noqa: E402
 from spec_jax.checkpoints import CheckpointError, load_target  # noqa: E402
-from spec_jax.checkpoints.gguf import permute_rotary_rows  # noqa: E402
+from spec_jax.checkpoints.gguf import _metadata, permute_rotary_rows, tokenizer_from_gguf  # noqa: E402
 from spec_jax.models import forward, init_cache  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -160,3 +160,30 @@ def test_truncated_gguf(tiny, tmp_path):
     path.write_bytes(src.read_bytes()[:5000])
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         load_target(str(path), cache_dir="")
+
+
+def _tokenizer_only_gguf(path, pre):
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(SPECIALS + _byte_alphabet())
+    writer.add_token_merges([])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(path))
+    return reader, _metadata(reader)
+
+
+def test_a_transformers_without_the_split_table_still_reads_gpt2_splits(tmp_path, monkeypatch):
+    """transformers 5.17 (a GPU image's) lacks GGUF_PRE_TOKENIZER_SPLITS: the default model's
+    "smollm" split needs no table and loads; a qwen2 split names the version that has it."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+
+    monkeypatch.delattr(gguf_tokenizer_mapping, "GGUF_PRE_TOKENIZER_SPLITS")
+    reader, meta = _tokenizer_only_gguf(tmp_path / "smollm.gguf", "smollm")
+    tok = tokenizer_from_gguf(reader, meta)
+    assert tok.decode(tok.encode("ab 12")) == "ab 12"
+    reader, meta = _tokenizer_only_gguf(tmp_path / "qwen2.gguf", "qwen2")
+    with pytest.raises(CheckpointError, match=r"pre-split 'qwen2' needs transformers >= 5\.18"):
+        tokenizer_from_gguf(reader, meta)

@@ -195,6 +195,35 @@ def _gemma3_fields(meta, num_layers, hidden, num_heads, head_dim, rope_scaling) 
     )
 
 
+# `tokenizer.ggml.pre` values whose split is GPT-2's own (ByteLevel's regex) or GPT-2's with every
+# digit on its own: they need no table from transformers.
+_GPT2_SPLIT_PRE = (None, "gpt2", "gpt-2", "default")
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
+# The first transformers release with GGUF_PRE_TOKENIZER_SPLITS (5.17 lacks it).
+_SPLITS_TRANSFORMERS = "5.18"
+
+
+def _pre_tokenizer_split(pre: str | None) -> str | None:
+    """The split regex of a vocabulary whose merges were learned on a split other than GPT-2's
+    (qwen2, llama-bpe, ...), from transformers' table; None for GPT-2's own split."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError:
+        # Imported here, not at module level: the default model's vocabulary ("smollm") needs no
+        # table, so an older transformers (a GPU image's 5.17) still loads it.
+        if pre in _GPT2_SPLIT_PRE:
+            return None
+        import transformers
+
+        raise CheckpointError(
+            f"this GGUF's tokenizer pre-split {pre!r} needs transformers >= {_SPLITS_TRANSFORMERS} "
+            f"(its GGUF_PRE_TOKENIZER_SPLITS table); transformers {transformers.__version__} is "
+            f"installed. Upgrade it (pip install -U 'transformers>={_SPLITS_TRANSFORMERS}') or load "
+            "the model's HF checkpoint (its tokenizer.json) instead."
+        ) from None
+    return GGUF_PRE_TOKENIZER_SPLITS.get(pre)
+
+
 def tokenizer_from_gguf(reader, meta: dict[str, Any]):
     """A `transformers.PreTrainedTokenizerFast` rebuilt from GGUF tokenizer metadata (byte-level BPE).
 
@@ -211,7 +240,6 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]):
             f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and sentencepiece "
             "'llama' are); use the HF checkpoint's tokenizer.json."
         )
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     merges_field = reader.fields.get("tokenizer.ggml.merges")  # absent when a vocab has none
     merges = [tuple(m.split(" ", 1)) for m in merges_field.contents()] if merges_field is not None else []
@@ -221,16 +249,17 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     pre = meta.get("tokenizer.ggml.pre")
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+    split = None if pre in _DIGIT_SPLIT_PRE else _pre_tokenizer_split(pre)
+    if pre in _DIGIT_SPLIT_PRE:
         # llama.cpp splits every digit on its own before the GPT-2 regex for these vocabularies
         # (as their HF tokenizer.json does with a `Digits(individual_digits=True)` step).
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level]
         )
-    elif pre in GGUF_PRE_TOKENIZER_SPLITS:
+    elif split is not None:
         # Vocabularies whose merges were learned on another split than GPT-2's (qwen2, llama-bpe).
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     else:
