@@ -41,7 +41,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 _TEST_CACHE = os.environ.get("SPEC_JAX_TEST_COMPILATION_CACHE") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "spec_jax", "test-compilation-cache"
 )
-if _TEST_CACHE != "off":
+if _TEST_CACHE == "off":
+    os.environ["SPEC_JAX_COMPILATION_CACHE"] = "off"  # the CLI's own default cache stays off too
+else:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _TEST_CACHE)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # tiny programs too
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -113,6 +113,29 @@ def test_no_recompile_while_requests_come_and_go(engine, alone):
     assert got[1][1] in ("stop", "length") and all(0 <= t < 101 for t in got[1][0])
 
 
+def test_default_warmup_covers_the_longest_prompt(models):
+    """warmup() with no lengths compiles up to the bucket of a max_model_len - 1 token prompt (64
+    here; it once stopped at 32), so that prompt compiles nothing when it arrives."""
+    engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2)
+    report = engine.warmup(workers=2)  # the chunk and bucket 16 may be the module engine's (shared)
+    assert report.programs == engine.compiles and report.seconds > 0
+    assert sorted(engine.programs.exes) == [("admit", 16, 3), ("admit", 32, 3), ("admit", 64, 3), ("chunk", 3)]
+    compiles = []
+
+    def listener(name, *args, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        (prompt,) = make_prompts([engine.max_model_len - 1], seed=1)
+        engine.submit(prompt, max_new_tokens=1)
+        (done,) = engine.run_all().values()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(done.new_ids) == 1 and compiles == [] and engine.compiles == report.programs
+
+
 def test_cancel_frees_the_slot_at_once(engine, alone):
     """Three slots busy and a fourth request waiting: cancelling one hands its slot over before
     the next chunk."""

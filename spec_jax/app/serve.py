@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before cancelling them (default 30)")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every program requests can need before listening (default; the "
+                   "persistent compilation cache makes a second start fast); --no-warmup compiles "
+                   "each on the first request that needs it")
 
 
 def create_app(state):
@@ -109,13 +113,12 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     engine = Engine(target, drafter, drafter_params, slots=args.slots, max_model_len=args.max_model_len,
                     chunk_steps=args.chunk_steps, k_choices=k_choices, max_admits_per_step=args.max_admits,
                     mesh=mesh)
-    t0 = time.perf_counter()
-    engine.warmup()
+    warm = engine.warmup() if args.warmup else None
     label = spec.label if spec.kind != "none" else "none"
     log(f"engine: {args.slots} slots, max model length {engine.max_model_len}, drafter {label} "
         f"K={'adaptive ' + str(sorted(engine.drafters)) if engine.adaptive else engine.k}"
-        f"{' (' + spec.reason + ')' if spec.reason else ''}; {engine.compiles} programs compiled in "
-        f"{time.perf_counter() - t0:.1f}s")
+        f"{' (' + spec.reason + ')' if spec.reason else ''}; "
+        + (f"warm-up {warm.summary()}" if warm else "no warm-up: programs compile on first use"))
     name = args.served_model_name or (target.source if args.target is None else args.target)
     return ServerState(engine, target.tokenizer, target.chat_template, name, label)
 

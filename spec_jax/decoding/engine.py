@@ -31,6 +31,7 @@ This module wires them into `Engine`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -40,6 +41,7 @@ from spec_jax.decoding import validation
 from spec_jax.decoding.engine_programs import EnginePrograms
 from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, round_capacity, stop_id_array, with_k
 from spec_jax.decoding.loop import LoopState, tree_budget
+from spec_jax.decoding.programs import CompileTally
 from spec_jax.decoding.scheduler import AdaptiveK, Scheduler
 from spec_jax.decoding.slots import Counters, EngineEvent, RequestParams, RequestStats, SlotTable
 from spec_jax.drafters.base import Drafter
@@ -50,6 +52,10 @@ __all__ = ["AdaptiveK", "Engine", "EngineEvent", "RequestParams", "RequestStats"
 
 DEFAULT_MAX_MODEL_LEN = 1024
 CAPACITY_MULTIPLE = 128  # the engine's multiple for round_capacity (its cache is sized once per server)
+# Programs `warmup` compiles at a time. One: on this 2-core CPU, with other work on the machine,
+# two threads took as long as one (the default model's 8 programs, cold: 181 s alone, 192 s with 2;
+# benchmarks/RESULTS.md, issue 46). A host with idle cores may pass more.
+WARMUP_WORKERS = 1
 
 
 def k_variants(drafter: Drafter | None, k_choices: Sequence[int] | None) -> list[int]:
@@ -191,22 +197,30 @@ class Engine:
         return len(self.slot_table.running)
 
     # ------------------------------------------------------------------ the loop
-    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
+    def warmup(self, prompt_lengths: Sequence[int] | None = None, workers: int = WARMUP_WORKERS) -> CompileTally:
         """Compile every program requests can need: one chunk per K variant, and one admit per
-        prompt bucket (of `prompt_lengths`, default every bucket up to max_model_len)."""
-        if prompt_lengths is None:
-            prompt_lengths, n = [], 1
-            while n < self.max_model_len:
-                prompt_lengths.append(n)
-                n = max(16, n * 2)
+        prompt bucket (of `prompt_lengths`, default every bucket a request can reach: prompts of
+        1 .. max_model_len - 1 tokens), `workers` programs at a time -> what this call compiled
+        (programs, wall seconds, persistent-cache hits; programs an engine of the same
+        configuration compiled before are reused and not counted)."""
+        t0 = time.perf_counter()
+        before = dataclasses.replace(self.programs.tally)
+        if prompt_lengths is None:  # one length per bucket, up to the longest prompt's
+            top, prompt_lengths = prompt_bucket(self.max_model_len - 1), [1]
+            while prompt_bucket(prompt_lengths[-1]) < top:
+                prompt_lengths.append(2 * prompt_bucket(prompt_lengths[-1]))
         buckets = sorted({min(prompt_bucket(n), self.capacity) for n in prompt_lengths})
         probe = RequestParams(prompt_ids=(0,), max_new_tokens=1)
-        for k in self.drafters:
+        jobs = []
+        for k in self.drafters:  # admits are compiled per K: the state's Stats have K's shape
             self._use_stats_of(k)
-            self.programs.chunk(k, self.programs.chunk_args(self.state, self.slot_table, self.chunk_steps))
+            jobs.append(self.programs.chunk_job(k, self.programs.chunk_args(self.state, self.slot_table,
+                                                                            self.chunk_steps)))
             for bucket in buckets:
-                self.programs.admit(bucket, self.programs.admit_args(self.state, 0, probe, bucket))
+                jobs.append(self.programs.admit_job(bucket, self.programs.admit_args(self.state, 0, probe, bucket)))
         self._use_stats_of(self.current_k)
+        self.programs.compile_all(jobs, workers)
+        return self.programs.tally.since(before, time.perf_counter() - t0)
 
     def _use_stats_of(self, k: int) -> None:
         self.state, restarted = self.programs.stats_for(self.state, k)

@@ -11,6 +11,7 @@ engines compiles each program once).
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import jax
@@ -21,7 +22,7 @@ from spec_jax.decoding import validation
 from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
 from spec_jax.decoding.generate import stop_id_array
 from spec_jax.decoding.loop import LoopInputs, LoopState, Stats, prefill
-from spec_jax.decoding.programs import ProgramCache, signature
+from spec_jax.decoding.programs import CompileTally, ProgramCache, signature
 from spec_jax.decoding.slots import RequestParams
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.interface import Target
@@ -58,8 +59,8 @@ class EnginePrograms:
     """The state layout, its placement on a mesh, and the compiled chunk and admit programs.
 
     drafters: the K variants ({K: drafter at K, or None for K = 0}); they share one state (only
-    Stats differ), which is checked here. `compiles` / `compile_s` count the programs compiled
-    by this object (not ones shared from another engine)."""
+    Stats differ), which is checked here. `tally` (`compiles`, `compile_s`) counts the programs
+    compiled by this object (not ones shared from another engine)."""
 
     def __init__(self, model: Any, drafters: dict[int, Drafter | None], target_params: Any, drafter_params: Any,
                  *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None):
@@ -75,8 +76,15 @@ class EnginePrograms:
             self._place_on(mesh, sharding_rules)
         self.stats_k = self.widest.k if self.widest is not None else 0  # the K the state's Stats have
         self.exes: dict[Any, Any] = {}
-        self.compiles = 0
-        self.compile_s = 0.0
+        self.tally = CompileTally()  # what this object compiled (not programs shared from another engine)
+
+    @property
+    def compiles(self) -> int:
+        return self.tally.programs
+
+    @property
+    def compile_s(self) -> float:
+        return self.tally.seconds
 
     def _abstract_prefill(self, batch: int, drafter: Drafter | None) -> LoopState:
         def fn(params, drafter_params):
@@ -171,13 +179,22 @@ class EnginePrograms:
             config = (key, self.model, drafter, self.capacity, self.slots, self.mesh, str(self.state_shardings),
                       signature(args, self.mesh))
             kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
-            exe, seconds = _SHARED_PROGRAMS.get_or_compile(
-                config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh)
-            if seconds:  # compiled now, not shared from another engine
-                self.compiles += 1
-                self.compile_s += seconds
+            exe, _ = _SHARED_PROGRAMS.get_or_compile(
+                config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh, tally=self.tally)
             self.exes[key] = exe
         return exe
+
+    def compile_all(self, jobs: list[tuple[Any, Any, tuple]], workers: int) -> None:
+        """Compile each (key, fn, args) of `jobs` (from `chunk_job` / `admit_job`), `workers` at a
+        time (XLA compiles with the GIL released, so threads can overlap one program's tracing
+        with another's compile where cores are free)."""
+        if workers <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                self._compile(*job)
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(lambda job: self._compile(*job), jobs):
+                pass  # re-raises a compile's error here
 
     def chunk_args(self, state: LoopState, slot_table: Any, chunk_steps: int) -> tuple:
         """The chunk's arguments: the state and the slots' per-row request values."""
@@ -190,6 +207,10 @@ class EnginePrograms:
 
     def chunk(self, k: int, args: tuple) -> Any:
         """The chunk program at K (compiled on first use)."""
+        return self._compile(*self.chunk_job(k, args))
+
+    def chunk_job(self, k: int, args: tuple) -> tuple[Any, Any, tuple]:
+        """(key, function, arguments) of the chunk program at K."""
         model, drafter = self.model, self.drafters[k]
 
         def chunk(state, live, target_params, drafter_params, sampling, max_new, stop_ids, max_steps):
@@ -197,7 +218,7 @@ class EnginePrograms:
             return run_chunk(state, target_params, drafter_params, sampling, max_new, stop_ids,
                              max_steps, jnp.int32(NO_STEP_CAP), model=model, drafter=drafter)
 
-        return self._compile(("chunk", k), chunk, args)
+        return ("chunk", k), chunk, args
 
     def admit_args(self, state: LoopState, slot: int, params: RequestParams, bucket: int) -> tuple:
         """The admit's arguments: the prompt right-padded to `bucket`, and the request's values."""
@@ -214,6 +235,10 @@ class EnginePrograms:
 
     def admit(self, bucket: int, args: tuple) -> Any:
         """The admit program for this prompt bucket at the state's Stats K (compiled on first use)."""
+        return self._compile(*self.admit_job(bucket, args))
+
+    def admit_job(self, bucket: int, args: tuple) -> tuple[Any, Any, tuple]:
+        """(key, function, arguments) of the admit program for this bucket at the state's Stats K."""
         model, drafter, capacity, axes = self.model, self.widest, self.capacity, self.batch_axes
 
         def admit(state, slot, target_params, drafter_params, prompt, prompt_length, key, sampling,
@@ -232,4 +257,4 @@ class EnginePrograms:
             merged = jax.tree_util.tree_map(put, axes.replace(stats=stats_axes), state, row)
             return merged.replace(key=state.key, step=state.step)
 
-        return self._compile(("admit", bucket, self.stats_k), admit, args)
+        return ("admit", bucket, self.stats_k), admit, args

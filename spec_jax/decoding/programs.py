@@ -1,11 +1,18 @@
 """Compiled programs, cached once per process: `generate`'s loop, the stream's prefill and chunk,
 and the engine's chunk and admit programs all go through a `ProgramCache`, and `clear_compiled`
-releases every one of them."""
+releases every one of them.
+
+Every compile is counted (`compile_tally()`: programs, seconds, and how many came from JAX's
+persistent compilation cache), so the command line can say whether a start paid for its compiles.
+spec_jax never turns that cache on from the library: the command line does, or the user's JAX
+config (`jax.config.update("jax_compilation_cache_dir", ...)`)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import threading
 import time
 from typing import Any, Callable
 
@@ -14,6 +21,85 @@ import jax.numpy as jnp
 
 # Every cache made, so clear_compiled reaches them all.
 _ALL_CACHES: list[ProgramCache] = []
+
+# JAX's own events (jax/_src/compiler.py): a compile that consulted the persistent cache, and one
+# that was served from it. A miss is a lookup without a hit (JAX's "cache_misses" event fires only
+# when an entry is written, which the size and compile-time thresholds can skip).
+_CACHE_LOOKUP = "/jax/compilation_cache/compile_requests_use_cache"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+# Per thread: JAX records the events in the compiling thread, and warm-up compiles in several.
+_thread_events = threading.local()
+
+
+def _count_cache_event(event: str, **_: Any) -> None:
+    if event in (_CACHE_LOOKUP, _CACHE_HIT):
+        setattr(_thread_events, event, getattr(_thread_events, event, 0) + 1)
+
+
+jax.monitoring.register_event_listener(_count_cache_event)
+
+
+def _cache_events() -> tuple[int, int]:
+    """(lookups, hits) of the persistent cache seen so far in this thread."""
+    return getattr(_thread_events, _CACHE_LOOKUP, 0), getattr(_thread_events, _CACHE_HIT, 0)
+
+
+@dataclasses.dataclass
+class CompileTally:
+    """Programs compiled, the seconds it took, and what JAX's persistent compilation cache did for
+    them: `cache_hits` were loaded from it, `cache_misses` were looked up there and compiled anew
+    (both 0 when the cache is off)."""
+
+    programs: int = 0
+    seconds: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+    def add(self, other: CompileTally) -> None:
+        self.programs += other.programs
+        self.seconds += other.seconds
+        self.cache_hits += other.cache_hits
+        self.cache_misses += other.cache_misses
+
+    def since(self, earlier: CompileTally, seconds: float) -> CompileTally:
+        """What was added after `earlier` (a copy of this tally then), over `seconds` of wall time."""
+        return CompileTally(self.programs - earlier.programs, seconds, self.cache_hits - earlier.cache_hits,
+                            self.cache_misses - earlier.cache_misses)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """E.g. "compiled 5 programs in 12.3s (3 from the persistent cache)"."""
+        if not self.programs:
+            return "compiled no programs"
+        plural = "" if self.programs == 1 else "s"
+        looked_up = self.cache_hits + self.cache_misses
+        source = f" ({self.cache_hits} from the persistent cache)" if looked_up else " (persistent cache off)"
+        return f"compiled {self.programs} program{plural} in {self.seconds:.1f}s{source}"
+
+
+_TOTAL = CompileTally()
+_TOTAL_LOCK = threading.Lock()
+
+
+def compile_tally() -> CompileTally:
+    """Every program spec_jax compiled in this process so far (a copy)."""
+    with _TOTAL_LOCK:
+        return dataclasses.replace(_TOTAL)
+
+
+def _compile_counted(lower: Callable[[], Any], mesh: Any) -> tuple[Any, CompileTally]:
+    """`lower().compile()` -> (executable, its tally: time, and whether the persistent cache served it)."""
+    lookups0, hits0 = _cache_events()
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        exe = lower().compile()
+    seconds = time.perf_counter() - t0
+    lookups, hits = _cache_events()
+    hit = hits > hits0
+    missed = lookups > lookups0 and not hit
+    return exe, CompileTally(1, seconds, int(hit), int(missed))
 
 
 class ProgramCache:
@@ -24,22 +110,29 @@ class ProgramCache:
     def __init__(self, max_size: int):
         self.max_size = max_size
         self._programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()  # warm-up compiles from several threads
         _ALL_CACHES.append(self)
 
-    def get_or_compile(self, key: Any, lower: Callable[[], Any], mesh: Any = None) -> tuple[Any, float]:
+    def get_or_compile(self, key: Any, lower: Callable[[], Any], mesh: Any = None,
+                       tally: CompileTally | None = None) -> tuple[Any, float]:
         """The executable for `key`, compiled from `lower()` (a `jax.stages.Lowered`) on first use
-        -> (executable, seconds spent compiling now)."""
-        exe = self._programs.get(key)
-        if exe is not None:
-            self._programs.move_to_end(key)
-            return exe, 0.0
-        t0 = time.perf_counter()
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            exe = lower().compile()
-        self._programs[key] = exe
-        while len(self._programs) > self.max_size:
-            self._programs.popitem(last=False)
-        return exe, time.perf_counter() - t0
+        -> (executable, seconds spent compiling now). A compile is added to `compile_tally()` and
+        to `tally` when given."""
+        with self._lock:
+            exe = self._programs.get(key)
+            if exe is not None:
+                self._programs.move_to_end(key)
+                return exe, 0.0
+        exe, this = _compile_counted(lower, mesh)  # outside the lock: other keys compile meanwhile
+        with _TOTAL_LOCK:  # one lock for every tally: warm-up threads add to the engine's
+            _TOTAL.add(this)
+            if tally is not None:
+                tally.add(this)
+        with self._lock:
+            self._programs[key] = exe
+            while len(self._programs) > self.max_size:
+                self._programs.popitem(last=False)
+        return exe, this.seconds
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -48,7 +141,8 @@ class ProgramCache:
         return list(self._programs.values())
 
     def clear(self) -> None:
-        self._programs.clear()
+        with self._lock:
+            self._programs.clear()
 
 
 def signature(args: Any, mesh: Any = None) -> str:

@@ -1,0 +1,71 @@
+"""JAX's persistent compilation cache for the command line: on by default, so a second `spec-jax
+generate` or `serve` loads its programs instead of compiling them again.
+
+Where it goes, first that is set:
+  1. `--compile-cache DIR|off` (every command takes it);
+  2. the environment variable SPEC_JAX_COMPILATION_CACHE=DIR|off;
+  3. JAX's own JAX_COMPILATION_CACHE_DIR (the user's JAX setting is kept as it is);
+  4. $XDG_CACHE_HOME/spec_jax/jax-compilation-cache (~/.cache/... when XDG_CACHE_HOME is unset).
+
+The library (`import spec_jax`) never turns the cache on: that is the user's JAX config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Mapping
+
+ENV = "SPEC_JAX_COMPILATION_CACHE"
+OFF = "off"
+# JAX's defaults skip programs that compiled in under a second; the CLI caches every program (the
+# small admit and prefill programs add up at a server's start). The user's own JAX_* values win.
+_CACHE_EVERYTHING = {
+    "jax_persistent_cache_min_compile_time_secs": ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.0),
+    "jax_persistent_cache_min_entry_size_bytes": ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", -1),
+}
+
+
+def add_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help=f"JAX's persistent compilation cache: a second run loads its compiled programs from DIR "
+        f"(default: ${ENV}, else $JAX_COMPILATION_CACHE_DIR, else {default_dir()}); off = compile afresh",
+    )
+
+
+def default_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """The per-user cache directory (XDG base directories)."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "spec_jax", "jax-compilation-cache")
+
+
+def choose(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The cache directory for this run, or None for off (see the module docstring's order)."""
+    for value in (flag, environ.get(ENV)):
+        if value:
+            return None if value.strip().lower() == OFF else os.path.abspath(os.path.expanduser(value))
+    return environ.get("JAX_COMPILATION_CACHE_DIR") or default_dir(environ)
+
+
+def jax_settings(directory: str | None, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The `jax.config` values that put the cache in `directory` (None: turn it off)."""
+    if directory is None:
+        return {"jax_enable_compilation_cache": False}
+    settings: dict[str, Any] = {"jax_enable_compilation_cache": True, "jax_compilation_cache_dir": directory}
+    for name, (env, value) in _CACHE_EVERYTHING.items():
+        if env not in environ:
+            settings[name] = value
+    return settings
+
+
+def configure(flag: str | None) -> str | None:
+    """Set JAX's config for this process (before anything compiles) -> the directory, or None."""
+    import jax
+
+    directory = choose(flag)
+    for name, value in jax_settings(directory).items():
+        jax.config.update(name, value)
+    return directory
