@@ -11,7 +11,7 @@ from spec_jax.checkpoints.dflash import load_dflash, save_dflash
 from spec_jax.checkpoints.shipped import default_drafter, load_drafter
 from spec_jax.decoding import GenerationResult, generate, make_generate_fn
 from spec_jax.decoding.engine import Engine
-from spec_jax.decoding.programs import clear_compiled
+from spec_jax.decoding.programs import CompileTally, clear_compiled, compile_tally
 from spec_jax.decoding.stream import generate_stream
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, init_dflash_params
@@ -25,6 +25,7 @@ from spec_jax.models.interface import Target, TargetModel
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompileTally",
     "DFlashConfig",
     "DFlashDrafter",
     "DraftModelDrafter",
@@ -42,6 +43,7 @@ __all__ = [
     "TargetModel",
     "apply_chat_template",
     "clear_compiled",
+    "compile_tally",
     "default_drafter",
     "generate",
     "generate_stream",
