@@ -42,10 +42,21 @@ def loop_step_seconds(target: Any, prompts: list[list[int]], drafter: Any, param
             "tau": long.stats.tau, "prefill_s": short.generate_s}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from spec_jax.checkpoints import load_target
+def shaped_drafter(target_cfg: Any, block_size: int, layers: int, dtype: str, tree: Any = 0):
+    """(drafter, random params) of a DFlash drafter shaped like the published ones for the target
+    (see the module docstring); `tree` as `DFlashDrafter` takes it (0 = a chain)."""
     from spec_jax.drafters.dflash import DFlashDrafter, default_target_layer_ids, init_dflash_params
     from spec_jax.training.run import smollm2_dflash_config
+
+    shaped = smollm2_dflash_config(target_cfg, block_size, layers)
+    cfg = dataclasses.replace(
+        shaped, layer=shaped.layer.replace(dtype=dtype),
+        target_layer_ids=default_target_layer_ids(target_cfg.num_layers, layers))
+    return DFlashDrafter(cfg, tree=tree), init_dflash_params(cfg, jax.random.key(0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spec_jax.checkpoints import load_target
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="random:qwen3-8b")
@@ -60,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     target = load_target(args.target, dtype=args.dtype)
-    shaped = smollm2_dflash_config(target.cfg, args.block_size, args.layers)
-    cfg = dataclasses.replace(
-        shaped, layer=shaped.layer.replace(dtype=args.dtype),
-        target_layer_ids=default_target_layer_ids(target.cfg.num_layers, args.layers))
-    drafter, params = DFlashDrafter(cfg), init_dflash_params(cfg, jax.random.key(0))
+    drafter, params = shaped_drafter(target.cfg, args.block_size, args.layers, args.dtype)
     prompts = np.random.default_rng(0).integers(0, target.cfg.vocab_size, (args.batch_size, args.context)).tolist()
     capacity = args.context + args.new_tokens * args.block_size + args.block_size + 1  # every step may accept
     common = dict(new_tokens=args.new_tokens, capacity=capacity, repeats=args.repeats)

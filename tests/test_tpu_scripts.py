@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,60 @@ def test_shellcheck():
         ["shellcheck", "-x", *files], capture_output=True, text=True, cwd=SCRIPTS, timeout=120
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_gpu_host_quick_dry_run():
+    """--quick runs benchmarks/gpu_quick.py from the checkout (no pip install: a lent GPU may have
+    no internet), passes the options after -- on, and copies results back even when a step failed."""
+    local = run_script("gpu_host.sh", "--quick", "--results", "r", "--dry-run", "--", "--preset", "qwen3-8b")
+    assert local.returncode == 0, local.stderr
+    (job,) = local.stdout.splitlines()
+    assert job == f"+ bash -c 'cd {SCRIPTS.parent} && python3 benchmarks/gpu_quick.py --out {Path.cwd()}/r --preset qwen3-8b'"
+    remote = run_script("gpu_host.sh", "--quick", "--host", "me@gpu", "--dry-run").stdout.splitlines()
+    mkdir, rsync, job, local_mkdir, scp = remote
+    assert "pip install" not in remote and rsync.startswith("+ rsync -az --delete --exclude=.git")
+    assert job.startswith("+ ssh me@gpu 'cd ~/spec_jax && python3 benchmarks/gpu_quick.py --out $HOME/spec_jax_results/quick --commit ")
+    assert scp == "+ scp -r me@gpu:spec_jax_results/quick/. ./gpu_results/me@gpu/"
+    out = run_script("gpu_host.sh", "--dry-run", "--", "--preset", "tiny")
+    assert out.returncode == 2 and "options after -- are for --quick" in out.stderr
+
+
+QUICK_STEPS = ["ar_floor", "dflash_trees", "verify_cost", "capacity", "engine", "exactness"]
+
+
+def run_quick(*args: str) -> subprocess.CompletedProcess:
+    script = SCRIPTS.parent / "benchmarks" / "gpu_quick.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_gpu_quick_dry_run_lists_every_step_with_its_budget_in_priority_order(tmp_path):
+    out = run_quick("--dry-run", "--out", str(tmp_path / "q"))
+    assert out.returncode == 0, out.stderr
+    plan = re.findall(r"^ *(\d+)\. (\S+) +(\d+) s ", out.stdout, re.M)
+    assert [name for _, name, _ in plan] == QUICK_STEPS
+    budgets = {name: int(seconds) for _, name, seconds in plan}
+    assert sum(budgets.values()) <= 450  # the whole suite inside 8 minutes on a lent GPU
+    commands = [line.strip() for line in out.stdout.splitlines() if "--run-step" in line]
+    assert [c.split("--run-step ")[1].split()[0] for c in commands] == QUICK_STEPS
+    assert "--target random:qwen3-8b" in commands[0]
+    assert all("--target random:llama-3.2-1b" in c for c in commands[1:5]) and "--target" not in commands[5]
+    assert f"JAX_COMPILATION_CACHE_DIR={tmp_path / 'q' / 'jax_cache'}" in out.stdout
+    assert not (tmp_path / "q").exists()  # ran nothing
+
+    # Steps stay in priority order whatever order --steps names them; budgets scale and override.
+    out = run_quick("--dry-run", "--steps", "engine,ar_floor", "--budget", "2", "--step-budget", "engine=7",
+                    "--target", "random:tiny")
+    plan = re.findall(r"^ *(\d+)\. (\S+) +(\d+) s ", out.stdout, re.M)
+    assert plan == [("1", "ar_floor", str(2 * budgets["ar_floor"])), ("2", "engine", "7")]
+    assert out.stdout.count("--target random:tiny") == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--steps", "ar_floor,bogus"], "unknown step(s) ['bogus']; the steps are ar_floor, dflash_trees"),
+    (["--step-budget", "engine=0"], "--step-budget wants STEP=SECONDS"),
+    (["--budget", "-1"], "expected a number > 0"),
+    (["--preset", "tiny", "--target", "random:tiny"], "not allowed with argument"),
+])
+def test_gpu_quick_bad_options(args, message):
+    out = run_quick("--dry-run", *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr

