@@ -93,7 +93,7 @@ class Settings:
 
 FULL = Settings()
 SMOKE = Settings(
-    context=16, new_tokens=8, repeats=1, copy_bytes=16 << 20, batches=(1,), trees=(16,),
+    context=16, new_tokens=8, repeats=3, copy_bytes=16 << 20, batches=(1,), trees=(16,),
     block_size=8, draft_layers=1, verify_tokens=(1, 4), capacities=(256,), concurrency=(2,),
     engine_new_tokens=8, engine_drafters=("DFlash",), pytest_workers=0,
     exactness_tests=("tests/test_live_attention.py::test_live_paths_match_the_dense_reference[float32-blocks]",),
