@@ -23,9 +23,9 @@ import os
 # bounded_memory_maps below handles, which aborted the optimised codegen as well.)
 _ACCELERATOR = any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/accel0", "/dev/vfio/0"))
 if not _ACCELERATOR and not os.environ.get("SPEC_JAX_TEST_OPTIMIZED"):
-    _CHEAP = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    if _CHEAP not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CHEAP).strip()
+    from cheap_xla import with_cheap_flags
+
+    os.environ["XLA_FLAGS"] = with_cheap_flags(os.environ.get("XLA_FLAGS", ""))
 
 # The README's command runs the suite in two pytest-xdist worker processes (this machine has two
 # cores and the suite is mostly single-threaded compiling). On a GPU host the two workers must not

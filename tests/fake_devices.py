@@ -5,9 +5,9 @@ compare tokens, not speed, so unoptimised codegen keeps each loop compile a few 
 
 import os
 
-_CHEAP = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-_flags = os.environ.get("XLA_FLAGS", "")  # a worker started by the suite inherits the cheap flags
-os.environ["XLA_FLAGS"] = (
-    _flags + " --xla_force_host_platform_device_count=8" + ("" if _CHEAP in _flags else " " + _CHEAP)
-).strip()
+from cheap_xla import with_cheap_flags
+
+os.environ["XLA_FLAGS"] = with_cheap_flags(
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

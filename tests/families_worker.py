@@ -5,10 +5,9 @@ and check_target on each family. Prints one JSON line."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-).strip()
+from cheap_xla import with_cheap_flags  # noqa: E402  (tests/ is on PYTHONPATH)
+
+os.environ["XLA_FLAGS"] = with_cheap_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402

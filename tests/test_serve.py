@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cheap_xla import CHEAP_XLA_FLAGS
 from serving_testlib import save_tiny_target
 
 from spec_jax.app.openai_api import ServerState, create_app
@@ -239,7 +240,7 @@ def test_serve_command_drains_on_sigterm(tiny_dir):
     sampled tokens, one verify step per chunk); the server's log says the request was running
     when the signal came, the stream still finishes (all its tokens, finish reason, [DONE]), and
     the process exits 0."""
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    env = dict(os.environ, XLA_FLAGS=CHEAP_XLA_FLAGS)
     proc = subprocess.Popen(
         [sys.executable, "-m", "spec_jax.app.main", "serve", "--target", str(tiny_dir), "--port", "0",
          "--slots", "2", "--max-model-len", "256", "--chunk-steps", "1", "--drafter", "ngram",
