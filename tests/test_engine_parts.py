@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from spec_jax.decoding.engine import model_length_and_capacity
+from spec_jax.decoding.engine import Engine, model_length_and_capacity
 from spec_jax.decoding.generate import stop_id_array
 from spec_jax.decoding.loop import FINISH_NONE, FINISH_STOP as STOP
 from spec_jax.decoding.scheduler import Scheduler
@@ -45,14 +45,34 @@ def test_scheduler_bounds_admissions_per_step():
 
 def test_scheduler_cancellations_drop_waiting_requests_once():
     scheduler = Scheduler()
-    rids = [scheduler.submit(params(n_prompt=i + 1), submitted_at=0.0) for i in range(3)]
-    scheduler.cancel(rids[1])
-    scheduler.cancel(99)  # a running request's id (the engine frees its slot)
+    rids = [scheduler.submit(params(n_prompt=i + 1), submitted_at=0.0) for i in range(4)]
+    scheduler.admissions([0])  # rids[0] now runs (the engine frees its slot)
+    scheduler.cancel(rids[2])
+    scheduler.cancel(rids[0])
     assert scheduler.has_work(running=False)
     cancelled, dropped = scheduler.take_cancelled()
-    assert cancelled == {rids[1], 99} and [(rid, len(p.prompt_ids)) for rid, p in dropped] == [(rids[1], 2)]
-    assert [rid for rid, _, _ in scheduler.waiting] == [rids[0], rids[2]]
+    assert cancelled == {rids[2], rids[0]} and [(rid, len(p.prompt_ids)) for rid, p in dropped] == [(rids[2], 3)]
+    assert [rid for rid, _, _ in scheduler.waiting] == [rids[1], rids[3]]
     assert scheduler.take_cancelled() == (set(), [])
+
+
+@pytest.mark.parametrize("request_id, match", [
+    ([1], r"request_id must be an integer, got \[1\] \(list\)"),
+    ("1", r"request_id must be an integer, got '1'"),
+    (-1, r"request_id must be an integer >= 0"),
+    (2, r"request_id 2 was never submitted \(ids so far: 0 \.\. 1\); cancel takes the id one submit\(\) returned"),
+])
+def test_cancel_of_a_malformed_or_unknown_id_is_a_clear_error(request_id, match):
+    """Issue 42: `cancel([1])` raised a raw TypeError (an unhashable id), and an id never given
+    was taken silently."""
+    scheduler = Scheduler()
+    for _ in range(2):
+        scheduler.submit(params(), submitted_at=0.0)
+    with pytest.raises(ArgumentError, match=match) as e:
+        scheduler.cancel(request_id)
+    assert e.value.param == "request_id" and scheduler.take_cancelled() == (set(), [])
+    scheduler.cancel(1.0)  # an integral number is an id, as everywhere else
+    assert scheduler.take_cancelled()[0] == {1}
 
 
 def test_scheduler_submit_is_thread_safe():
@@ -124,7 +144,7 @@ def test_one_stop_id_rule():
     assert resolve_stop_ids(defaults) == (2, 3)
     assert resolve_stop_ids(defaults, stop_ids=[7, 7]) == (7,)  # given ids replace the defaults
     assert resolve_stop_ids(defaults, ignore_eos=True) == ()
-    assert resolve_stop_ids(defaults, stop_ids=[7], ignore_eos=True) == ()
+    assert resolve_stop_ids(defaults, stop_ids=[7], ignore_eos=True) == (7,)  # named ids still stop (issue 42)
     assert resolve_stop_ids(defaults, extra_stop_ids=[9]) == (9, 2, 3)  # the API's stop_token_ids add
     assert resolve_stop_ids(defaults, ignore_eos=True, extra_stop_ids=[9]) == (9,)
     with pytest.raises(ArgumentError, match="At most 8 stop ids") as e:
@@ -150,6 +170,33 @@ def test_request_values_errors_carry_the_parameter(kwargs, param):
 def test_request_values_take_integral_numbers_the_one_way():
     values = check_request_values((2,), max_new_tokens=4.0, top_k=np.int64(3), temperature=1, seed=0)
     assert (values.max_new_tokens, values.top_k, values.temperature, values.stop_ids) == (4, 3, 1.0, (2,))
+
+
+def fake_engine(max_model_len=48, default_stop_ids=(2,)):
+    """What `Engine.check_request` reads of an engine (no model, nothing compiled)."""
+    return types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=101), max_model_len=max_model_len,
+                                 default_stop_ids=default_stop_ids)
+
+
+def test_engine_requests_honour_stop_ids_with_ignore_eos():
+    """Issue 42: `submit(..., stop_ids=[9], ignore_eos=True)` dropped the explicit stop ids."""
+    engine = fake_engine()
+    assert Engine.check_request(engine, [1, 2], stop_ids=[9], ignore_eos=True).stop_ids == (9,)
+    assert Engine.check_request(engine, [1, 2], ignore_eos=True).stop_ids == ()
+    assert Engine.check_request(engine, [1, 2]).stop_ids == (2,)
+
+
+def test_engine_default_max_new_tokens_fits_max_model_len():
+    """Issue 42: the default max_new_tokens (128) was refused by an engine with a shorter
+    max_model_len; it is now what the model length leaves, up to 128."""
+    assert Engine.check_request(fake_engine(48), [1] * 10).max_new_tokens == 38
+    assert Engine.check_request(fake_engine(1024), [1] * 10).max_new_tokens == 128
+    with pytest.raises(ArgumentError, match="max_model_len 48") as e:
+        Engine.check_request(fake_engine(48), [1] * 10, max_new_tokens=39)
+    assert e.value.param == "max_new_tokens"
+    with pytest.raises(ArgumentError, match="the prompt's 48 tokens leave no room for a new token") as e:
+        Engine.check_request(fake_engine(48), [1] * 48)
+    assert e.value.param == "prompts"
 
 
 def test_model_length_and_capacity():

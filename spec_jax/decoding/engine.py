@@ -51,6 +51,7 @@ from spec_jax.sharding.placement import gather_to_host
 __all__ = ["AdaptiveK", "Engine", "EngineEvent", "RequestParams", "RequestStats"]
 
 DEFAULT_MAX_MODEL_LEN = 1024
+DEFAULT_MAX_NEW_TOKENS = 128  # generate's default, lowered to what max_model_len leaves
 CAPACITY_MULTIPLE = 128  # the engine's multiple for round_capacity (its cache is sized once per server)
 # Programs `warmup` compiles at a time. One: on this 2-core CPU, with other work on the machine,
 # two threads took as long as one (the default model's 8 programs, cold: 181 s alone, 192 s with 2;
@@ -164,10 +165,17 @@ class Engine:
     def check_request(self, prompt_ids: Sequence[int], **request_values: Any) -> RequestParams:
         """A request's values, checked (ArgumentError naming the field) before it is queued.
 
-        request_values: max_new_tokens (default 128), temperature, top_k, top_p, seed, stop_ids,
-        ignore_eos, as `generate` takes them."""
-        values = validation.check_request_values(self.default_stop_ids, **request_values)
+        request_values: max_new_tokens (default 128, or what max_model_len leaves after the
+        prompt when that is less), temperature, top_k, top_p, seed, stop_ids, ignore_eos, as
+        `generate` takes them."""
         (prompt,) = validation.check_prompts([prompt_ids], self.model.vocab_size)
+        room = self.max_model_len - len(prompt)
+        if room < 1:
+            raise validation.ArgumentError(
+                "prompts", f"prompts: the prompt's {len(prompt)} tokens leave no room for a new token under the "
+                f"engine's max_model_len {self.max_model_len}; shorten the prompt or raise max_model_len.")
+        request_values.setdefault("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, room))
+        values = validation.check_request_values(self.default_stop_ids, **request_values)
         total = len(prompt) + values.max_new_tokens
         if total > self.max_model_len:
             raise validation.ArgumentError(
@@ -186,7 +194,8 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         """Stop a request: a waiting one is dropped, a running one's slot is freed before the next
-        chunk. Its last event has finish_reason "cancelled"."""
+        chunk. Its last event has finish_reason "cancelled". A request that has finished already
+        is left as it is; an id `submit` never returned is an ArgumentError (a ValueError)."""
         self.scheduler.cancel(request_id)
 
     def has_work(self) -> bool:

@@ -313,7 +313,7 @@ def generate(
       tree (`spec_jax.drafters.tree`).
     stop_ids: default `default_stop_ids(target)`: EOS and, for a loaded model with a chat template,
       its end-of-turn token (so a chat prompt stops at the end of the assistant's turn);
-      `ignore_eos=True` disables stopping.
+      `ignore_eos=True` drops those defaults (ids given in `stop_ids` still stop).
     capacity: KV cache/buffer length; default bucket(prompt) + max_new_tokens + K + 1 rounded up.
     mesh: a `jax.sharding.Mesh` from `spec_jax.sharding.make_mesh` ("data=D,model=M") to run the
       whole loop sharded: params are placed per `sharding_rules` (default

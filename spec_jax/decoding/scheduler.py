@@ -8,11 +8,11 @@ cancellations asked for since the last chunk, which waiting requests take which 
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 import threading
 from typing import Sequence
 
+from spec_jax.decoding import validation
 from spec_jax.decoding.slots import RequestParams
 
 
@@ -27,19 +27,26 @@ class Scheduler:
         self.max_admits_per_step = max_admits_per_step
         self.waiting: collections.deque[tuple[int, RequestParams, float]] = collections.deque()
         self._cancelled: set[int] = set()
-        self._ids = itertools.count()
+        self._issued = 0  # request ids are 0 .. _issued - 1
         self._lock = threading.Lock()
 
     def submit(self, params: RequestParams, submitted_at: float) -> int:
         """Queue a request -> its id."""
         with self._lock:
-            rid = next(self._ids)
+            rid, self._issued = self._issued, self._issued + 1
             self.waiting.append((rid, params, submitted_at))
         return rid
 
     def cancel(self, request_id: int) -> None:
+        """Cancel a request by the id `submit` gave; a finished request's id is a no-op (it may
+        finish while the caller decides), an id never given is an ArgumentError."""
+        rid = validation.check_int("request_id", request_id, minimum=0)
         with self._lock:
-            self._cancelled.add(request_id)
+            if rid >= self._issued:
+                raise validation.ArgumentError(
+                    "request_id", f"request_id {rid} was never submitted (ids so far: 0 .. {self._issued - 1}); "
+                    "cancel takes the id one submit() returned.")
+            self._cancelled.add(rid)
 
     def has_work(self, running: bool) -> bool:
         with self._lock:

@@ -182,12 +182,15 @@ def resolve_stop_ids(
     """The one stop-id rule, for `generate`, the stream, the engine and the HTTP API alike.
 
     Generation stops at `stop_ids` when given, else at the model's `default_ids` (EOS and its chat
-    template's end of turn); `ignore_eos` stops at neither. `extra_stop_ids` are stopped at in any
-    case: the HTTP API's `stop_token_ids`, which add to the defaults as vLLM's do. -> checked
-    ids, duplicates dropped, at most MAX_STOP_IDS."""
+    template's end of turn); `ignore_eos` drops the defaults, never ids the caller named.
+    `extra_stop_ids` are stopped at in any case: the HTTP API's `stop_token_ids`, which add to
+    the defaults as vLLM's do. -> checked ids, duplicates dropped, at most MAX_STOP_IDS."""
     from spec_jax.decoding.loop import MAX_STOP_IDS
 
-    base = () if ignore_eos else (default_ids if stop_ids is None else check_stop_ids(stop_ids))
+    if stop_ids is not None:
+        base = check_stop_ids(stop_ids)
+    else:
+        base = () if ignore_eos else default_ids
     ids = list(dict.fromkeys(check_stop_ids(extra_stop_ids) + [int(t) for t in base]))
     if len(ids) > MAX_STOP_IDS:
         raise ArgumentError("stop_ids", f"At most {MAX_STOP_IDS} stop ids are supported, got {len(ids)}.")
