@@ -183,6 +183,27 @@ def test_a_stop_string_ends_the_request_early(server, tokenizer):
     assert body["choices"][0]["finish_reason"] == "stop" and server.engine.cancelled == [7]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_nothing_after_a_stop_string_is_appended(server, tokenizer, stream):
+    """Issue 42: the engine runs on until the cancel lands, and the tokens it hands out after the
+    stop were appended after the cut (text, token_ids and usage). Here the stop "e(1" spans
+    tokens (" range", "(", "10") and more tokens follow in two later events."""
+    ids = tokenizer.encode("for i in range(10):\n    print(i * i)\n")
+    items = [EngineEvent(7, ids[:5]), EngineEvent(7, ids[5:9]), EngineEvent(7, ids[9:]), finished(ids[:2], "cancelled")]
+    reply = reply_for(server, stop_strings=["print", "e(1", "zzz"])
+    if stream:
+        events = parsed_events(asyncio.run(collect(stream_events(reply, events_of(server, items)))))
+        text, last = "".join(e["choices"][0]["text"] for e in events[:-1]), events[-2]
+        usage, token_ids = last["usage"], reply.output.token_ids
+    else:
+        status, body = asyncio.run(complete(reply, events_of(server, items)))
+        assert status == 200
+        text, last, usage, token_ids = body["choices"][0]["text"], body, body["usage"], body["choices"][0]["token_ids"]
+    assert text == "for i in rang" and last["choices"][0]["finish_reason"] == "stop"
+    assert token_ids == ids[:5]  # the fewest tokens holding the text: " range" ends inside the stop
+    assert usage["completion_tokens"] == 5 and server.engine.cancelled[0] == 7
+
+
 def test_a_client_that_went_away_cancels_its_request(server):
     status, body = asyncio.run(complete(reply_for(server), events_of(server, [], disconnected=True)))
     assert (status, body) == (499, {}) and server.engine.cancelled == [7]

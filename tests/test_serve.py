@@ -188,6 +188,46 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     assert request(server["port"], "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4})[0] == 200
 
 
+def fewest_tokens_holding(tok, ids, text):
+    """The token_ids a stopped answer keeps: the fewest leading tokens whose text begins with it."""
+    return next(ids[:n] for n in range(len(ids) + 1) if tok.decode(ids[:n], skip_special_tokens=True).startswith(text))
+
+
+def stops_in(tok, ids, text):
+    """Three stop lists for a greedy answer: a stop across a token boundary (with a later one and
+    one that never occurs), and one that begins exactly where a token does."""
+    ends = [len(tok.decode(ids[:n], skip_special_tokens=True)) for n in range(1, len(ids))]
+    boundaries = [p for p in ends if len(text) // 3 <= p < len(text) - 2]
+    spanning = next(text[p - 1 : p + 2] for p in boundaries
+                    if text.find(text[p - 1 : p + 2]) == p - 1 and "\ufffd" not in text[p - 1 : p + 2])
+    at_token = next(text[p : p + 2] for p in boundaries if text.find(text[p : p + 2]) == p and "\ufffd" not in text[p : p + 2])
+    return [[spanning, text[-2:], "never§"], [at_token], [text[-2:]]]
+
+
+def test_stop_strings_cut_exactly_where_the_answer_first_holds_them(server):
+    """Issue 42: a greedy answer with stop strings is the answer without them cut before the
+    first stop's first occurrence, streamed and not, with token_ids and usage matching, and the
+    slot is free when the answer ends. Text generated after the stop was appended before."""
+    tok, port = server["target"].tokenizer, server["port"]
+    body = {"prompt": "The quick brown fox", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    status, full = request(port, "POST", "/v1/completions", body)
+    assert status == 200, full
+    ids, text = full["choices"][0]["token_ids"], full["choices"][0]["text"]
+    for stops in stops_in(tok, ids, text):
+        cut = text[: min(text.find(s) for s in stops if s in text)]
+        kept = fewest_tokens_holding(tok, ids, cut)
+        status, out = request(port, "POST", "/v1/completions", dict(body, stop=stops))
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (cut, "stop"), stops
+        assert choice["token_ids"] == kept and out["usage"]["completion_tokens"] == len(kept)
+        assert request(port, "GET", "/health")[1]["running"] == 0
+        events = stream(port, "/v1/completions", dict(body, stop=stops))
+        assert completion_text(events[:-1], chat=False) == cut and events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-2]["usage"] == out["usage"]
+    assert request(port, "GET", "/health")[1]["running"] == 0
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [

@@ -16,6 +16,7 @@ rule (`validation.resolve_stop_ids`), so the API, the CLI and `generate` refuse 
 # No `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotation at
 # run time, and that class is imported inside `create_app`.
 import asyncio
+import bisect
 import dataclasses
 import json
 import threading
@@ -367,7 +368,12 @@ class ServerState:
 
 class TextOutput:
     """A request's text so far: incremental detokenization, stop strings held back until they
-    can no longer begin one."""
+    can no longer begin one.
+
+    Once a stop string is found the output is final: `text` ends before the stop's first
+    occurrence (the stop excluded, as OpenAI does), `token_ids` are the fewest tokens whose text
+    holds `text` (a token that ends inside the stop is kept when its text begins before it), and
+    tokens the engine hands out later (it runs on until the cancel lands) are dropped."""
 
     def __init__(self, tokenizer, stop_strings):
         from spec_jax.decoding.stream import IncrementalDetokenizer
@@ -381,16 +387,26 @@ class TextOutput:
         self.stopped = False  # a stop string was found
 
     def push(self, ids: list[int], final: bool) -> str:
-        """Text to send now for these new ids."""
+        """Text to send now for these new ids ("" once stopped)."""
+        if self.stopped:
+            return ""
         self.token_ids += ids
         self.text += self.detok.push(ids) + (self.detok.flush() if final else "")
-        for s in self.stop_strings:
-            at = self.text.find(s)
-            if at >= 0:
-                self.text, self.stopped, final = self.text[:at], True, True
+        # No stop can begin in text already sent: the held-back tail is longer than any stop's head.
+        found = [at for at in (self.text.find(s, self.sent) for s in self.stop_strings) if at >= 0]
+        if found:
+            self.text, self.stopped, final = self.text[: min(found)], True, True
+            self.token_ids = self.token_ids[: self._tokens_holding(self.text)]
         upto = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
         piece, self.sent = self.text[self.sent : upto], upto
         return piece
+
+    def _tokens_holding(self, text: str) -> int:
+        """The fewest leading tokens whose decoded text begins with `text` (a binary search:
+        a longer prefix of tokens only adds text)."""
+        tokenizer, skip = self.detok.tokenizer, self.detok.skip_special_tokens
+        return bisect.bisect_left(range(len(self.token_ids)), True, key=lambda n: tokenizer.decode(
+            self.token_ids[:n], skip_special_tokens=skip).startswith(text))
 
 
 # --------------------------------------------------------------------------- responses
