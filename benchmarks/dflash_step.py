@@ -49,9 +49,10 @@ def shaped_drafter(target_cfg: Any, block_size: int, layers: int, dtype: str, tr
     from spec_jax.training.run import smollm2_dflash_config
 
     shaped = smollm2_dflash_config(target_cfg, block_size, layers)
-    cfg = dataclasses.replace(
-        shaped, layer=shaped.layer.replace(dtype=dtype),
-        target_layer_ids=default_target_layer_ids(target_cfg.num_layers, layers))
+    n = target_cfg.num_layers
+    # Clamped into the target's layers: the default spread runs below 0 under 4 layers (random:tiny).
+    ids = tuple(sorted({min(max(i, 0), n - 1) for i in default_target_layer_ids(n, layers)}))
+    cfg = dataclasses.replace(shaped, layer=shaped.layer.replace(dtype=dtype), target_layer_ids=ids)
     return DFlashDrafter(cfg, tree=tree), init_dflash_params(cfg, jax.random.key(0))
 
 
