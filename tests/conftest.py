@@ -99,7 +99,8 @@ SLOW_FILES = frozenset({
     "test_bring_your_own_model.py", "test_cli.py", "test_compiled_program.py",
     "test_dflash_parity.py", "test_eagle3.py", "test_engine.py", "test_families.py",
     "test_families_gguf.py", "test_families_training.py", "test_gguf.py", "test_gpu_quick.py", "test_hf_parity.py",
-    "test_integrity_training.py", "test_live_attention.py", "test_medusa.py", "test_registry.py",
+    "test_integrity_training.py", "test_live_attention.py", "test_medusa.py", "test_multiprocess.py",
+    "test_registry.py",
     "test_roofline.py", "test_sampling_stats.py", "test_serve.py", "test_sharding.py",
     "test_speculative_greedy.py", "test_stream.py", "test_training.py", "test_trees.py",
 })

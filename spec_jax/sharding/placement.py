@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spec_jax.sharding.rules import ShardingRules, logical_to_partition_spec
 
@@ -32,10 +32,27 @@ def batch_sharding(mesh: Mesh, rules: ShardingRules, shape: tuple[int, ...]) -> 
 
 
 def gather_to_host(tree: Any) -> Any:
-    """numpy copy of a tree of (possibly multi-process) arrays; every process gets all of it."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    if all(getattr(x, "is_fully_addressable", True) for x in leaves):
+    """numpy copy of a tree of (possibly multi-process) arrays; every process gets all of it.
+    With arrays spread over several processes this is a collective: every process must call it."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    spread = [i for i, x in enumerate(leaves) if not getattr(x, "is_fully_addressable", True)]
+    if not spread:
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
+    # A process reads only its own devices' shards (np.asarray of a multi-process array raises), so
+    # the spread leaves are first replicated onto every device, a collective across processes. One
+    # program for the whole tree: multihost_utils.process_allgather compiles and runs one per leaf
+    # (and stacks a host-local leaf from every process where this keeps it as it is).
+    if all(isinstance(leaves[i].sharding, NamedSharding) for i in spread):
+        everywhere = [NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in spread]
+        gathered = jax.jit(_identity, out_shardings=everywhere)([leaves[i] for i in spread])
+    else:
+        from jax.experimental import multihost_utils
 
-    return multihost_utils.process_allgather(tree, tiled=True)
+        gathered = [multihost_utils.process_allgather(leaves[i], tiled=True) for i in spread]
+    for i, x in zip(spread, gathered):
+        leaves[i] = x.addressable_data(0) if isinstance(x, jax.Array) else x
+    return jax.device_get(jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def _identity(x: Any) -> Any:
+    return x
