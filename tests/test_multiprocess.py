@@ -28,7 +28,7 @@ from multiprocess_testlib import run_checks
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 NUM_PROCESSES = 2
-# Cold compiles of three sharded programs per worker: about a minute on a quiet 2-core machine.
+# The whole file took 156 s cold on this 2-core VM at load 7-11 (benchmarks/RESULTS.md, issue 46).
 DEADLINE_S = 600
 
 
