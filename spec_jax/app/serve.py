@@ -24,11 +24,8 @@ import argparse
 import threading
 import time
 
-from spec_jax.app import http_limits, inputs
+from spec_jax.app import inputs
 from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_from_args, log
-
-EXIT_ENGINE_FAILED = 1  # the process's status after an engine failure (a supervisor restarts it)
-END_GRACE_S = 5.0  # past --drain-timeout: time for the ended requests to write their last bytes
 
 HELP = "serve an OpenAI-compatible HTTP API (completions, chat, streaming) with continuous batching"
 
@@ -59,7 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile every program requests can need before listening (default; the "
                    "persistent compilation cache makes a second start fast); --no-warmup compiles "
                    "each on the first request that needs it")
-    http_limits.add_arguments(p)  # body and header sizes, read and keep-alive timeouts, connection cap
 
 
 def create_app(state):
@@ -89,8 +85,6 @@ def check_args(args: argparse.Namespace) -> list[int] | None:
     _cli_int("--max-admits", args.max_admits, 1)
     _cli_int("--chunk-steps", args.chunk_steps, 1)
     _cli_int("--max-model-len", args.max_model_len, 2)
-    http_limits.check_seconds("--drain-timeout", args.drain_timeout, allow_zero=True)
-    http_limits.from_args(args)
     if not args.k_choices:
         return None
     try:
@@ -126,40 +120,35 @@ def build_state(args: argparse.Namespace) -> "ServerState":
         f"{' (' + spec.reason + ')' if spec.reason else ''}; "
         + (f"warm-up {warm.summary()}" if warm is not None else "no warm-up: programs compile on first use"))
     name = args.served_model_name or (target.source if args.target is None else args.target)
-    return ServerState(engine, target.tokenizer, target.chat_template, name, label, max_body_bytes=args.max_body_bytes)
+    return ServerState(engine, target.tokenizer, target.chat_template, name, label)
 
 
 def run(args: argparse.Namespace) -> None:
-    check_args(args)
-    # Bound before the model loads, so that a bad --host or a busy --port is said at once; it
-    # listens once the model is ready (connections are refused until then).
-    sock = http_limits.bind(args.host, args.port)
+    import socket
+
+    import uvicorn
+
+    state = build_state(args)
+    # Bind first, so that --port 0 can report the port it got (tests and scripts read this line).
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        state = build_state(args)
-    except BaseException:
+        sock.bind((args.host, args.port))
+    except OSError as e:
         sock.close()
-        raise
-    try:
-        sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
-    except OSError as e:  # another server took the port while the model loaded
-        sock.close()
-        raise http_limits.bind_error(args.host, args.port, e) from None
+        raise inputs.UsageError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.") from None
+    sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
     host, port = sock.getsockname()[:2]
-    # uvicorn's own timeout comes END_GRACE_S after ours, which ends each request in OpenAI's shape.
-    config = http_limits.uvicorn_config(create_app(state), http_limits.from_args(args), log_level="warning",
-                                        timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S)
+    config = uvicorn.Config(create_app(state), log_level="warning",
+                            timeout_graceful_shutdown=args.drain_timeout)
     log(f"serving {state.model_name} on http://{host}:{port} (OpenAI API at /v1)")
-    _server_class()(config, state, args.drain_timeout).run(sockets=[sock])
-    if state.runner.error:
-        log(f"exiting with status {EXIT_ENGINE_FAILED} after an engine failure ({state.runner.error}), so that a "
-            "supervisor restarts the server")
-        raise SystemExit(EXIT_ENGINE_FAILED)
+    _server_class()(config, state).run(sockets=[sock])
     log("stopped")
     return None
 
 
 def _server_class():
-    import asyncio
     import contextlib
     import signal
 
@@ -167,30 +156,11 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server, except that SIGTERM/SIGINT end it with exit status 0 once it has
-        drained (uvicorn re-raises the signal after shutdown, so the process would die by it);
-        past `drain_timeout` the requests still running are ended in OpenAI's shape; an engine
-        failure shuts it down."""
+        drained (uvicorn re-raises the signal after shutdown, so the process would die by it)."""
 
-        def __init__(self, config, state, drain_timeout: float):
+        def __init__(self, config, state):
             super().__init__(config)
-            self.state, self.drain_timeout = state, drain_timeout
-            state.runner.on_failure = self.engine_failed
-
-        def engine_failed(self) -> None:
-            self.should_exit = True  # from the engine thread; uvicorn's loop polls it
-
-        async def shutdown(self, sockets=None):
-            self.state.runner.close()  # new requests get 503, /health says draining
-            timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.end_running)
-            try:
-                await super().shutdown(sockets)
-            finally:
-                timer.cancel()
-
-        def end_running(self) -> None:
-            ended = self.state.runner.end_running()
-            if ended:
-                log(f"drain timeout ({self.drain_timeout:g}s) passed: ended {ended} running request(s)")
+            self.state = state
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -209,7 +179,7 @@ def _server_class():
             if not self.should_exit:
                 engine = self.state.engine
                 log(f"{signal.Signals(sig).name}: not accepting new requests; draining {engine.num_live} "
-                    f"running and {len(engine.scheduler.waiting)} waiting (up to {self.drain_timeout:g}s)")
+                    f"running and {len(engine.scheduler.waiting)} waiting (up to {self.config.timeout_graceful_shutdown:g}s)")
             super().handle_exit(sig, frame)
 
     return Server
