@@ -18,6 +18,7 @@ from spec_jax.app.openai_api import (
     Reply,
     RequestError,
     RequestEvents,
+    ServerEnding,
     ServerState,
     complete,
     health,
@@ -214,6 +215,18 @@ def test_an_engine_failure_is_a_500(server):
     assert status == 500 and "boom" in body["error"]["message"] and body["error"]["type"] == "server_error"
 
 
+def test_past_the_drain_timeout_a_request_gets_a_json_503(server, tokenizer):
+    ids = tokenizer.encode("The quick brown fox")
+    ending = ServerEnding("The server shut down before the request finished (--drain-timeout passed); retry it.")
+    status, body = asyncio.run(complete(reply_for(server), events_of(server, [EngineEvent(7, ids), ending])))
+    assert status == 503 and body["error"]["type"] == "server_error" and body["error"]["code"] == "server_shutting_down"
+    assert "--drain-timeout" in body["error"]["message"]
+    # An answer a stop string already ended (its cancel not yet handed out) is whole: it goes out.
+    reply = reply_for(server, stop_strings=["brown"])
+    status, body = asyncio.run(complete(reply, events_of(server, [EngineEvent(7, ids), ending])))
+    assert status == 200 and body["choices"][0]["text"] == "The quick " and body["choices"][0]["finish_reason"] == "stop"
+
+
 async def collect(stream):
     return [event async for event in stream]
 
@@ -244,6 +257,18 @@ def test_a_stream_without_usage_and_one_cut_short(server, tokenizer):
     lines = asyncio.run(collect(stream_events(reply_for(server), events_of(server, [EngineEvent(7, ids)],
                                                                            disconnected=True))))
     assert parsed_events(lines)[-1] != "[DONE]" and server.engine.cancelled == [7, 7]
+
+
+def test_past_the_drain_timeout_a_stream_ends_with_a_last_chunk_and_done(server, tokenizer):
+    """The text held back for a possible stop string goes out, then a last chunk (finish reason
+    "cancelled", usage) and [DONE]."""
+    ids = tokenizer.encode("The quick brown fox")
+    ending = ServerEnding("shut down")
+    reply = reply_for(server, chat=True, stop_strings=["zzzzzz"])
+    events = parsed_events(asyncio.run(collect(stream_events(reply, events_of(server, [EngineEvent(7, ids), ending])))))
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1]) == "The quick brown fox"
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "cancelled"
+    assert events[-2]["usage"]["completion_tokens"] == len(ids) and "speculative" not in events[-2]
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -5,6 +5,7 @@ field while the server stays healthy, the official `openai` client, and SIGTERM 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -36,15 +37,16 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_target(tmp_path_factory.mktemp("serve") / "tiny")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir):
-    """The app on an in-process uvicorn (a thread), on a free port."""
+def tiny_engine(target):
+    """The module's engine configuration (engines of one configuration share compiled programs)."""
+    return Engine(target, NGramDrafter(k=3), slots=3, max_model_len=MAX_MODEL_LEN, chunk_steps=2)
+
+
+@contextlib.contextmanager
+def serving(state):
+    """The app over `state` on an in-process uvicorn (a thread), on a free port -> the port."""
     import uvicorn
 
-    target = load_target(str(tiny_dir), dtype="float32")
-    engine = Engine(target, NGramDrafter(k=3), slots=3, max_model_len=MAX_MODEL_LEN, chunk_steps=2)
-    engine.warmup([16, 32])
-    state = ServerState(engine, target.tokenizer, target.chat_template, "tiny", "ngram")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
@@ -54,9 +56,50 @@ def server(tiny_dir):
     while not uv.started and time.time() < deadline:
         time.sleep(0.05)
     assert uv.started
-    yield {"port": sock.getsockname()[1], "target": target, "engine": engine}
-    uv.should_exit = True
-    thread.join(TIMEOUT)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        uv.should_exit = True
+        thread.join(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    target = load_target(str(tiny_dir), dtype="float32")
+    engine = tiny_engine(target)
+    engine.warmup([16, 32])
+    with serving(ServerState(engine, target.tokenizer, target.chat_template, "tiny", "ngram")) as port:
+        yield {"port": port, "target": target, "engine": engine}
+
+
+def start_serve(tiny_dir, *args, fault=None):
+    """`spec-jax serve` of the tiny model in its own process (with `fault` put into its engine's
+    step by tests/serve_fault_worker.py) -> (process, port, the log lines read so far)."""
+    here = Path(__file__).parent
+    env = dict(os.environ, XLA_FLAGS=CHEAP_XLA_FLAGS, PYTHONPATH=str(here.parent))  # the worker runs by path
+    command = [sys.executable] + ([str(here / "serve_fault_worker.py"), fault] if fault else ["-m", "spec_jax.app.main"])
+    proc = subprocess.Popen(
+        command + ["serve", "--target", str(tiny_dir), "--port", "0", "--slots", "2", "--max-model-len", "256",
+                   "--chunk-steps", "1", "--drafter", "ngram", "--dtype", "float32", *args],
+        stderr=subprocess.PIPE, text=True, env=env, cwd=here.parent,
+    )
+    port, lines = None, []
+    deadline = time.time() + 240
+    while port is None and time.time() < deadline:
+        line = proc.stderr.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        port = int(match.group(1)) if match else None
+    assert port, "".join(lines)
+    return proc, port, lines
+
+
+def stop_process(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stderr.close()
 
 
 def request(port, method, path, body=None, raw=None):
@@ -280,23 +323,8 @@ def test_serve_command_drains_on_sigterm(tiny_dir):
     sampled tokens, one verify step per chunk); the server's log says the request was running
     when the signal came, the stream still finishes (all its tokens, finish reason, [DONE]), and
     the process exits 0."""
-    env = dict(os.environ, XLA_FLAGS=CHEAP_XLA_FLAGS)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spec_jax.app.main", "serve", "--target", str(tiny_dir), "--port", "0",
-         "--slots", "2", "--max-model-len", "256", "--chunk-steps", "1", "--drafter", "ngram",
-         "--dtype", "float32", "--drain-timeout", "30"],
-        stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).parent.parent,
-    )
+    proc, port, lines = start_serve(tiny_dir, "--drain-timeout", "30")
     try:
-        port, lines = None, []
-        deadline = time.time() + 240
-        while port is None and time.time() < deadline:
-            line = proc.stderr.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-            match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-            port = int(match.group(1)) if match else None
-        assert port, "".join(lines)
         started, events = threading.Event(), []
         body = {"prompt": "The quick", "max_tokens": 240, "ignore_eos": True, "temperature": 1.0, "seed": 1}
         thread = threading.Thread(target=lambda: events.extend(
@@ -312,7 +340,91 @@ def test_serve_command_drains_on_sigterm(tiny_dir):
         last = events[-2]
         assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 240
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
+        stop_process(proc)
+
+
+def test_a_failed_engine_step_fails_the_server_whole(server):
+    """Issue 42: a step that raises (a simulated device error) failed the requests in flight but
+    left a zombie: /health said 503 while new requests were taken and hung. Now the requests in
+    flight fail (a 500, a stream's error event and [DONE]), /health and every new request answer
+    503 at once, and the exit hook `spec-jax serve` ends the process with is called. A fresh
+    engine of the module's configuration: its step raises before running anything."""
+    target = server["target"]
+    engine, failed = tiny_engine(target), threading.Event()
+
+    def failing_step():  # once both requests wait, so that both are in flight when it fails
+        deadline = time.time() + TIMEOUT
+        while len(engine.scheduler.waiting) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        raise RuntimeError("simulated device error")
+
+    engine.step = failing_step
+    state = ServerState(engine, target.tokenizer, target.chat_template, "tiny", "ngram")
+    state.runner.on_failure = failed.set
+    body = {"prompt": "The quick", "max_tokens": 8}
+    with serving(state) as port:
+        streamed = []
+        thread = threading.Thread(target=lambda: streamed.extend(stream(port, "/v1/completions", body)))
+        thread.start()
+        status, out = request(port, "POST", "/v1/completions", body)
+        thread.join(TIMEOUT)
+        assert status == 500 and "simulated device error" in out["error"]["message"], out
+        assert streamed[-1] == "[DONE]" and "simulated device error" in streamed[0]["error"]["message"]
+        assert failed.wait(TIMEOUT), "the exit hook was not called"
+        status, health = request(port, "GET", "/health")
+        assert status == 503 and health["status"] == "error"
+        for path, new in [("/v1/completions", body), ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                             "content": "hi"}]})]:
+            status, out = request(port, "POST", path, new)
+            assert status == 503 and out["error"]["code"] == "engine_failed", out
+            assert "simulated device error" in out["error"]["message"]
+
+
+def test_serve_command_exits_nonzero_when_the_engine_fails(tiny_dir):
+    """The command after an engine failure: the request in flight gets a 500, and the process
+    exits with status 1 (so that a supervisor restarts it), saying why."""
+    proc, port, lines = start_serve(tiny_dir, "--no-warmup", fault="fail")
+    try:
+        status, out = request(port, "POST", "/v1/completions", {"prompt": "The quick", "max_tokens": 8})
+        assert status == 500 and "simulated device error" in out["error"]["message"], out
+        assert proc.wait(TIMEOUT) == 1
+        log = "".join(lines) + proc.stderr.read()
+        assert "engine step failed: RuntimeError: simulated device error" in log, log
+        assert re.search(r"exiting with status 1 after an engine failure .* so that a supervisor restarts", log), log
+    finally:
+        stop_process(proc)
+
+
+def test_serve_command_ends_requests_past_the_drain_timeout(tiny_dir):
+    """Issue 42: past --drain-timeout, streams were cut with no final chunk and no [DONE],
+    non-streamed requests got a plain-text 500, and the log held a traceback per request. A
+    stream and a non-streamed request run (each step slowed to 0.1 s: 240 tokens take longer
+    than the 1 s drain) when SIGTERM comes: the stream ends with a final chunk (finish reason
+    "cancelled", its usage) and [DONE], the other request gets a 503 in OpenAI's error shape,
+    the log has no traceback and the process exits 0."""
+    proc, port, lines = start_serve(tiny_dir, "--no-warmup", "--drain-timeout", "1", fault="slow")
+    try:
+        body = {"prompt": "The quick", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+        started, streamed, answered = threading.Event(), [], []
+        threads = [threading.Thread(target=lambda: streamed.extend(
+                       stream(port, "/v1/completions", body, on_event=lambda _: started.set()))),
+                   threading.Thread(target=lambda: answered.append(request(port, "POST", "/v1/completions", body)))]
+        for t in threads:
+            t.start()
+        assert started.wait(TIMEOUT), "the stream never began"
+        deadline = time.time() + TIMEOUT
+        while request(port, "GET", "/health")[1]["running"] < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(TIMEOUT)
+        assert proc.wait(TIMEOUT) == 0
+        log = "".join(lines) + proc.stderr.read()
+        assert "Traceback" not in log and "drain timeout (1s) passed: ended 2 running request(s)" in log, log
+        assert streamed[-1] == "[DONE]", streamed[-3:]
+        last = streamed[-2]["choices"][0]
+        assert last["finish_reason"] == "cancelled" and 0 < streamed[-2]["usage"]["completion_tokens"] < 240
+        ((status, out),) = answered
+        assert status == 503 and out["error"]["code"] == "server_shutting_down" and out["error"]["type"] == "server_error"
+    finally:
+        stop_process(proc)

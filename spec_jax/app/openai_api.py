@@ -21,6 +21,7 @@ import dataclasses
 import json
 import threading
 import time
+import traceback
 import uuid
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
@@ -28,6 +29,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from spec_jax.app.common import log
 from spec_jax.decoding import validation
+from spec_jax.decoding.slots import EngineEvent
 
 MAX_STOP_STRINGS = 4
 DISCONNECT_POLL_S = 0.25
@@ -284,9 +286,17 @@ def parse_request(body: Any, server: "ServerState", chat: bool) -> Parsed:
 
 
 # --------------------------------------------------------------------------- the engine thread
+class ServerEnding(Exception):
+    """Handed to a request still running when the server stops waiting for it (past
+    --drain-timeout): it ends in OpenAI's shape now, before uvicorn would cut it."""
+
+
 class EngineRunner:
     """Runs the engine on its own thread and routes each request's events to the asyncio queue
-    of the handler waiting for them."""
+    of the handler waiting for them.
+
+    A step that raises fails the server whole: every request in flight gets the error, every new
+    one a 503, and `on_failure` (set by `spec-jax serve`: end the process, non-zero) is called."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -295,16 +305,20 @@ class EngineRunner:
         self.wake = threading.Event()
         self.stopping = False
         self.error: str | None = None
+        self.on_failure: Callable[[], None] | None = None
         self.thread = threading.Thread(target=self._run, name="spec-jax-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, params) -> tuple[int, asyncio.Queue]:
-        if self.stopping:
-            raise RequestError("The server is shutting down.", None, status=503)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         with self.lock:  # registered before the engine thread can hand out its first event
+            if self.error:  # checked under the lock: a failing step fails every registered queue
+                raise RequestError(f"The engine failed ({self.error}); the server is exiting so that its "
+                                   "supervisor can restart it.", None, status=503, code="engine_failed")
+            if self.stopping:
+                raise RequestError("The server is shutting down.", None, status=503, code="server_shutting_down")
             rid = self.engine.submit(params.prompt_ids, params=params)
             self.queues[rid] = (loop, queue)
         self.wake.set()
@@ -326,6 +340,15 @@ class EngineRunner:
                     loop, queue = target
                     loop.call_soon_threadsafe(queue.put_nowait, event)
 
+    def _end_all(self, error: Exception) -> int:
+        """Hand `error` to every request in flight and forget them -> how many there were."""
+        with self.lock:
+            for loop, queue in self.queues.values():
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+            ended = len(self.queues)
+            self.queues.clear()
+        return ended
+
     def _run(self) -> None:
         while not self.stopping or self.engine.has_work():
             if not self.engine.has_work():
@@ -335,18 +358,35 @@ class EngineRunner:
             try:
                 events = self.engine.step()
             except Exception as e:  # a failing step must not hang every client: fail them all
-                log(f"engine step failed: {type(e).__name__}: {e}")
-                self.error = f"{type(e).__name__}: {e}"
+                log(f"engine step failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
                 with self.lock:
-                    for loop, queue in self.queues.values():
-                        loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(self.error))
-                    self.queues.clear()
+                    self.error = f"{type(e).__name__}: {e}"
+                self._end_all(RuntimeError(self.error))
+                if self.on_failure is not None:
+                    self.on_failure()
                 return
             self._dispatch(events)
 
+    def close(self) -> None:
+        """Refuse new requests (503); the running ones go on."""
+        with self.lock:
+            self.stopping = True
+        self.wake.set()
+
+    def end_running(self) -> int:
+        """Past the drain timeout: end every request in flight now (`ServerEnding`) and cancel it
+        in the engine -> how many there were."""
+        with self.lock:
+            self.stopping = True
+            for rid in self.queues:
+                self.engine.cancel(rid)
+        self.wake.set()
+        return self._end_all(ServerEnding("The server shut down before the request finished "
+                                          "(--drain-timeout passed); retry it."))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel whatever is left, hand out the cancellations, end the thread."""
-        self.stopping = True
+        self.close()
         with self.lock:
             for rid in list(self.queues):
                 self.engine.cancel(rid)
@@ -472,7 +512,7 @@ class Reply:
     def last_event(self, event: Any) -> str:
         """The event that ends a stream: finish reason, speculative stats and (unless the
         request's stream_options said not to) usage."""
-        extra = {"speculative": self.speculative(event.stats)}
+        extra = {"speculative": self.speculative(event.stats)} if event.stats is not None else {}
         if self.parsed.include_usage:
             extra["usage"] = self.usage()
         return self.piece_event(None if self.parsed.chat else "", self.finish_reason(event), extra)
@@ -516,6 +556,11 @@ async def complete(reply: Reply, events: RequestEvents) -> tuple[int, dict[str, 
             if reply.output.stopped and event.finish_reason is None:
                 events.cancel()  # a stop string: no need for more tokens
             stats, reason = event.stats, reply.finish_reason(event) if event.finish_reason else None
+    except ServerEnding as e:
+        if not reply.output.stopped:  # an answer a stop string ended is whole: it goes out
+            error = RequestError(str(e), None, status=503, code="server_shutting_down")
+            return error.status, error.body()
+        reason = "stop"
     except RuntimeError as e:
         error = RequestError(f"generation failed: {e}", None, status=500)
         return error.status, error.body()
@@ -532,6 +577,8 @@ async def stream_events(reply: Reply, events: RequestEvents) -> AsyncIterator[st
         while True:
             try:
                 event = await events.next()
+            except ServerEnding:  # past the drain timeout: what is held back, then a last chunk
+                event = EngineEvent(events.rid, [], "cancelled")
             except RuntimeError as e:
                 yield f"data: {json.dumps(RequestError(f'generation failed: {e}', None, 500).body())}\n\n"
                 break

@@ -27,6 +27,9 @@ import time
 from spec_jax.app import inputs
 from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_from_args, log
 
+EXIT_ENGINE_FAILED = 1  # the process's status after an engine failure (a supervisor restarts it)
+END_GRACE_S = 5.0  # past --drain-timeout: time for the ended requests to write their last bytes
+
 HELP = "serve an OpenAI-compatible HTTP API (completions, chat, streaming) with continuous batching"
 
 
@@ -118,7 +121,7 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     log(f"engine: {args.slots} slots, max model length {engine.max_model_len}, drafter {label} "
         f"K={'adaptive ' + str(sorted(engine.drafters)) if engine.adaptive else engine.k}"
         f"{' (' + spec.reason + ')' if spec.reason else ''}; "
-        + (f"warm-up {warm.summary()}" if warm is not None else "no warm-up: programs compile on first use"))
+        + (f"warm-up {warm.summary()}" if warm else "no warm-up: programs compile on first use"))
     name = args.served_model_name or (target.source if args.target is None else args.target)
     return ServerState(engine, target.tokenizer, target.chat_template, name, label)
 
@@ -140,15 +143,21 @@ def run(args: argparse.Namespace) -> None:
         raise inputs.UsageError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.") from None
     sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
     host, port = sock.getsockname()[:2]
+    # uvicorn's own timeout comes END_GRACE_S after ours, which ends each request in OpenAI's shape.
     config = uvicorn.Config(create_app(state), log_level="warning",
-                            timeout_graceful_shutdown=args.drain_timeout)
+                            timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S)
     log(f"serving {state.model_name} on http://{host}:{port} (OpenAI API at /v1)")
-    _server_class()(config, state).run(sockets=[sock])
+    _server_class()(config, state, args.drain_timeout).run(sockets=[sock])
+    if state.runner.error:
+        log(f"exiting with status {EXIT_ENGINE_FAILED} after an engine failure ({state.runner.error}), so that a "
+            "supervisor restarts the server")
+        raise SystemExit(EXIT_ENGINE_FAILED)
     log("stopped")
     return None
 
 
 def _server_class():
+    import asyncio
     import contextlib
     import signal
 
@@ -156,11 +165,30 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server, except that SIGTERM/SIGINT end it with exit status 0 once it has
-        drained (uvicorn re-raises the signal after shutdown, so the process would die by it)."""
+        drained (uvicorn re-raises the signal after shutdown, so the process would die by it);
+        past `drain_timeout` the requests still running are ended in OpenAI's shape; an engine
+        failure shuts it down."""
 
-        def __init__(self, config, state):
+        def __init__(self, config, state, drain_timeout: float):
             super().__init__(config)
-            self.state = state
+            self.state, self.drain_timeout = state, drain_timeout
+            state.runner.on_failure = self.engine_failed
+
+        def engine_failed(self) -> None:
+            self.should_exit = True  # from the engine thread; uvicorn's loop polls it
+
+        async def shutdown(self, sockets=None):
+            self.state.runner.close()  # new requests get 503, /health says draining
+            timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.end_running)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+        def end_running(self) -> None:
+            ended = self.state.runner.end_running()
+            if ended:
+                log(f"drain timeout ({self.drain_timeout:g}s) passed: ended {ended} running request(s)")
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -179,7 +207,7 @@ def _server_class():
             if not self.should_exit:
                 engine = self.state.engine
                 log(f"{signal.Signals(sig).name}: not accepting new requests; draining {engine.num_live} "
-                    f"running and {len(engine.scheduler.waiting)} waiting (up to {self.config.timeout_graceful_shutdown:g}s)")
+                    f"running and {len(engine.scheduler.waiting)} waiting (up to {self.drain_timeout:g}s)")
             super().handle_exit(sig, frame)
 
     return Server
