@@ -60,6 +60,7 @@ def _python(args, env_changes, timeout=300):
     return proc
 
 
+@pytest.mark.slow  # a fresh process (about 5 s)
 def test_configure_sets_jax_in_a_fresh_process(tmp_path):
     script = """if True:
         import os, jax
@@ -75,6 +76,7 @@ def test_configure_sets_jax_in_a_fresh_process(tmp_path):
     assert out == ["False", "True", str(tmp_path / "spec_jax" / "jax-compilation-cache")]
 
 
+@pytest.mark.slow  # two fresh CLI processes, the first compiling (about 30 s)
 def test_a_second_run_loads_its_program_from_the_cache(tmp_path):
     cache = tmp_path / "cache"
     argv = ["-m", "spec_jax.app.main", "generate", "--target", "random:tiny", "--prompt-ids", "1,2,3",
