@@ -11,8 +11,10 @@ counts and the request's speculative stats (`speculative`: steps, drafted, accep
 One engine thread runs `Engine.step()` while there is work and hands each request's events to its
 handler's queue. A bad request gets a 4xx JSON error in OpenAI's shape naming the field
 (`error.param`). A client that disconnects has its request cancelled and its slot freed. SIGTERM:
-uvicorn stops accepting connections and lets running requests finish for up to --drain-timeout
-seconds; what is left is cancelled and the process exits.
+uvicorn stops accepting connections, new requests get 503, running ones may finish for up to
+--drain-timeout seconds; then each is ended in OpenAI's shape (a stream's last chunk, finish
+reason "cancelled", and [DONE]; a JSON 503) and the process exits 0. An engine failure fails every
+request in flight, answers 503 to the rest, and exits with status 1 (EXIT_ENGINE_FAILED).
 
 This module is the command; the API itself (request models, handlers, the engine thread) is
 `spec_jax.app.openai_api`, loaded only when the server starts.
