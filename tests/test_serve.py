@@ -1,7 +1,9 @@
 """`spec-jax serve` over real HTTP on 127.0.0.1 (ephemeral ports, bounded requests and time):
 completions and chat, streaming (SSE ending with [DONE]) equal to non-streamed, concurrent
 streams, a client that disconnects mid-stream frees its slot, bad requests get a 4xx naming the
-field while the server stays healthy, the official `openai` client, and SIGTERM on the command."""
+field while the server stays healthy, the official `openai` client, SIGTERM on the command,
+stop strings cut exactly, an engine failure (503s at once, exit status 1) and the end of requests
+past --drain-timeout (issue 42)."""
 
 from __future__ import annotations
 
