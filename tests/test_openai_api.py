@@ -109,7 +109,7 @@ def test_refusals_name_the_field(server, body, chat, param, status):
 def test_a_request_becomes_the_engine_values(server, tokenizer):
     parsed = parse_request({"prompt": "def is_prime(n):", "max_tokens": 8.0, "temperature": 0, "top_k": -1,
                             "seed": 3, "stop": "\n", "stream": True, "stream_options": {"include_usage": False},
-                            "unknown_field": 1}, server, chat=False)
+                            "presence_penalty": 0, "user": "u-1"}, server, chat=False)
     assert parsed.prompt_ids == tokenizer.encode("def is_prime(n):")
     params = parsed.engine_kwargs
     assert (params.max_new_tokens, params.temperature, params.top_k, params.seed) == (8, 0.0, 0, 3)

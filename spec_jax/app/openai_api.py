@@ -19,6 +19,7 @@ import asyncio
 import bisect
 import dataclasses
 import json
+import re
 import threading
 import time
 import traceback
@@ -27,11 +28,15 @@ from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from spec_jax.app import prompt_text
 from spec_jax.app.common import log
+from spec_jax.app.http_limits import DEFAULT_MAX_BODY_BYTES, error_body
 from spec_jax.decoding import validation
 from spec_jax.decoding.slots import EngineEvent
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 64
+MAX_JSON_DEPTH = 64
 DISCONNECT_POLL_S = 0.25
 
 
@@ -44,8 +49,7 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
     def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.status, self.param, self.code)
 
 
 def _number(name: str, default: Any, minimum: float | None = None, maximum: float | None = None,
@@ -83,6 +87,17 @@ def _required(name: str, what: str) -> Any:
     return BeforeValidator(check)
 
 
+def _of_type(name: str, kind: type, what: str) -> Any:
+    """A field that changes nothing in the output (an id for the caller's records), type-checked."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"'{name}' must be {what}.")
+        return value
+
+    return BeforeValidator(check)
+
+
 def _check_prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -95,19 +110,14 @@ def _check_prompt(prompt: Any) -> str | list[int]:
     raise ValueError("'prompt' must be a non-empty string or list of token ids (one prompt per request).")
 
 
-def _check_messages(messages: Any) -> list[dict[str, str]]:
-    if (not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise ValueError("'messages' must be a non-empty list of objects whose 'role' and 'content' are strings.")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
 def _check_stop(stop: Any) -> list[str]:
     stop_strings = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop_strings, list) or not all(isinstance(s, str) and s for s in stop_strings) \
             or len(stop_strings) > MAX_STOP_STRINGS:
         raise ValueError(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them.")
+    longest = max(len(s) for s in stop_strings) if stop_strings else 0
+    if longest > MAX_STOP_CHARS:  # a stream holds back as much text as a stop's head could be
+        raise ValueError(f"'stop' strings must be at most {MAX_STOP_CHARS} characters long, got one of {longest}.")
     return stop_strings
 
 
@@ -118,24 +128,40 @@ def _check_stop_token_ids(ids: Any) -> list[int]:
     return ids or []
 
 
-def _unsupported(name: str, allowed: tuple = (None,)) -> Any:
+def _unsupported(name: str, allowed: tuple = (None,), why: str = "") -> Any:
+    """An OpenAI field this server does not implement: accepted only at a value that changes
+    nothing (compared with its type, so that 1 is not true), refused by name otherwise."""
+
     def check(value: Any) -> Any:
-        if value not in allowed:
-            raise ValueError(f"'{name}' is not supported.")
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            neutral = [json.dumps(a) for a in allowed if a is not None]
+            raise ValueError(f"'{name}' is not supported by this server{why}; leave it out"
+                             + (f" or send {' or '.join(neutral)}." if neutral else "."))
         return value
 
     return BeforeValidator(check)
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions: OpenAI's fields, plus top_k, ignore_eos and stop_token_ids as vLLM
-    has them. Unknown fields are ignored, as OpenAI's server does."""
+def _no_penalty(name: str) -> Any:
+    def check(value: float) -> float:
+        if value != 0:
+            raise ValueError(f"'{name}' {value:g} is not supported by this server (it samples from the model's "
+                             "probabilities as they are); send 0 or leave it out.")
+        return value
 
-    model_config = ConfigDict(extra="ignore")
+    return AfterValidator(check)
+
+
+_NO_TOOLS = " (it generates text only, no tool or function calls)"
+
+
+class _Request(BaseModel):
+    """The fields both endpoints take: OpenAI's, plus top_k, ignore_eos and stop_token_ids as
+    vLLM has them. An unknown field is refused by name, as OpenAI's server does."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: Any = None
-    prompt: Annotated[Any, _required("prompt", "a string or a list of token ids"), AfterValidator(_check_prompt)] \
-        = Field(None, validate_default=True)
     max_tokens: Annotated[int, _number("max_tokens", 16, minimum=1, integer=True)] = 16
     temperature: Annotated[float, _number("temperature", 1.0, 0.0, 2.0)] = 1.0
     top_p: Annotated[float, _number("top_p", 1.0, 0.0, 1.0)] = 1.0
@@ -147,9 +173,12 @@ class CompletionRequest(BaseModel):
     stop: Annotated[Any, BeforeValidator(_check_stop)] = Field(None, validate_default=True)
     stop_token_ids: Annotated[Any, BeforeValidator(_check_stop_token_ids)] = Field(None, validate_default=True)
     ignore_eos: Annotated[bool, _flag("ignore_eos")] = False
-    logprobs: Annotated[Any, _unsupported("logprobs", (None, False))] = None
-    top_logprobs: Annotated[Any, _unsupported("top_logprobs")] = None
-    echo: Annotated[Any, _unsupported("echo", (None, False))] = None
+    frequency_penalty: Annotated[float, _number("frequency_penalty", 0.0, -2.0, 2.0),
+                                 _no_penalty("frequency_penalty")] = 0.0
+    presence_penalty: Annotated[float, _number("presence_penalty", 0.0, -2.0, 2.0),
+                                _no_penalty("presence_penalty")] = 0.0
+    logit_bias: Annotated[Any, _unsupported("logit_bias", (None, {}), " (no biased sampling)")] = None
+    user: Annotated[Any, _of_type("user", str, "a string (an id of your end user)")] = None
 
     @field_validator("n")
     @classmethod
@@ -176,20 +205,55 @@ class CompletionRequest(BaseModel):
         return "max_tokens"
 
 
-class ChatCompletionRequest(CompletionRequest):
+class CompletionRequest(_Request):
+    """POST /v1/completions."""
+
+    prompt: Annotated[Any, _required("prompt", "a string or a list of token ids"), AfterValidator(_check_prompt)] \
+        = Field(None, validate_default=True)
+    logprobs: Annotated[Any, _unsupported("logprobs", (None, False))] = None
+    echo: Annotated[Any, _unsupported("echo", (None, False))] = None
+    suffix: Annotated[Any, _unsupported("suffix", (None, ""), " (no fill-in-the-middle)")] = None
+    best_of: Annotated[Any, _unsupported("best_of", (None, 1), " (one candidate per request)")] = None
+
+
+class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions: messages instead of a prompt; max_tokens defaults to what the
     model length leaves, and max_completion_tokens (OpenAI's newer name) wins over it."""
 
-    prompt: Any = None
-    echo: Any = None
     messages: Annotated[Any, _required("messages", "a list of {role, content} objects"),
-                        AfterValidator(_check_messages)] = Field(None, validate_default=True)
+                        AfterValidator(prompt_text.check_messages)] = Field(None, validate_default=True)
     max_tokens: Annotated[int | None, _number("max_tokens", None, minimum=1, integer=True)] = None
     max_completion_tokens: Annotated[int | None, _number("max_completion_tokens", None, minimum=1,
                                                          integer=True)] = None
+    logprobs: Annotated[Any, _unsupported("logprobs", (None, False))] = None
+    top_logprobs: Annotated[Any, _unsupported("top_logprobs", (None, 0))] = None
+    response_format: Annotated[Any, _unsupported("response_format", (None, {"type": "text"}),
+                                                 " (it does not constrain the output to JSON)")] = None
+    tools: Annotated[Any, _unsupported("tools", (None, []), _NO_TOOLS)] = None
+    tool_choice: Annotated[Any, _unsupported("tool_choice", (None, "none"), _NO_TOOLS)] = None
+    parallel_tool_calls: Annotated[Any, _of_type("parallel_tool_calls", bool, "true or false")] = None
+    functions: Annotated[Any, _unsupported("functions", (None, []), _NO_TOOLS)] = None
+    function_call: Annotated[Any, _unsupported("function_call", (None, "none"), _NO_TOOLS)] = None
+    modalities: Annotated[Any, _unsupported("modalities", (None, ["text"]), " (text output only)")] = None
+    audio: Annotated[Any, _unsupported("audio", (None,), " (text output only)")] = None
+    prediction: Annotated[Any, _unsupported("prediction", (None,), " (no predicted outputs)")] = None
+    reasoning_effort: Annotated[Any, _unsupported("reasoning_effort")] = None
+    verbosity: Annotated[Any, _unsupported("verbosity")] = None
+    web_search_options: Annotated[Any, _unsupported("web_search_options", (None,), " (no web search)")] = None
+    # Fields for the caller's records or OpenAI's billing: they change nothing in the output.
+    metadata: Annotated[Any, _of_type("metadata", dict, "an object of strings")] = None
+    store: Annotated[Any, _of_type("store", bool, "true or false")] = None
+    service_tier: Annotated[Any, _of_type("service_tier", str, "a string")] = None
+    prompt_cache_key: Annotated[Any, _of_type("prompt_cache_key", str, "a string")] = None
+    safety_identifier: Annotated[Any, _of_type("safety_identifier", str, "a string")] = None
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+_OTHER_ENDPOINT = {"prompt": "/v1/chat/completions takes 'messages'",
+                   "messages": "chat messages go to /v1/chat/completions",
+                   "max_completion_tokens": "/v1/completions takes 'max_tokens'"}
 
 
 def field_error(error: ValidationError) -> RequestError:
@@ -197,6 +261,10 @@ def field_error(error: ValidationError) -> RequestError:
     the check that refused it."""
     first = error.errors()[0]
     param = str(first["loc"][0]) if first["loc"] else None
+    if first["type"] == "extra_forbidden":
+        hint = _OTHER_ENDPOINT.get(param, "this server takes OpenAI's fields plus top_k, ignore_eos and "
+                                          "stop_token_ids")
+        return RequestError(f"Unrecognized request argument supplied: '{param}' ({hint}).", param)
     cause = (first.get("ctx") or {}).get("error")
     return RequestError(str(cause) if cause is not None else f"'{param}': {first['msg']}.", param)
 
@@ -213,12 +281,39 @@ class Parsed:
     include_usage: bool
 
 
-def validate_body(body: Any, server: "ServerState", chat: bool) -> CompletionRequest:
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_json_values(body: dict) -> None:
+    """Every string in the body is text (JSON can carry a lone UTF-16 surrogate, which no
+    tokenizer takes) and the body nests at most MAX_JSON_DEPTH deep; RequestError naming the
+    top-level field."""
+    for field, value in body.items():
+        stack = [(value, 1)]
+        while stack:
+            item, depth = stack.pop()
+            if depth > MAX_JSON_DEPTH:
+                raise RequestError(f"'{field}' nests deeper than {MAX_JSON_DEPTH} levels.", field)
+            if isinstance(item, str):
+                hit = _SURROGATE.search(item)
+                if hit:
+                    raise RequestError(f"'{field}' holds a lone UTF-16 surrogate (U+{ord(hit.group()):04X}), which is "
+                                       "not text; send valid Unicode.", field)
+            elif isinstance(item, dict):
+                stack.extend((part, depth + 1) for pair in item.items() for part in pair)
+            elif isinstance(item, list):
+                stack.extend((part, depth + 1) for part in item)
+
+
+def validate_body(body: Any, server: "ServerState", chat: bool) -> _Request:
     """The JSON body as a request model; RequestError naming the field (404 for a model this
     server does not serve)."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.", None)
+    check_json_values(body)
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"'model' must be a string, the served model's id '{server.model_name}'.", "model")
     if model is not None and model not in server.model_names:
         raise RequestError(f"The model '{model}' does not exist; this server serves '{server.model_name}'.",
                            "model", status=404, code="model_not_found")
@@ -228,17 +323,32 @@ def validate_body(body: Any, server: "ServerState", chat: bool) -> CompletionReq
         raise field_error(e) from None
 
 
-def prompt_ids_of(request: CompletionRequest, server: "ServerState", chat: bool) -> list[int]:
+def _check_text_length(chars: int, server: "ServerState", field: str) -> None:
+    """Refuse, before tokenizing it, a text too long to be a prompt under the model length."""
+    limit = server.engine.max_model_len
+    fewest = server.prompt_text.fewest_tokens(chars)
+    if fewest >= limit:
+        raise RequestError(f"The prompt's {chars} characters are at least {fewest} tokens, past the model length "
+                           f"{limit} (--max-model-len); shorten the prompt.", field)
+
+
+def prompt_ids_of(request: _Request, server: "ServerState", chat: bool) -> list[int]:
     """The request's prompt as token ids (chat messages through the chat template), inside the vocabulary."""
     if chat:
+        _check_text_length(sum(len(m["content"]) for m in request.messages), server, "messages")
         try:
-            from spec_jax.checkpoints import apply_chat_template
-
-            prompt_ids = apply_chat_template(server.tokenizer, request.messages, server.chat_template)
-        except Exception as e:  # a template that refuses these roles, or no template at all
+            if server.prompt_text.chat_template:
+                server.prompt_text.check_roles(request.messages)
+        except ValueError as e:
+            raise RequestError(str(e), "messages") from None
+        try:
+            prompt_ids = server.prompt_text.chat_ids(request.messages)
+        except Exception as e:  # a template that refuses these messages, or no template at all
             raise RequestError(f"'messages' could not be formatted with the chat template: {e}", "messages") from None
     else:
         prompt = request.prompt
+        if isinstance(prompt, str):
+            _check_text_length(len(prompt), server, "prompt")
         prompt_ids = list(server.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
     vocab = server.engine.model.vocab_size
     if any(not 0 <= t < vocab for t in prompt_ids):
@@ -248,7 +358,7 @@ def prompt_ids_of(request: CompletionRequest, server: "ServerState", chat: bool)
     return prompt_ids
 
 
-def max_tokens_of(request: CompletionRequest, prompt_length: int, limit: int) -> tuple[int, str]:
+def max_tokens_of(request: _Request, prompt_length: int, limit: int) -> tuple[int, str]:
     """(new tokens asked for, the field that asked), within the model length `limit`."""
     name = request.max_tokens_field()
     room = limit - prompt_length
@@ -264,17 +374,31 @@ def max_tokens_of(request: CompletionRequest, prompt_length: int, limit: int) ->
     return max_tokens, name
 
 
+def stop_ids_of(request: _Request, engine) -> tuple[int, ...]:
+    """The request's stop ids by the one stop-id rule; RequestError naming `stop_token_ids`."""
+    vocab = engine.model.vocab_size
+    outside = [t for t in request.stop_token_ids if not 0 <= t < vocab]
+    if outside:
+        raise RequestError(f"'stop_token_ids' holds ids outside the vocabulary [0, {vocab}): {outside[:5]}.",
+                           "stop_token_ids")
+    try:
+        return validation.resolve_stop_ids(engine.default_stop_ids, ignore_eos=request.ignore_eos,
+                                           extra_stop_ids=request.stop_token_ids)
+    except validation.ArgumentError as e:
+        extra = "" if request.ignore_eos else "; the model's own stop ids count too (ignore_eos drops them)"
+        raise RequestError(f"'stop_token_ids': {e}{extra}", "stop_token_ids") from None
+
+
 def parse_request(body: Any, server: "ServerState", chat: bool) -> Parsed:
     """Check a /v1/completions or /v1/chat/completions body -> Parsed; RequestError naming the field."""
     request = validate_body(body, server, chat)
     engine = server.engine
     prompt_ids = prompt_ids_of(request, server, chat)
     max_tokens, max_name = max_tokens_of(request, len(prompt_ids), engine.max_model_len)
+    stop_ids = stop_ids_of(request, engine)
     # The API's field for each engine parameter an engine check can name.
     fields = {"max_new_tokens": max_name, "stop_ids": "stop_token_ids", "prompts": "messages" if chat else "prompt"}
     try:
-        stop_ids = validation.resolve_stop_ids(engine.default_stop_ids, ignore_eos=request.ignore_eos,
-                                               extra_stop_ids=request.stop_token_ids)
         params = engine.check_request(
             prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
             top_p=request.top_p, seed=request.seed, stop_ids=stop_ids)
@@ -398,10 +522,13 @@ class EngineRunner:
 class ServerState:
     """What the handlers share: the engine, its runner, the tokenizer and the served names."""
 
-    def __init__(self, engine, tokenizer, chat_template, model_name, drafter_label):
+    def __init__(self, engine, tokenizer, chat_template, model_name, drafter_label,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
         self.model_name, self.drafter_label = model_name, drafter_label
         self.model_names = {model_name}
+        self.prompt_text = prompt_text.PromptText(tokenizer, chat_template)
+        self.max_body_bytes = max_body_bytes
         self.runner = EngineRunner(engine)
         self.created = int(time.time())
 
@@ -605,6 +732,51 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"The request body is not valid JSON ({e}).", None) from None
+    except RecursionError:
+        raise RequestError(f"The request body nests deeper than JSON can be read here; at most {MAX_JSON_DEPTH} "
+                           "levels are taken.", None) from None
+
+
+def parse_body(raw: bytes, state: "ServerState", chat: bool) -> Parsed:
+    """The body as a checked request: JSON, then `parse_request` (run off the event loop, since
+    it tokenizes)."""
+    return parse_request(parse_json(raw), state, chat)
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request's body; 413 past `limit` bytes, from its Content-Length before any of it is
+    read, or as soon as that many bytes have come (a chunked body)."""
+    declared = request.headers.get("content-length", "")
+    too_large = RequestError(f"The request body is larger than this server takes ({limit} bytes, "
+                             "--max-body-bytes); send a shorter prompt.", None, status=413, code="request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def error_response(error: RequestError, headers: dict | None = None):
+    """`error` in OpenAI's shape, as ASCII JSON: a message may quote the client's text, a lone
+    surrogate included, which UTF-8 cannot carry."""
+    from starlette.responses import Response
+
+    return Response(json.dumps(error.body()), status_code=error.status, media_type="application/json",
+                    headers=headers)
+
+
+def route_error(method: str, path: str, status: int, detail: Any) -> RequestError:
+    """Starlette's 404 / 405 (and any other HTTP error it raises) as a RequestError."""
+    if status == 404:
+        return RequestError(f"Invalid URL ({method} {path}): this server has POST /v1/completions, POST "
+                            "/v1/chat/completions, GET /v1/models, GET /v1/models/{model} and GET /health.", None, 404)
+    if status == 405:
+        return RequestError(f"Method {method} is not allowed on {path}.", None, 405)
+    return RequestError(str(detail), None, status)
 
 
 def health(state: ServerState) -> tuple[int, dict[str, Any]]:
@@ -616,12 +788,30 @@ def health(state: ServerState) -> tuple[int, dict[str, Any]]:
     return (200 if status == "ok" else 503), body
 
 
+def model_card(state: ServerState) -> dict[str, Any]:
+    """GET /v1/models/{model}: the served model."""
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "spec-jax",
+            "max_model_len": state.engine.max_model_len}
+
+
 def models(state: ServerState) -> dict[str, Any]:
     """GET /v1/models."""
-    return {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "spec-jax",
-        "max_model_len": state.engine.max_model_len,
-    }]}
+    return {"object": "list", "data": [model_card(state)]}
+
+
+def add_error_handlers(app) -> None:
+    """Every error the app itself answers in OpenAI's shape: unknown routes (404), wrong methods
+    (405), and a bug (500; Starlette still logs its traceback)."""
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):
+        return error_response(route_error(request.method, request.url.path, exc.status_code, exc.detail),
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server_error(request, exc):
+        return error_response(RequestError(f"Internal server error ({type(exc).__name__}).", None, 500))
 
 
 def create_app(state: ServerState):
@@ -630,7 +820,8 @@ def create_app(state: ServerState):
     import contextlib
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.requests import ClientDisconnect
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -640,13 +831,17 @@ def create_app(state: ServerState):
         await asyncio.get_running_loop().run_in_executor(None, state.runner.stop)
 
     app = FastAPI(title="spec-jax", lifespan=lifespan)
+    add_error_handlers(app)
 
     async def handle(request: Request, chat: bool):
         try:
-            parsed = parse_request(parse_json(await request.body()), state, chat)
+            raw = await read_body(request, state.max_body_bytes)
+            parsed = await asyncio.to_thread(parse_body, raw, state, chat)  # tokenizing: off the event loop
             rid, queue = state.runner.submit(parsed.engine_kwargs)
         except RequestError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return error_response(e)
+        except ClientDisconnect:  # the client left (or --read-timeout closed it) before its body came
+            return Response(status_code=499)
         reply, events = Reply.new(parsed, state), RequestEvents(state.runner, rid, queue, request.is_disconnected)
         if parsed.stream:
             return StreamingResponse(stream_events(reply, events), media_type="text/event-stream",
@@ -654,7 +849,7 @@ def create_app(state: ServerState):
         status, body = await complete(reply, events)
         return JSONResponse(body, status_code=status)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def get_health():
         status, body = health(state)
         return JSONResponse(body, status_code=status)
@@ -662,6 +857,13 @@ def create_app(state: ServerState):
     @app.get("/v1/models")
     async def get_models():
         return models(state)
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        if model not in state.model_names:
+            return error_response(RequestError(f"The model '{model}' does not exist; this server serves "
+                                               f"'{state.model_name}'.", "model", 404, "model_not_found"))
+        return model_card(state)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -26,7 +26,7 @@ import argparse
 import threading
 import time
 
-from spec_jax.app import inputs
+from spec_jax.app import http_limits, inputs
 from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_from_args, log
 
 EXIT_ENGINE_FAILED = 1  # the process's status after an engine failure (a supervisor restarts it)
@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile every program requests can need before listening (default; the "
                    "persistent compilation cache makes a second start fast); --no-warmup compiles "
                    "each on the first request that needs it")
+    http_limits.add_arguments(p)  # body and header sizes, read and keep-alive timeouts, connection cap
 
 
 def create_app(state):
@@ -90,6 +91,8 @@ def check_args(args: argparse.Namespace) -> list[int] | None:
     _cli_int("--max-admits", args.max_admits, 1)
     _cli_int("--chunk-steps", args.chunk_steps, 1)
     _cli_int("--max-model-len", args.max_model_len, 2)
+    http_limits.check_seconds("--drain-timeout", args.drain_timeout, allow_zero=True)
+    http_limits.from_args(args)
     if not args.k_choices:
         return None
     try:
@@ -123,31 +126,30 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     log(f"engine: {args.slots} slots, max model length {engine.max_model_len}, drafter {label} "
         f"K={'adaptive ' + str(sorted(engine.drafters)) if engine.adaptive else engine.k}"
         f"{' (' + spec.reason + ')' if spec.reason else ''}; "
-        + (f"warm-up {warm.summary()}" if warm else "no warm-up: programs compile on first use"))
+        + (f"warm-up {warm.summary()}" if warm is not None else "no warm-up: programs compile on first use"))
     name = args.served_model_name or (target.source if args.target is None else args.target)
-    return ServerState(engine, target.tokenizer, target.chat_template, name, label)
+    return ServerState(engine, target.tokenizer, target.chat_template, name, label, max_body_bytes=args.max_body_bytes)
 
 
 def run(args: argparse.Namespace) -> None:
-    import socket
-
-    import uvicorn
-
-    state = build_state(args)
-    # Bind first, so that --port 0 can report the port it got (tests and scripts read this line).
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    check_args(args)
+    # Bound before the model loads, so that a bad --host or a busy --port is said at once; it
+    # listens once the model is ready (connections are refused until then).
+    sock = http_limits.bind(args.host, args.port)
     try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
+        state = build_state(args)
+    except BaseException:
         sock.close()
-        raise inputs.UsageError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.") from None
-    sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
+        raise
+    try:
+        sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
+    except OSError as e:  # another server took the port while the model loaded
+        sock.close()
+        raise http_limits.bind_error(args.host, args.port, e) from None
     host, port = sock.getsockname()[:2]
     # uvicorn's own timeout comes END_GRACE_S after ours, which ends each request in OpenAI's shape.
-    config = uvicorn.Config(create_app(state), log_level="warning",
-                            timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S)
+    config = http_limits.uvicorn_config(create_app(state), http_limits.from_args(args), log_level="warning",
+                                        timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S)
     log(f"serving {state.model_name} on http://{host}:{port} (OpenAI API at /v1)")
     _server_class()(config, state, args.drain_timeout).run(sockets=[sock])
     if state.runner.error:
