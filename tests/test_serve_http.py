@@ -85,14 +85,15 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def start_server(tokenizer):
-    """start_server(limits) -> the port of the app on an in-process uvicorn built as `spec-jax
-    serve` builds it (`http_limits.uvicorn_config`), over a scripted engine."""
+    """start_server(limits, tokenizer) -> the port of the app on an in-process uvicorn built as
+    `spec-jax serve` builds it (`http_limits.uvicorn_config`), over a scripted engine;
+    `start_server.threads[port]` is the thread running its event loop."""
     import uvicorn
 
     servers = []
 
-    def start(limits: http_limits.HttpLimits = http_limits.HttpLimits(read_timeout_s=10.0)) -> int:
-        state = ServerState(ScriptedEngine(tokenizer), tokenizer, tokenizer.chat_template, "tiny", "ngram",
+    def start(limits: http_limits.HttpLimits = http_limits.HttpLimits(read_timeout_s=10.0), tok=tokenizer) -> int:
+        state = ServerState(ScriptedEngine(tok), tok, tok.chat_template, "tiny", "ngram",
                             max_body_bytes=limits.max_body_bytes)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -104,8 +105,10 @@ def start_server(tokenizer):
         while not server.started and time.time() < deadline:
             time.sleep(0.02)
         assert server.started
+        start.threads[sock.getsockname()[1]] = thread
         return sock.getsockname()[1]
 
+    start.threads = {}
     yield start
     for server, thread in servers:
         server.should_exit = True
@@ -246,6 +249,24 @@ def test_a_long_text_prompt_is_refused_before_it_is_tokenized(tokenizer):
     assert e.value.param == "messages"
     state.tokenizer = types.SimpleNamespace(encode=encode)
     assert parse_request({"prompt": "x" * 300}, state, chat=False).prompt_ids == encode("x" * 300)
+
+
+def test_tokenizing_and_detokenizing_run_off_the_event_loop(start_server):
+    """Tokenizing a prompt (or formatting a chat) and detokenizing an answer, streamed or not,
+    never run on the thread of the server's event loop, which every stream and /health share."""
+    tok, threads = make_tokenizer(), []
+    for name in ("encode", "decode", "apply_chat_template"):
+        method = getattr(tok, name)
+        setattr(tok, name, lambda *a, _method=method, **k: threads.append(threading.get_ident()) or _method(*a, **k))
+    port = start_server(tok=tok)
+    del threads[:]  # the server's start-up read the template's roles on this thread
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        assert call(port, "POST", path, body)[0] == 200
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        conn.request("POST", path, json.dumps(dict(body, stream=True)))
+        assert conn.getresponse().read().endswith(b"data: [DONE]\n\n")
+        conn.close()
+    assert len(threads) > 8 and start_server.threads[port].ident not in threads
 
 
 # --------------------------------------------------------------------------- finding 8: connections

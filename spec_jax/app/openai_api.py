@@ -679,7 +679,8 @@ async def complete(reply: Reply, events: RequestEvents) -> tuple[int, dict[str, 
             event = await events.next()
             if event is None:
                 return 499, {}  # the client is gone
-            reply.output.push(event.new_ids, event.finish_reason is not None)
+            # Detokenizing (and a stop's token search) off the event loop, as tokenizing is.
+            await asyncio.to_thread(reply.output.push, event.new_ids, event.finish_reason is not None)
             if reply.output.stopped and event.finish_reason is None:
                 events.cancel()  # a stop string: no need for more tokens
             stats, reason = event.stats, reply.finish_reason(event) if event.finish_reason else None
@@ -712,7 +713,7 @@ async def stream_events(reply: Reply, events: RequestEvents) -> AsyncIterator[st
             if event is None:
                 return  # the client is gone
             done = event.finish_reason is not None
-            piece = reply.output.push(event.new_ids, done)
+            piece = await asyncio.to_thread(reply.output.push, event.new_ids, done)  # off the event loop
             if reply.output.stopped and not done:
                 events.cancel()
             if piece:
