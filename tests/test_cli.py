@@ -155,9 +155,11 @@ def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
 
 
 def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, default_model_installed):
-    """No --target, no --drafter: the drafter the measured table names for this backend, with the
-    reason in the JSON, and the AR baseline's output; the shipped DFlash and
-    draft model (int8) too; `--drafter eagle3` says that none ships."""
+    """No --target, no --drafter: the drafter the measured table names for this backend (DFlash with
+    lookup on CPU), with the reason in the JSON, and the AR baseline's output; the shipped draft
+    model (int8) too; `--drafter eagle3` says that none ships. Each run compiles the real model's
+    loop (about 20 s here), so the shipped DFlash alone and the sampled default are not run again:
+    the default runs that DFlash, and default_drafter_spec's sampled choice is tested below."""
     args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json",
             "--dtype", "float32"]
     out = run_json(capsys, args)
@@ -172,18 +174,10 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
     ar = run_json(capsys, args + ["--drafter", "none"])
     assert ar["drafter"] == "none"
     assert ar["results"][0]["generated_ids"] == row["generated_ids"]
-    shipped = run_json(capsys, args + ["--drafter", "dflash"])
-    assert shipped["drafter"].startswith("dflash") and shipped["k"] == 7
-    assert shipped["results"][0]["generated_ids"] == row["generated_ids"]
     shipped = run_json(capsys, args + ["--drafter", "draft-model"])  # stored as int8 too
     assert shipped["drafter"].startswith("draft-model") and shipped["k"] == 4
     assert shipped["results"][0]["generated_ids"] == row["generated_ids"]
     assert "no EAGLE-3 drafter ships" in run_error(capsys, args + ["--drafter", "eagle3"])
-    sampled = run_json(capsys, args + ["--temperature", "0.7", "--seed", "3"])
-    kind, k, reason = default_drafter_choice(True, None, 1, 0.7)
-    assert sampled["drafter"].startswith(kind) and reason in sampled["drafter_reason"]
-    assert k is None or sampled["k"] == k
-    assert 1 <= len(sampled["results"][0]["generated_ids"]) <= 8
 
 
 # A measured table of the shape of assets/measured_defaults.json, with made-up entries: the tests
