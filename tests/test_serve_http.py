@@ -148,7 +148,8 @@ def send_huge_body(port, size, chunked):
     piece = b"word " * (MIB // 5)
     sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % size
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing + b"\r\n\r\n")
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + framing + b"\r\n\r\n")
     parts = [head] + [piece] * ((size - len(head) - len(tail)) // len(piece)) + [tail]
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a server may stop reading
         for part in parts:
@@ -387,7 +388,8 @@ def test_hostile_json_values_are_400s_in_openai_shape(port, path, raw, param):
 # --------------------------------------------------------------------------- finding 8: messages
 def test_content_parts_are_joined_and_other_parts_refused_by_name(port, tokenizer):
     parts = {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                          {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
+                          {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                       {"type": "text", "text": "there"}]}],
              "max_tokens": 4, "temperature": 0}
     joined = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}],
               "max_tokens": 4, "temperature": 0}
@@ -418,8 +420,9 @@ def test_roles_are_checked_against_the_chat_template(tokenizer, template, refuse
     assert state.prompt_text.roles == {"system", "user", "assistant", "tool"} - set(refused)
     for role in refused + (("developer",) if "system" in refused else ()):
         messages = [{"role": role, "content": "x"}, {"role": "user", "content": "hi"}]
-        with pytest.raises(RequestError, match=f"'messages\\[0\\].role' is '{role if role != 'developer' else 'system'}'"
-                           ", which this model's chat template does not take") as e:
+        shown = "system" if role == "developer" else role
+        with pytest.raises(RequestError, match=f"'messages\\[0\\].role' is '{shown}', which this model's chat "
+                           "template does not take") as e:
             parse_request({"messages": messages}, state, chat=True)
         assert e.value.param == "messages"
     parse_request({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},

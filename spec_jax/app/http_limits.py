@@ -36,11 +36,11 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 @dataclasses.dataclass(frozen=True)
 class HttpLimits:
     """max_body_bytes: a larger request body is refused with 413 (from Content-Length, or once
-    that many bytes have arrived); read_timeout_s: a request's head and body must arrive within this many seconds of its first
-    byte (of the connection's opening, for a new connection), else the connection is closed;
-    keep_alive_s: an idle connection between requests is closed after this long;
-    max_connections: a request on a connection past this many open ones gets a 503; max_header_bytes:
-    a request whose headers are larger gets a 431 (a 400 while they arrive)."""
+    that many bytes have arrived); max_header_bytes: larger request headers get a 431 (a 400
+    while they arrive); read_timeout_s: a request's head and body must arrive within this many
+    seconds of its first byte (of the connection's opening, for a new connection), else the
+    connection is closed; keep_alive_s: an idle connection between requests is closed after this
+    long; max_connections: a request on a connection past this many open ones gets a 503."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_header_bytes: int = 16 * 1024
