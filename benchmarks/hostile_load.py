@@ -224,19 +224,24 @@ def sample_rss(pid: int) -> int:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) * 1024
 
 
+def health_time(port: int, timeout: float) -> float:
+    """Seconds `GET /health` takes to answer on 127.0.0.1:port (inf when the connection fails)."""
+    t0 = time.perf_counter()
+    try:
+        conn = connection(port, timeout=timeout)
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        conn.close()
+    except OSError:
+        return float("inf")
+    return time.perf_counter() - t0
+
+
 def monitor(port: int, pid: int, stop: threading.Event, rss: list, health_s: list) -> None:
     """Each second: the server's RSS and how long /health takes to answer."""
     while not stop.is_set():
         rss.append((time.time(), sample_rss(pid)))
-        t0 = time.perf_counter()
-        try:
-            conn = connection(port, timeout=30)
-            conn.request("GET", "/health")
-            conn.getresponse().read()
-            conn.close()
-            health_s.append(time.perf_counter() - t0)
-        except OSError:
-            health_s.append(float("inf"))
+        health_s.append(health_time(port, timeout=30))
         stop.wait(1.0)
 
 

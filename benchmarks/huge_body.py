@@ -79,15 +79,7 @@ def watch(port: int, pid: int, stop: threading.Event, arrivals: list, health_s: 
 
     def health():
         while not stop.is_set():
-            t0 = time.perf_counter()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-                conn.request("GET", "/health")
-                conn.getresponse().read()
-                conn.close()
-                health_s.append(time.perf_counter() - t0)
-            except OSError:
-                health_s.append(float("inf"))
+            health_s.append(hostile_load.health_time(port, timeout=600))
             rss.append(hostile_load.sample_rss(pid))
             stop.wait(0.05)
 

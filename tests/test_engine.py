@@ -6,6 +6,7 @@ fresh process with 8 fake CPU devices (tests/engine_worker.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -81,8 +82,9 @@ def test_staggered_requests_equal_each_alone(engine, alone):
     assert engine.num_live == 0 and not engine.slot_table.live.any()
 
 
-def test_no_recompile_while_requests_come_and_go(engine, alone):
-    """New sampling values, caps, stop ids, seeds, prompt lengths and a cancel: no compile."""
+@contextlib.contextmanager
+def backend_compiles():
+    """The backend compiles (persistent-cache loads included) that happen inside the block."""
     compiles = []
 
     def listener(name, *args, **kwargs):
@@ -91,6 +93,14 @@ def test_no_recompile_while_requests_come_and_go(engine, alone):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_no_recompile_while_requests_come_and_go(engine, alone):
+    """New sampling values, caps, stop ids, seeds, prompt lengths and a cancel: no compile."""
+    with backend_compiles() as compiles:
         before = engine.compiles
         requests = [
             (PROMPTS[0], dict(max_new_tokens=14)),
@@ -101,8 +111,6 @@ def test_no_recompile_while_requests_come_and_go(engine, alone):
             (PROMPTS[5], dict(max_new_tokens=12)),
         ]
         got = run_staggered(engine, requests, cancel_after=3)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and engine.compiles == before
     # Greedy rows beside sampled and cancelled ones still give their alone output.
     assert got[0][:2] == alone[0] and got[5][:2] == alone[5]
@@ -120,19 +128,10 @@ def test_default_warmup_covers_the_longest_prompt(models):
     report = engine.warmup(workers=2)  # the chunk and bucket 16 may be the module engine's (shared)
     assert report.programs == engine.compiles and report.seconds > 0
     assert sorted(engine.programs.exes) == [("admit", 16, 3), ("admit", 32, 3), ("admit", 64, 3), ("chunk", 3)]
-    compiles = []
-
-    def listener(name, *args, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         (prompt,) = make_prompts([engine.max_model_len - 1], seed=1)
         engine.submit(prompt, max_new_tokens=1)
         (done,) = engine.run_all().values()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert len(done.new_ids) == 1 and compiles == [] and engine.compiles == report.programs
 
 
