@@ -155,12 +155,14 @@ quick_suite() {
   printf '%s' "${job}"
 }
 
+# Local runs work from the checkout's root, so a relative --results is made absolute here.
+results="${RESULTS}"
+if [[ "${results}" != /* ]]; then
+  results="${PWD}/${results}"
+fi
+
 if [[ "${QUICK}" == "1" ]]; then
   if [[ -z "${HOST}" ]]; then
-    results="${RESULTS}"
-    if [[ "${results}" != /* ]]; then
-      results="${PWD}/${results}"  # the suite runs from the checkout's root
-    fi
     run bash -c "cd $(quote "${SOURCE_DIR}") && $(quick_suite "$(quote "${results}")")"
     exit 0
   fi
@@ -180,10 +182,6 @@ fi
 if [[ -z "${HOST}" ]]; then
   if [[ "${SKIP_INSTALL}" == "0" ]]; then
     run python3 -m pip install -e "${SOURCE_DIR}[cuda]"
-  fi
-  results="${RESULTS}"
-  if [[ "${results}" != /* ]]; then
-    results="${PWD}/${results}"  # the measurements run from the checkout's root
   fi
   run bash -c "cd $(quote "${SOURCE_DIR}") && $(measurements "$(quote "${results}")")"
   exit 0
