@@ -96,6 +96,8 @@ def check_target(
     passed += ["prefill then steps equals full forward", "per-row writes"]
     checker.rollback_by_length(full_logits, cache, pos, rng)
     passed.append("rollback by length")
+    checker.partial_rollback(full_logits, rng)
+    passed.append("rollback after a partly accepted draft")
     if check_positions:
         checker.positions_honoured(cache, pos)
         passed.append("positions honoured")
@@ -251,6 +253,25 @@ class _Checker:
             "{diff:.2e}). Attend only to slots below cache_lengths, so uncommitted keys/values are never "
             "seen.")
 
+    def partial_rollback(self, full_logits: np.ndarray, rng: np.random.Generator) -> None:
+        """5b. A pass of [two true tokens, junk] committed two tokens in: the next step equals the
+        full forward. A recurrent layer must restore its state after the second token, not the
+        state after the whole pass (nor the one before it)."""
+        model, prefix = self.model, self.probe.prefix
+        cache = self.run(self.probe.tokens[:, : prefix.max()], self.positions_full[:, : prefix.max()],
+                         self.empty_cache()).cache
+        cache = model.commit(cache, jnp.asarray(prefix))
+        rows = np.arange(2)
+        true = self.probe.tokens[rows[:, None], prefix[:, None] + np.arange(2)]
+        junk = rng.integers(0, int(model.vocab_size), (2, 1)).astype(np.int32)
+        out = self.run(np.concatenate([true, junk], axis=1), prefix[:, None] + np.arange(3), cache)
+        kept = model.commit(out.cache, jnp.asarray(prefix + 2))
+        self.step_matches_full(
+            full_logits, kept, prefix + 2, "rollback after a partly accepted draft",
+            "after a 3-token pass of which 2 tokens were committed, the next step differs from the "
+            "full forward (max diff {diff:.2e}). A recurrent layer's commit must restore, per row, "
+            "the state after its last committed token (docs/bring_your_own_model.md, recurrent layers).")
+
     def positions_honoured(self, cache, pos: np.ndarray) -> None:
         """6. The same step at positions shifted past the slots must change the output (a model
         that rotates by slot index would not notice; token trees rely on it)."""
@@ -290,7 +311,7 @@ def _check_tree(model: TargetModel, params: Any, probe: _Probe, run: Callable, a
         out = run(tokens, start[:, None] + np.arange(tokens.shape[1]), base)
         return np.asarray(model.logits(params, out.hidden)), out
 
-    chain_ac, _ = chain(np.stack([r, a, c], axis=1))
+    chain_ac, out_ac = chain(np.stack([r, a, c], axis=1))
     chain_b, out_b = chain(np.stack([r, b], axis=1))
     for node, ref, what in ((0, chain_ac[:, 0], "root"), (1, chain_ac[:, 1], "node a"),
                             (3, chain_ac[:, 2], "node c (child of a)"), (2, chain_b[:, 1], "node b")):
@@ -300,14 +321,18 @@ def _check_tree(model: TargetModel, params: Any, probe: _Probe, run: Callable, a
                   f"branch (max diff {diff:.2e}). Use the in-pass `mask` [B, T, T] (node b must not see "
                   "its sibling a) and the given positions (b sits at position start + 1 though it is "
                   "written at slot start + 2), not the slot index, for RoPE.")
-    # Keep the path [r, b]: b's keys/values move from slot start + 2 to start + 1.
-    kept = model.commit(tree.cache, jnp.asarray(start + 2), jnp.asarray([[0, 2]] * 2, jnp.int32))
     nxt = rng.integers(0, model.vocab_size, 2).astype(np.int32)[:, None]
-    after_tree = run(nxt, (start + 2)[:, None], kept)
-    after_chain = run(nxt, (start + 2)[:, None], model.commit(out_b.cache, jnp.asarray(start + 2)))
-    same, diff = _close(model.logits(params, after_tree.hidden), model.logits(params, after_chain.hidden),
-                        atol, rtol)
-    if not same:
-        _fail("tree commit", f"after commit(cache, lengths, path=[0, 2]) the next step differs from the "
-              f"same step after the chain [r, b] (max diff {diff:.2e}). commit must move node path[b, i]'s "
-              "keys/values from slot old + path[b, i] to old + i before setting the lengths.")
+    # Keep [r, b] (b's keys/values move from slot start + 2 to start + 1), [r, a, c] and [r, a]:
+    # the next step must equal the same step after committing the chain of those tokens (a
+    # recurrent layer's state follows the path, not the pass order).
+    for path, kept_len, chain_out in (([0, 2], 2, out_b), ([0, 1, 3], 3, out_ac), ([0, 1, 3], 2, out_ac)):
+        kept = model.commit(tree.cache, jnp.asarray(start + kept_len), jnp.asarray([path] * 2, jnp.int32))
+        after_tree = run(nxt, (start + kept_len)[:, None], kept)
+        after_chain = run(nxt, (start + kept_len)[:, None], model.commit(chain_out.cache, jnp.asarray(start + kept_len)))
+        same, diff = _close(model.logits(params, after_tree.hidden), model.logits(params, after_chain.hidden),
+                            atol, rtol)
+        if not same:
+            _fail("tree commit", f"after commit(cache, start + {kept_len}, path={path}) the next step differs "
+                  f"from the same step after the chain of those nodes (max diff {diff:.2e}). commit must "
+                  "move node path[b, i]'s keys/values from slot old + path[b, i] to old + i before setting "
+                  "the lengths, and a recurrent layer must take the state after node path[b, n - 1].")

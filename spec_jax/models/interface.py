@@ -21,6 +21,15 @@ The cache contract (one pass = one call of `forward`):
   the same way). For a tree, `path [B, P]` names the accepted nodes (in-pass indices, root
   first); their keys/values move from slot `old + path[b, i]` to `old + i` first, with fixed
   shapes, so the committed slots stay contiguous.
+- Recurrent layers (`spec_jax.models.recurrent`) may keep a state per row instead of, or beside,
+  keys/values. A pass then also returns, in its cache, a pass record: what commit needs to
+  rebuild the state after any of the pass's tokens (e.g. the state after each token). A row
+  commits n = lengths - old of the pass's tokens; commit sets its state to the one after the
+  last of them (pass index n - 1 for a chain, node path[b, n - 1] for a tree; n = 0 keeps the
+  state from before the pass) and drops the record, so the committed cache has `init_cache`'s
+  structure. In a tree pass each node continues its parent's state. Lengths only grow across
+  commits for such a model (no rewinding below a committed length), so it cannot be the
+  draft-model drafter's draft model (that drafter rewinds).
 """
 
 from __future__ import annotations
@@ -33,6 +42,11 @@ from flax import struct
 
 Params = Any
 Cache = Any
+
+
+# A capture id for the final-normed hidden states (what `forward` returns as `hidden`, the LM head's
+# input; HF `hidden_states[-1]`). The loop answers it itself, so a target never sees it.
+FINAL_HIDDEN = -1
 
 
 class ForwardOutput(NamedTuple):
@@ -86,7 +100,8 @@ class TargetModel(Protocol):
 
     def commit(self, cache: Cache, lengths: jax.Array, path: jax.Array | None = None) -> Cache:
         """Set the committed lengths [B]; with `path` [B, P] (a tree's accepted nodes, in-pass
-        indices), move those nodes' keys/values to contiguous slots first."""
+        indices), move those nodes' keys/values to contiguous slots first. Recurrent layers take
+        the state after each row's last committed token from the pass record."""
         ...
 
     def weight_specs(self) -> Any:
@@ -95,14 +110,75 @@ class TargetModel(Protocol):
         ...
 
 
+class LayerKV(NamedTuple):
+    """One target layer's keys/values as its cache holds them (`CacheReader.cache_view`).
+
+    k, v:    [B, Kv, S, D] the cache's own arrays (S = capacity): committed slot j of row b
+             (j < lengths[b]) holds position j's key (after any k-norm and RoPE) and value
+    lengths: [B] int32 committed slots per row
+    window:  the layer's attention window in tokens (static; a huge number for full attention)"""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    window: int
+
+
+@runtime_checkable
+class CacheReader(Protocol):
+    """Reading the target's cache: what a target adds (optionally) for drafters that attend to its
+    own keys/values instead of keeping a cache (Gemma 4's assistant). Such a drafter names target
+    layers by attention type ("the last sliding and the last full attention layer":
+    `last_layer_of_type`) and, during `propose`, reads them through `Target.cache_view(layer)`:
+    the cache's own arrays for that layer (a view inside the jitted loop, never a copy) with the
+    committed lengths. A target that does not offer it is refused by name before anything
+    compiles (`require_cache_reader`); `spec_jax.testing.check_target` checks it where offered."""
+
+    layer_types: tuple[str, ...]  # per layer: "full_attention" or "sliding_attention"
+
+    def cache_view(self, cache: Cache, layer: int) -> LayerKV:
+        """The keys/values layer `layer` attends to (for a layer that reuses another layer's,
+        that layer's), as the cache's arrays: no copy, no slicing by length."""
+        ...
+
+
+def last_layer_of_type(model: CacheReader, layer_type: str) -> int:
+    """The index of the target's last layer of `layer_type`; ValueError if it has none."""
+    types = tuple(model.layer_types)
+    if layer_type not in types:
+        raise ValueError(f"the target has no {layer_type} layer (its layer types: {sorted(set(types))}).")
+    return len(types) - 1 - types[::-1].index(layer_type)
+
+
+def require_cache_reader(model: Any, drafter: str, needs: str) -> CacheReader:
+    """`model` if it offers `CacheReader`, else a ValueError naming the drafter that needs it."""
+    if not isinstance(model, CacheReader):
+        raise ValueError(
+            f"{drafter} reads the target's cache ({needs}), and the target "
+            f"{type(model).__name__} does not offer it: give the model `layer_types` and "
+            "`cache_view(cache, layer)` (docs/bring_your_own_model.md, \"Drafters that read the "
+            "target's cache\"), or pick a drafter that keeps its own state."
+        )
+    return model
+
+
 @struct.dataclass
 class Target:
     """A target model (static) with its params (traced): what the loop and drafters hold.
 
-    Drafters reach the target's embedding and head only through `embed` and `logits`."""
+    Drafters reach the target's embedding and head only through `embed` and `logits`. During
+    `propose` / `propose_tree` the loop also hands them the target's committed cache (`cache`),
+    which a drafter reads through `cache_view` (None elsewhere)."""
 
     params: Params
     model: TargetModel = struct.field(pytree_node=False)
+    cache: Cache = None
+
+    def cache_view(self, layer: int) -> LayerKV:
+        """Layer `layer`'s committed keys/values (`CacheReader.cache_view`), inside the loop."""
+        if self.cache is None:
+            raise ValueError("the target's cache is handed to drafters during propose only.")
+        return self.model.cache_view(self.cache, layer)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.model.embed(self.params, tokens)

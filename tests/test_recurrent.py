@@ -1,0 +1,176 @@
+"""Recurrent targets (issue 44): a target with a recurrent layer of its own, written only here.
+
+`GatedRecurrentLM` is not Gated DeltaNet: layer 0 is a gated linear recurrence
+h_t = a_t * h_parent + (1 - a_t) * u_t (a state per row, no keys/values), layer 1 is attention.
+It meets the contract through `spec_jax.models.recurrent`'s helpers alone, so the contract is
+general, not Qwen-specific:
+
+- check_target passes (prefill + steps = one full forward, rollback after a partly accepted
+  draft, a tree pass = the chain passes of its branches and a tree commit follows the path);
+- greedy speculative decoding equals plain decoding with n-gram, a draft model, DFlash chain
+  and DFlash tree, at batch 4 and batch 1;
+- an oracle drafter that hides the true continuation behind decoy siblings forces deep and
+  shallow acceptances per row: after every commit each row's state equals plain decoding's state
+  over the same tokens (1e-5, float32), and the output equals plain decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax
+from spec_jax.decoding.loop import prefill, speculative_step
+from spec_jax.drafters.tree import TreeDraft
+from spec_jax.models import ForwardOutput, Target, init_params
+from spec_jax.models.recurrent import last_committed_index, pass_parents, select_state
+from spec_jax.sampling import SamplingParams
+from spec_jax.testing import check_target
+from conftest import make_prompts
+from tiny_configs import TINY_DFLASH, TINY_DRAFT, VOCAB
+
+
+def _rms(x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _rope(x, positions):
+    half = x.shape[-1] // 2
+    angle = positions[..., None].astype(jnp.float32) / 10000.0 ** (jnp.arange(half) / half)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle),
+                            x2 * jnp.cos(angle) + x1 * jnp.sin(angle)], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedRecurrentLM:
+    """Layer 0: a gated linear recurrence (state [B, H] per row); layer 1: one-head attention
+    with RoPE. Plain JAX, float32."""
+
+    vocab_size: int = VOCAB
+    hidden_size: int = 64
+    num_layers: int = 2
+    max_positions: int = 4096
+    stop_ids: tuple[int, ...] = ()
+
+    def init_params(self, key):
+        names = ("gate", "input", "rec_out", "q", "k", "v", "attn_out")
+        keys = jax.random.split(key, len(names) + 2)
+        h = self.hidden_size
+        params = {n: jax.random.normal(k, (h, h)) / np.sqrt(h) for n, k in zip(names, keys)}
+        params["embed"] = jax.random.normal(keys[-2], (self.vocab_size, h))
+        params["head"] = jax.random.normal(keys[-1], (h, self.vocab_size)) / np.sqrt(h) * 4
+        return params
+
+    def init_cache(self, batch, capacity):
+        kv = jnp.zeros((batch, capacity, self.hidden_size))
+        return {"state": jnp.zeros((batch, self.hidden_size)), "k": kv, "v": kv,
+                "lengths": jnp.zeros((batch,), jnp.int32)}
+
+    def cache_lengths(self, cache):
+        return cache["lengths"]
+
+    def recurrence(self, params, x, state, mask):
+        """The state after each pass token [B, T, H]: each token continues its parent's state
+        (the previous token in a chain, its tree parent in a tree)."""
+        b, t, _ = x.shape
+        gate = jax.nn.sigmoid(_rms(x) @ params["gate"])
+        update = jnp.tanh(_rms(x) @ params["input"])
+        parents = jnp.broadcast_to(pass_parents(mask, t), (b, t))
+        rows = jnp.arange(b)
+
+        def step(i, states):
+            parent = parents[:, i]
+            prev = jnp.where((parent >= 0)[:, None], states[rows, jnp.maximum(parent, 0)], state)
+            return states.at[:, i].set(gate[:, i] * prev + (1 - gate[:, i]) * update[:, i])
+
+        return jax.lax.fori_loop(0, t, step, jnp.zeros((b, t, self.hidden_size)))
+
+    def forward(self, params, tokens, positions, cache, *, mask=None, capture=()):
+        b, t = tokens.shape
+        capacity = cache["k"].shape[1]
+        x = params["embed"][tokens]
+        states = self.recurrence(params, x, cache["state"], mask)
+        x1 = x + states @ params["rec_out"]
+        # Attention over the committed slots and the pass tokens the in-pass mask allows.
+        h = _rms(x1)
+        q, k, v = (h @ params[n] for n in ("q", "k", "v"))
+        q, k = _rope(q, positions), _rope(k, positions)
+        rows = jnp.arange(b)[:, None]
+        slots = cache["lengths"][:, None] + jnp.arange(t)
+        keys = cache["k"].at[rows, slots].set(k, mode="drop")
+        values = cache["v"].at[rows, slots].set(v, mode="drop")
+        in_pass = jnp.tril(jnp.ones((t, t), bool))[None] if mask is None else mask
+        committed = jnp.arange(capacity)[None, None, :] < cache["lengths"][:, None, None]
+        scores = jnp.concatenate([jnp.einsum("btd,bsd->bts", q, cache["k"]), jnp.einsum("btd,bsd->bts", q, k)], -1)
+        visible = jnp.concatenate([jnp.broadcast_to(committed, (b, t, capacity)),
+                                   jnp.broadcast_to(in_pass, (b, t, t))], -1)
+        weights = jax.nn.softmax(jnp.where(visible, scores / 8.0, -1e30), axis=-1)
+        attn = jnp.einsum("bts,bsd->btd", weights, jnp.concatenate([cache["v"], v], axis=1))
+        x2 = x1 + attn @ params["attn_out"]
+        layers = (x1, x2)
+        captured = jnp.concatenate([layers[i] for i in capture], axis=-1) if capture else None
+        # The pass record: the state after each pass token, for commit to choose from.
+        new_cache = dict(cache, k=keys, v=values, pass_states=states)
+        return ForwardOutput(_rms(x2), captured, new_cache)
+
+    def logits(self, params, hidden):
+        return (hidden @ params["head"]).astype(jnp.float32)
+
+    def embed(self, params, tokens):
+        return params["embed"][tokens]
+
+    def commit(self, cache, lengths, path=None):
+        state = cache["state"]
+        if "pass_states" in cache:
+            last = last_committed_index(cache["lengths"], lengths, path)
+            state = select_state(state, cache["pass_states"], last)
+        k, v = cache["k"], cache["v"]
+        if path is not None:  # the kept nodes' keys/values to contiguous slots
+            rows = jnp.arange(path.shape[0])[:, None]
+            source = cache["lengths"][:, None] + path
+            dest = cache["lengths"][:, None] + jnp.arange(path.shape[1])
+            k = k.at[rows, dest].set(k[rows, source], mode="drop")
+            v = v.at[rows, dest].set(v[rows, source], mode="drop")
+        return {"state": state, "k": k, "v": v, "lengths": lengths.astype(jnp.int32)}
+
+    def weight_specs(self):
+        return None
+
+
+@pytest.fixture(scope="module")
+def recurrent_target():
+    model = GatedRecurrentLM()
+    return model, model.init_params(jax.random.key(0))
+
+
+def test_check_target_passes_with_the_recurrent_checks(recurrent_target):
+    passed = check_target(*recurrent_target, seq_len=8, capacity=16)
+    assert "rollback after a partly accepted draft" in passed and "tree commit" in passed
+
+
+def test_speculative_equals_plain_with_every_drafter(recurrent_target):
+    """n-gram, a draft model (the built-in tiny decoder), DFlash chain and DFlash tree at batch 4
+    (random drafters: rows reject at different depths in the same step), DFlash tree at batch 1."""
+    model, params = recurrent_target
+    prompts = make_prompts([5, 12, 3, 9], seed=3)
+    draft_params = init_params(TINY_DRAFT, jax.random.key(1))
+    dflash_params = spec_jax.init_dflash_params(TINY_DFLASH, jax.random.key(2))
+    cases = {
+        "ngram": (spec_jax.NGramDrafter(k=3), None),
+        "draft model": (spec_jax.DraftModelDrafter(TINY_DRAFT, k=3), draft_params),
+        "dflash": (spec_jax.DFlashDrafter(TINY_DFLASH), dflash_params),
+        "dflash tree": (spec_jax.DFlashDrafter(TINY_DFLASH, tree=8), dflash_params),
+    }
+    common = dict(max_new_tokens=16, capacity=64, ignore_eos=True)
+    plain = spec_jax.generate((model, params), prompts, **common).generated_ids
+    for name, (drafter, drafter_params) in cases.items():
+        out = spec_jax.generate((model, params), prompts, drafter, drafter_params, **common)
+        assert out.generated_ids == plain, name
+        assert out.stats.drafted > 0, name
+    one = spec_jax.generate((model, params), prompts[1:2], cases["dflash tree"][0], dflash_params, **common)
+    assert one.generated_ids == plain[1:2]
