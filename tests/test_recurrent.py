@@ -174,3 +174,87 @@ def test_speculative_equals_plain_with_every_drafter(recurrent_target):
         assert out.stats.drafted > 0, name
     one = spec_jax.generate((model, params), prompts[1:2], cases["dflash tree"][0], dflash_params, **common)
     assert one.generated_ids == plain[1:2]
+
+
+def _decoy(token):
+    return (token + 1) % VOCAB
+
+
+def _wrong(token):
+    return (token + 2) % VOCAB
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTreeDrafter:
+    """Knows the greedy continuation (its params: the plain run's token buffer [B, S]) and hides
+    it behind a decoy first sibling at every depth; row b accepts depth (3 * lengths + b) % 4 per
+    step (0 = none, 3 = all), each accepted node a later sibling.
+
+    nodes 1..6: decoy(t1) <- root, t1 <- root, decoy(t2) <- 2, t2 <- 2, decoy(t3) <- 4, t3 <- 4
+    (a token past the forced depth is replaced by a wrong one)."""
+
+    k: int = 3
+    tree: int = 6
+    capture_layers: tuple[int, ...] = ()
+
+    def weight_specs(self):
+        return None
+
+    def validate(self, target, capacity):
+        pass
+
+    def init(self, params, target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
+        return ()
+
+    def propose_tree(self, params, target, state, tokens, lengths, key, sampling):
+        batch, size = params.shape
+        rows = jnp.arange(batch)
+        depth = (3 * lengths + rows) % 4  # [B] the depth each row accepts this step
+        truth = params[rows[:, None], jnp.minimum(lengths[:, None] + jnp.arange(3), size - 1)]  # [B, 3]
+        true_or_wrong = jnp.where(jnp.arange(3) < depth[:, None], truth, _wrong(truth))
+        nodes = jnp.stack([_decoy(truth), true_or_wrong], axis=2).reshape(batch, 6)
+        parents = jnp.broadcast_to(jnp.asarray([0, 0, 2, 2, 4, 4], jnp.int32), (batch, 6))
+        return TreeDraft(tokens=nodes.astype(jnp.int32), parents=parents), state
+
+    def commit(self, params, target, state, start, num_accepted, verify_captured):
+        return state
+
+
+def test_oracle_tree_states_equal_plain_decoding_after_every_commit(recurrent_target):
+    """Rows accept at depths 0..3 in the same step, through later siblings; after every step each
+    row's recurrent state equals the state of a plain pass over its committed tokens (1e-5)."""
+    model, params = recurrent_target
+    prompts = make_prompts([5, 12, 3, 9], seed=4)
+    capacity, new_tokens = 64, 14
+    plain = spec_jax.generate((model, params), prompts, max_new_tokens=new_tokens, capacity=capacity,
+                              ignore_eos=True).generated_ids
+    truth = np.zeros((len(prompts), capacity), np.int32)
+    for b, (p, g) in enumerate(zip(prompts, plain)):
+        truth[b, : len(p) + len(g)] = p + g
+    prompt_tokens, prompt_lengths = spec_jax.decoding.pad_prompts(prompts, 16)
+    drafter, target = OracleTreeDrafter(), Target(params, model)
+    stop_ids = jnp.asarray(spec_jax.decoding.stop_id_array([]))
+    limit = jnp.int32(new_tokens)
+    sampling = SamplingParams.create()
+    state = jax.jit(prefill, static_argnames=("drafter", "capacity"))(
+        target, drafter, jnp.asarray(truth), prompt_tokens, prompt_lengths, jax.random.key(0),
+        sampling, limit, stop_ids, capacity=capacity)
+    step = jax.jit(speculative_step, static_argnames="drafter")
+
+    @jax.jit
+    def plain_state(tokens, lengths):  # one pass over the committed tokens, committed per row
+        positions = jnp.broadcast_to(jnp.arange(capacity), tokens.shape)
+        out = model.forward(params, tokens, positions, model.init_cache(tokens.shape[0], capacity))
+        return model.commit(out.cache, lengths)["state"]
+
+    depths_seen = set()
+    while not bool(jnp.all(state.done)):
+        before = np.asarray(state.stats.accepted)
+        state = step(state, target, drafter, jnp.asarray(truth), sampling, limit, stop_ids)
+        depths_seen |= set((np.asarray(state.stats.accepted) - before).tolist())
+        lengths = state.lengths - 1  # the cache holds all committed tokens but the last
+        np.testing.assert_allclose(state.cache["state"], plain_state(state.tokens, lengths), atol=1e-5)
+    assert depths_seen >= {0, 1, 2, 3}
+    out_lengths = np.asarray(state.lengths)
+    got = [np.asarray(state.tokens)[b, len(p): out_lengths[b]].tolist() for b, p in enumerate(prompts)]
+    assert got == plain
