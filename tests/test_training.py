@@ -302,6 +302,9 @@ def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsy
     data = setup[1]
     common, first, _ = cli_run(kind)
     second = tmp_path / "second"
+    # The continuations skip held-out tau (--eval-prompts 0): only their weights are checked, and
+    # each tau would compile a decoding loop.
+    common = common + ["--eval-prompts", "0"]
     assert main(common + ["--out", str(second), "--steps", "1", "--init-from", str(first / "drafter"),
                           "--data-sequences", "20"]) == 0
 
@@ -317,6 +320,7 @@ def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsy
     assert _tree_equal(exported(first), exported(second))
     meta = json.loads((second / "training_log.json").read_text())
     assert meta["init_from"] == str(first / "drafter") and meta["data_sequences"] < len(data)
+    assert meta["evals"] == [] and meta["held_out"].startswith("none")
     if kind == "dflash":  # no DFlash weight depends on the block size: block 4 warm-starts block 8
         wider = common + ["--out", str(tmp_path / "wider"), "--steps", "1", "--init-from", str(first / "drafter")]
         wider[wider.index("--block-size") + 1] = "8"
@@ -357,6 +361,7 @@ def test_cli_dflash_draft_vocab_from_a_full_vocabulary_drafter(tmp_path, setup, 
 
     target_params, data, _, prompts = setup
     common, full, _ = cli_run("dflash")  # 6 steps of the full-vocabulary drafter
+    common = common + ["--eval-prompts", "0"]  # decoded below instead
     reduced, again = tmp_path / "reduced", tmp_path / "again"
     assert main(common + ["--out", str(reduced), "--steps", "1", "--draft-vocab", "40",
                           "--init-from", str(full / "drafter")]) == 0
@@ -365,7 +370,7 @@ def test_cli_dflash_draft_vocab_from_a_full_vocabulary_drafter(tmp_path, setup, 
     drafter, params = load_dflash(reduced / "drafter")
     assert drafter.cfg.draft_vocab_size == 40
     ids = np.arange(40) + params["d2t"]
-    trained_on, _, _ = held_out_prompts(None, data, 40, 0, SEQ_LEN)  # the CLI's held-out split
+    trained_on, _, _ = held_out_prompts(None, data, 0, 0, SEQ_LEN)  # no held-out split: all of it
     np.testing.assert_array_equal(ids, frequent_draft_vocab(trained_on, 40))
     np.testing.assert_array_equal(params["lm_head"], np.asarray(target_params["lm_head"])[:, ids])
     assert _tree_equal({k: v for k, v in params.items() if k not in ("lm_head", "d2t")}, full_params)

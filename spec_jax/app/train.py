@@ -76,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with the same target, --seq-len and layers reuses every data part it shares (runs can "
                    "share one directory)")
     p.add_argument("--eval-prompts", type=int, default=40,
-                   help="held-out tau on HumanEval[:N] (N <= 40; never trained on)")
+                   help="held-out tau on HumanEval[:N] (N <= 40; never trained on); 0: no held-out tau (the "
+                   "run compiles no decoding loop, and the curve shows loss and accuracy only)")
     p.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per held-out prompt")
     p.add_argument("--eval-every", type=int, default=250, help="held-out tau every N steps")
     p.add_argument("--save-every", type=int, default=200)
@@ -142,7 +143,7 @@ def _check_train_args(args: argparse.Namespace) -> Any:
     )
     sizes = [("--layers", args.layers, 1), ("--draft-vocab", args.draft_vocab, 2),
              ("--data-sequences", args.data_sequences, 2), ("--block-size", args.block_size, 2),
-             ("--anchors", args.anchors, 1), ("--eval-prompts", args.eval_prompts, 1),
+             ("--anchors", args.anchors, 1), ("--eval-prompts", args.eval_prompts, 0),
              ("--eval-tokens", args.eval_tokens, 1), ("--k", args.k, 1), ("--hidden", args.hidden, 1),
              ("--ttt-steps", args.ttt_steps, 1), ("--answer-positions", args.answer_positions, 1)]
     for flag, value, minimum in sizes:

@@ -167,10 +167,13 @@ def held_out_prompts(
 
     With a tokenizer: the first `eval_prompts` HumanEval problems (never in the training data,
     see `data.HELD_OUT_HUMANEVAL`), chat-formatted exactly as `spec-jax bench` sends them, so the
-    curve's tau is the benchmark's. Without one (tiny test models): held-out data sequences."""
+    curve's tau is the benchmark's. Without one (tiny test models): held-out data sequences.
+    eval_prompts = 0: no held-out tau, and every sequence trains."""
     from spec_jax.training.data import HELD_OUT_HUMANEVAL
 
     data = usable_sequences(data, seq_len)
+    if eval_prompts == 0:
+        return data, [], "none (--eval-prompts 0)"
     if getattr(target, "tokenizer", None) is not None:
         from spec_jax.checkpoints import apply_chat_template
         from spec_jax.humaneval import humaneval_problems
@@ -361,7 +364,9 @@ def train_drafter(
                     "data_tokens": train_data.num_tokens, "init_from": source,
                     # A resume over other data must not reuse another draft vocabulary.
                     **({} if draft_ids is None else {"draft_vocab_sha256": _sha256(draft_ids)})},
-        evaluate=lambda params, step: held_out_tau(target, drafter, {**params, **vocab_map}, prompts, eval_tokens),
+        # No prompts (eval_prompts=0): no held-out tau, so no decoding loop to compile.
+        evaluate=None if not prompts else (
+            lambda params, step: held_out_tau(target, drafter, {**params, **vocab_map}, prompts, eval_tokens)),
         progress=progress,
     )
     params = {**jax.device_get(result.state.params), **jax.device_get(vocab_map)}
