@@ -15,7 +15,7 @@ from flax import struct
 from spec_jax.decoding.acceptance import accept, accept_tree
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.tree import node_depths, tree_budget as _tree_budget, with_root
-from spec_jax.models.interface import Target, TargetModel, ancestor_mask
+from spec_jax.models.interface import FINAL_HIDDEN, ForwardOutput, Target, TargetModel, ancestor_mask
 from spec_jax.models.resolve import as_target_model
 from spec_jax.models.weights import abstract_from_specs
 from spec_jax.sampling import SamplingParams, sample, warp
@@ -158,6 +158,19 @@ def abstract_inputs(
     )
 
 
+def forward_capturing(target: Target, tokens, positions, cache, capture, mask=None) -> ForwardOutput:
+    """`target.forward` capturing the drafter's `capture` ids, where `FINAL_HIDDEN` stands for the
+    final-normed hidden states the pass returns anyway (so the target never sees that id)."""
+    layers = tuple(i for i in capture if i != FINAL_HIDDEN)
+    hidden, captured, cache = target.forward(tokens, positions, cache, mask=mask, capture=layers)
+    if FINAL_HIDDEN not in capture:
+        return ForwardOutput(hidden, captured, cache)
+    width = hidden.shape[-1]
+    parts = [hidden if i == FINAL_HIDDEN else captured[..., layers.index(i) * width:(layers.index(i) + 1) * width]
+             for i in capture]
+    return ForwardOutput(hidden, jnp.concatenate(parts, axis=-1), cache)
+
+
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
@@ -182,8 +195,8 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
     model = target.model
     with jax.named_scope("prefill"):
-        hidden, captured, cache = target.forward(
-            prompt_tokens, positions, model.init_cache(batch, capacity), capture=capture
+        hidden, captured, cache = forward_capturing(
+            target, prompt_tokens, positions, model.init_cache(batch, capacity), capture
         )
         # The LM head at each row's last prompt position only: [B, P, V] logits would cost P times
         # the head's FLOPs and, at batch 512 x 512 positions, tens of GB.
@@ -315,8 +328,8 @@ def _chain_step(state, target, drafter, drafter_params, sampling, draft_key, acc
     if drafter is not None:
         with jax.named_scope("draft"):
             drafts, draft_probs, drafter_state = drafter.propose(
-                drafter_params, target, state.drafter_state, state.tokens, state.lengths,
-                draft_key, sampling,
+                drafter_params, target.replace(cache=state.cache), state.drafter_state,
+                state.tokens, state.lengths, draft_key, sampling,
             )
     else:
         drafts, draft_probs, drafter_state = jnp.zeros((batch, 0), jnp.int32), None, ()
@@ -326,8 +339,8 @@ def _chain_step(state, target, drafter, drafter_params, sampling, draft_key, acc
     verify_positions = start[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K+1]
     capture = drafter.capture_layers if drafter is not None else ()
     with jax.named_scope("verify"):
-        hidden, captured, cache = target.forward(
-            verify_tokens, verify_positions, state.cache, capture=capture
+        hidden, captured, cache = forward_capturing(
+            target, verify_tokens, verify_positions, state.cache, capture
         )
         logits = target.logits(hidden)  # [B, K+1, V] float32
 
@@ -353,15 +366,15 @@ def _tree_step(state, target, drafter, drafter_params, sampling, draft_key, acce
     start = state.lengths - 1
     with jax.named_scope("draft"):
         tree, drafter_state = drafter.propose_tree(
-            drafter_params, target, state.drafter_state, state.tokens, state.lengths, draft_key,
-            sampling,
+            drafter_params, target.replace(cache=state.cache), state.drafter_state, state.tokens,
+            state.lengths, draft_key, sampling,
         )
     verify_tokens, parents = with_root(tree, last)  # [B, N+1]
     positions = start[:, None] + node_depths(tree.parents)
     with jax.named_scope("verify"):
-        hidden, captured, cache = target.forward(
-            verify_tokens, positions, state.cache, mask=ancestor_mask(parents),
-            capture=drafter.capture_layers,
+        hidden, captured, cache = forward_capturing(
+            target, verify_tokens, positions, state.cache, drafter.capture_layers,
+            mask=ancestor_mask(parents),
         )
         logits = target.logits(hidden)  # [B, N+1, V] float32
     draft_probs = None

@@ -262,3 +262,35 @@ def select_best_nodes(tokens: jax.Array, parents: jax.Array, scores: jax.Array, 
         tokens=tokens[rows, order].astype(jnp.int32),
         parents=jnp.where(kept_parents >= 0, new_index[rows, jnp.maximum(kept_parents, 0)], 0),
     )
+
+
+def expand_tree(step: Any, root_token: jax.Array, root_state: jax.Array, depth: int, budget: int) -> TreeDraft:
+    """An EAGLE-2-style tree for a drafter whose nodes need only their parent's chained state
+    (no attention among the nodes): the root's top-W children, then level by level the top-W
+    children of the W frontier nodes, keeping the W best by path log-probability (W from the
+    budget and the depth, `expansion_width`); the `budget` best nodes of all levels form the tree
+    (top-k candidates: deterministic).
+    step(tokens [B, T], states [B, T, S]) -> (log-probs [B, T, V] of their children, the states
+    [B, T, S] their children continue from); root_token [B, 1], root_state [B, 1, S]."""
+    width = expansion_width(budget, depth)
+    batch = root_token.shape[0]
+    rows = jnp.arange(batch)[:, None]
+    root_logprobs, root_next = step(root_token, root_state)
+    node_scores, node_tokens = top_k(root_logprobs[:, 0].astype(jnp.float32), width)  # the root's children
+    node_parents = jnp.full((batch, width), -1, jnp.int32)
+    node_depths = jnp.ones((batch, width), jnp.int32)
+    parent_states = jnp.broadcast_to(root_next, (batch, width, root_next.shape[-1]))
+    fed_states = []  # the state each node's children read, in node order
+    for level in range(1, depth):
+        frontier = (level - 1) * width + jnp.arange(width)  # this level's nodes
+        level_logprobs, level_states = step(node_tokens[:, (level - 1) * width:], parent_states)
+        fed_states.append(level_states)
+        new_tok, new_parent, new_score = expand_level(
+            node_scores, jnp.broadcast_to(frontier, (batch, width)), level_logprobs, width
+        )
+        parent_states = jnp.concatenate(fed_states, axis=1)[rows, new_parent]
+        node_depths = jnp.concatenate([node_depths, node_depths[rows, new_parent] + 1], axis=1)
+        node_tokens = jnp.concatenate([node_tokens, new_tok], axis=1)
+        node_parents = jnp.concatenate([node_parents, new_parent], axis=1)
+        node_scores = jnp.concatenate([node_scores, new_score], axis=1)
+    return select_best_nodes(node_tokens, node_parents, node_scores, node_depths, budget)
