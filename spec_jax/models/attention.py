@@ -7,6 +7,10 @@ contract of `spec_jax.models.interface`: each query sees the row's committed cac
 allows. It reads only the live part of the cache (up to the batch's longest committed length), so
 a pass costs what the live lengths need whatever the capacity; its `impl="dense"`, which scores
 every slot, is the reference the live paths are tested against (tests/test_live_attention.py).
+
+Attention sinks (gpt-oss): every path takes an optional `sinks` [N], one learned logit per query
+head that joins the softmax's denominator and adds no value (`probs = softmax([scores, sink])`
+without the sink's column). None (every other family) leaves the computation as it was.
 """
 
 from __future__ import annotations
@@ -74,15 +78,26 @@ def masked_scores(qh: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(visible, s / math.sqrt(d), NEG_INF)
 
 
-def attend(q: jax.Array, parts: AttentionParts) -> jax.Array:
+def sink_scores(sinks: jax.Array, qh: jax.Array) -> jax.Array:
+    """Per-head sink logits sinks [N] laid out as the grouped queries qh [B, Kv, T*G, D] are
+    (row m = t * G + g of KV head k is query head k * G + g): float32 [1, Kv, T*G]."""
+    kv_heads, m = qh.shape[1], qh.shape[2]
+    groups = sinks.shape[0] // kv_heads
+    per_head = sinks.astype(jnp.float32).reshape(kv_heads, 1, groups)
+    return jnp.broadcast_to(per_head, (kv_heads, m // groups, groups)).reshape(1, kv_heads, m)
+
+
+def attend(q: jax.Array, parts: AttentionParts, sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention over one or more key/value parts with one joint softmax.
 
     q: [B, T, N, D]; each part (k, v, mask): k, v [B, Kv, S_i, D] (heads-major, as cached), mask
     [B, T, S_i] bool (True = visible) -> [B, T, N, D]. Parts let a pass attend to a cache and to
-    its own new keys without concatenating (copying) the cache.
+    its own new keys without concatenating (copying) the cache. sinks: [N] or None (module doc).
     """
     qh = group_queries(q, parts[0][0].shape[1])
     scores = [masked_scores(qh, k, mask) for k, _, mask in parts]
+    if sinks is not None:  # one more column, after the parts': its probability is dropped below
+        scores.append(jnp.broadcast_to(sink_scores(sinks, qh)[..., None], (*qh.shape[:3], 1)))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, Kv, T*G, sum S_i]
     out = 0.0
     start = 0
@@ -128,16 +143,18 @@ def live_span(
     return jnp.clip(earliest, 0, hi), hi
 
 
-def _attend_dense(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask):
+def _attend_dense(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask,
+                  sinks=None):
     """Every slot of the capacity scored (the ones a query may not see masked): the reference the
     live-length paths are tested against. Cost grows with the capacity, whatever the live lengths."""
     visible = cache_visibility(cache_lengths, q_positions, k_cache.shape[2], window)
-    return attend(q, [(k_cache, v_cache, visible), (k_pass, v_pass, pass_mask)])
+    return attend(q, [(k_cache, v_cache, visible), (k_pass, v_pass, pass_mask)], sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def _attend_live_blocks(
-    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, block
+    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, block,
+    sinks=None,
 ):
     """Flash decoding: the pass's own keys, then the cache's live blocks [lo, hi) one `block` of
     slots at a time (a loop with a dynamic trip count), merged by an online softmax. Reverse mode
@@ -156,9 +173,14 @@ def _attend_live_blocks(
                     preferred_element_type=jnp.float32)
         return new_top, total * rescale + jnp.sum(p, axis=-1), acc * rescale[..., None] + pv
 
-    # Step 1: the pass's own keys open the running softmax (every query sees itself).
-    empty = (jnp.full(qh.shape[:3], NEG_INF, jnp.float32), jnp.zeros(qh.shape[:3], jnp.float32),
-             jnp.zeros(qh.shape, jnp.float32))
+    # Step 1: the pass's own keys open the running softmax (every query sees itself). A sink
+    # opens it before them: a score with weight exp(0) = 1 in the sum and no value.
+    if sinks is None:
+        empty = (jnp.full(qh.shape[:3], NEG_INF, jnp.float32), jnp.zeros(qh.shape[:3], jnp.float32),
+                 jnp.zeros(qh.shape, jnp.float32))
+    else:
+        empty = (jnp.broadcast_to(sink_scores(sinks, qh), qh.shape[:3]),
+                 jnp.ones(qh.shape[:3], jnp.float32), jnp.zeros(qh.shape, jnp.float32))
     carry = merge(empty, masked_scores(qh, k_pass, pass_mask), v_pass)
 
     # Step 2: the blocks holding [lo, hi). The last block is read at capacity - block when the
@@ -179,23 +201,25 @@ def _attend_live_blocks(
 
 
 def _live_blocks_forward(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass,
-                         pass_mask, block):
+                         pass_mask, block, sinks=None):
     out = _attend_live_blocks(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass,
-                              v_pass, pass_mask, block)
-    return out, (q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask)
+                              v_pass, pass_mask, block, sinks)
+    return out, (q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask,
+                 sinks)
 
 
 def _dense_vjp(block, saved, grad):
-    """Cotangents of the dense reference (the same function) for q, the cache and the pass's
-    keys/values; None for the integer and boolean inputs."""
-    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask = saved
+    """Cotangents of the dense reference (the same function) for q, the cache, the pass's
+    keys/values and the sinks; None for the integer and boolean inputs."""
+    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, sinks = saved
 
-    def dense(q, k_cache, v_cache, k_pass, v_pass):
+    def dense(q, k_cache, v_cache, k_pass, v_pass, sinks):
         return _attend_dense(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass,
-                             v_pass, pass_mask)
+                             v_pass, pass_mask, sinks)
 
-    dq, dk_cache, dv_cache, dk_pass, dv_pass = jax.vjp(dense, q, k_cache, v_cache, k_pass, v_pass)[1](grad)
-    return dq, dk_cache, dv_cache, None, None, None, dk_pass, dv_pass, None
+    dq, dk_cache, dv_cache, dk_pass, dv_pass, dsinks = jax.vjp(
+        dense, q, k_cache, v_cache, k_pass, v_pass, sinks)[1](grad)
+    return dq, dk_cache, dv_cache, None, None, None, dk_pass, dv_pass, None, dsinks
 
 
 _attend_live_blocks.defvjp(_live_blocks_forward, _dense_vjp)
@@ -211,7 +235,8 @@ def bucket_widths(capacity: int, smallest: int) -> tuple[int, ...]:
 
 
 def _attend_live_buckets(
-    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, smallest
+    q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, smallest,
+    sinks=None,
 ):
     """Dense attention over the smallest static window of the cache (0, smallest, 2 * smallest,
     ..., capacity slots) that covers [lo, hi), picked on device by `lax.switch`: the same
@@ -225,13 +250,13 @@ def _attend_live_buckets(
     def dense_over(width):
         def branch(k_cache, v_cache):
             if width == 0:
-                return attend(q, [own])
+                return attend(q, [own], sinks)
             start = jnp.minimum(lo, capacity - width)
             k = jax.lax.dynamic_slice_in_dim(k_cache, start, width, axis=2)  # [B, Kv, W, D]
             v = jax.lax.dynamic_slice_in_dim(v_cache, start, width, axis=2)
             slots = start + jnp.arange(width, dtype=jnp.int32)
             visible = cache_visibility(cache_lengths, q_positions, slots, window)
-            return attend(q, [(k, v, visible), own])
+            return attend(q, [(k, v, visible), own], sinks)
 
         return branch
 
@@ -261,6 +286,7 @@ def attend_cache_and_pass(
     *,
     impl: str | None = None,
     block: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a pass's queries over the committed cache and the pass's own keys.
 
@@ -280,7 +306,8 @@ def attend_cache_and_pass(
     block is read densely.
 
     The cache may already hold the pass's own keys at slots >= cache_lengths (written first, so
-    XLA updates it in place); they are not read from it.
+    XLA updates it in place); they are not read from it. sinks: [N] per-head sink logits (gpt-oss)
+    or None (the module doc).
     """
     default_impl, default_block = LIVE_ATTENTION.get(jax.default_backend(), ACCELERATOR_LIVE_ATTENTION)
     impl, block = impl or default_impl, block or default_block
@@ -288,7 +315,7 @@ def attend_cache_and_pass(
     if impl not in ("blocks", "buckets", "dense"):
         raise ValueError(f"unknown cache attention impl {impl!r}: use 'blocks', 'buckets' or 'dense'")
     if impl == "dense" or k_cache.shape[2] <= block:
-        return _attend_dense(*args)
+        return _attend_dense(*args, sinks)
     if impl == "blocks":
-        return _attend_live_blocks(*args, block)
-    return _attend_live_buckets(*args, block)
+        return _attend_live_blocks(*args, block, sinks)
+    return _attend_live_buckets(*args, block, sinks)

@@ -1,0 +1,76 @@
+"""gpt-oss (`GptOssForCausalLM`) as a configuration of the one decoder: attention sinks in every
+attention path, YaRN RoPE, MXFP4 expert weights dequantised on load.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax.checkpoints.mxfp4 import dequantize_mxfp4, mxfp4_float_shape, quantize_mxfp4
+from spec_jax.models.attention import attend_cache_and_pass, cache_visibility
+from spec_jax.models.config import GLOBAL_WINDOW
+from test_live_attention import HEADS, case
+
+
+def sink_reference(q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, mask, sinks):
+    """Attention with sinks written out in numpy: softmax over [visible scores, the head's sink],
+    the sink's probability dropped."""
+    q, k_cache, v_cache, k_pass, v_pass = (np.asarray(a, np.float64) for a in (q, k_cache, v_cache, k_pass, v_pass))
+    visible = np.concatenate(
+        [np.asarray(cache_visibility(lengths, positions, k_cache.shape[2], window)),
+         np.broadcast_to(np.asarray(mask), (q.shape[0], q.shape[1], k_pass.shape[2]))], axis=-1)
+    keys, values = np.concatenate([k_cache, k_pass], axis=2), np.concatenate([v_cache, v_pass], axis=2)
+    groups = q.shape[2] // keys.shape[1]
+    keys, values = np.repeat(keys, groups, axis=1), np.repeat(values, groups, axis=1)  # [B, N, S, D]
+    scores = np.einsum("btnd,bnsd->bnts", q, keys) / np.sqrt(q.shape[-1])
+    scores = np.where(visible[:, None], scores, -np.inf)
+    sink = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None], (*scores.shape[:3], 1))
+    joint = np.concatenate([scores, sink], axis=-1)
+    probs = np.exp(joint - joint.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True)
+    return np.einsum("bnts,bnsd->btnd", probs[..., :-1], values)
+
+
+def test_sinks_in_every_attention_path():
+    """Dense, live blocks and live buckets with sinks equal the written-out reference (chain and
+    tree masks, a sliding window, ragged lengths); blocks' custom gradient of the sinks equals
+    the dense one."""
+    sinks = jnp.asarray(np.random.RandomState(7).randn(HEADS), jnp.float32)
+    # The window goes in traced, so each path compiles once.
+    attention = {impl: jax.jit(functools.partial(attend_cache_and_pass, impl=impl, block=16))
+                 for impl in ("dense", "blocks", "buckets")}
+    for tree, window in ((False, GLOBAL_WINDOW), (True, 20)):
+        args = case(3, 100, [0, 37, 100, 5], "float32", tree, window)
+        expected = sink_reference(*args, sinks)
+        for impl in ("dense", "blocks", "buckets"):
+            out = attention[impl](*args, sinks=sinks)
+            np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, err_msg=f"{impl} tree={tree}")
+    grads = {impl: jax.jit(jax.grad(lambda s, impl=impl: attention[impl](*args, sinks=s).sum()))(sinks)
+             for impl in ("dense", "blocks")}
+    np.testing.assert_allclose(grads["blocks"], grads["dense"], atol=1e-5)
+
+
+def test_mxfp4_dequantisation_matches_transformers():
+    """MXFP4 blocks/scales read as transformers' `convert_moe_packed_tensors` reads them (a hand-
+    checked byte too), and quantising its output again gives the same bytes."""
+    # One byte by hand: 0x2F = low nibble 0xF (-6.0), high nibble 0x2 (+1.0); scale byte 128 = 2**1.
+    blocks = np.full((1, 1, 1, 16), 0x2F, np.uint8)
+    one = dequantize_mxfp4(blocks, np.full((1, 1, 1), 128, np.uint8))
+    assert one.shape == (1, 32, 1) and one[0, :2, 0].tolist() == [-12.0, 2.0]
+
+    w = np.random.RandomState(0).randn(3, 64, 40).astype(np.float32)  # [E, C, R]
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (3, 40, 2, 16) and scales.shape == (3, 40, 2)
+    assert mxfp4_float_shape(blocks.shape) == w.shape
+    ours = dequantize_mxfp4(blocks, scales)
+    assert np.abs(ours - w).max() <= np.abs(w).max() / 4  # FP4: 1 mantissa bit
+    np.testing.assert_array_equal(np.concatenate(quantize_mxfp4(ours)[0:1]), blocks)
+    torch = pytest.importorskip("torch")
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    theirs = mxfp4.convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(ours, theirs.numpy())
