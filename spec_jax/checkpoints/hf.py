@@ -309,6 +309,12 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
         for name, scale in self._scale_of.items():
             del self.shapes[scale]
             self.shapes[name] = float_shape(self.shapes[name], dtypes[name])
+        # So do MXFP4 blocks + scales (gpt-oss's experts, checkpoints/mxfp4.py), under the weight's name.
+        self._mxfp4 = mxfp4_names(dtypes)
+        for name, (blocks, scales) in self._mxfp4.items():
+            self.shapes[name] = mxfp4_float_shape(self.shapes.pop(blocks))
+            del self.shapes[scales]
+            self._file_of[name] = self._file_of[blocks]
 
     def canonical_names(self, canonical: Callable[[str], str], source: str) -> dict[str, str]:
         """{canonical name: name in the file} for checkpoints that spell weights several ways;
@@ -319,12 +325,6 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
             if key in original_of:
                 raise CheckpointError(
                     f"{source} holds both {original_of[key]!r} and {name!r}, two spellings of the "
-        # So do MXFP4 blocks + scales (gpt-oss's experts, checkpoints/mxfp4.py), under the weight's name.
-        self._mxfp4 = mxfp4_names(dtypes)
-        for name, (blocks, scales) in self._mxfp4.items():
-            self.shapes[name] = mxfp4_float_shape(self.shapes.pop(blocks))
-            del self.shapes[scales]
-            self._file_of[name] = self._file_of[blocks]
                     f"weight {key!r}; keep one."
                 )
             original_of[key] = name
@@ -334,6 +334,8 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
         from safetensors import SafetensorError
 
         try:
+            if name in self._mxfp4:
+                return self._read_mxfp4(name, dtype)
             array = self._handles[self._file_of[name]].get_tensor(name)
             if name in self._scale_of:
                 scale = self._scale_of[name]
@@ -344,8 +346,10 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
                 "is corrupt, re-download or re-save it."
             ) from e
         return array if dtype is None else np.asarray(array, dtype=dtype)
-            if name in self._mxfp4:
-                return self._read_mxfp4(name, dtype)
+
+    def _read_mxfp4(self, name: str, dtype: Any) -> np.ndarray:
+        blocks, scales = (self._handles[self._file_of[n]].get_tensor(n) for n in self._mxfp4[name])
+        return dequantize_mxfp4(blocks, scales).astype(dtype or np.float32, copy=False)
 
     def __exit__(self, *exc):
         self._stack.close()
@@ -357,10 +361,6 @@ def read_hf_config(directory: Path, dtype: str = "float32") -> tuple[dict[str, A
     if not config_file.exists():
         raise CheckpointError(
             f"{directory} has no config.json; an HF checkpoint dir needs config.json next to its "
-    def _read_mxfp4(self, name: str, dtype: Any) -> np.ndarray:
-        blocks, scales = (self._handles[self._file_of[n]].get_tensor(n) for n in self._mxfp4[name])
-        return dequantize_mxfp4(blocks, scales).astype(dtype or np.float32, copy=False)
-
             "*.safetensors files."
         )
     try:
