@@ -66,18 +66,18 @@ def select_state(before: jax.Array, per_token: jax.Array, last: jax.Array) -> ja
     return jnp.where(keep, picked, before)
 
 
-def path_tokens(last: jax.Array, parents: jax.Array, steps: int) -> jax.Array:
-    """The in-pass indices of a node and its `steps - 1` nearest ancestors, oldest first:
-    [B, steps] (-1 - d for the d-th token before the pass, d = 0, 1, ..). last [B] (-1 = the
-    token before the pass), parents [B or 1, T] (`pass_parents`). A short convolution's state
-    after a commit is its inputs at these indices."""
-    batch = last.shape[0]
+def ancestors(start: jax.Array, parents: jax.Array, steps: int) -> jax.Array:
+    """In-pass indices of nodes `start` [B, M] and their `steps - 1` nearest ancestors, oldest
+    first: [B, M, steps]; -1 - d stands for the d-th token before the pass (d = 0, 1, ..), and a
+    start of -1 for the last token before the pass. parents [B or 1, T] (`pass_parents`). A short
+    causal convolution reads its inputs at these indices (in a tree, along the node's branch)."""
+    batch = start.shape[0]
     parents = jnp.broadcast_to(parents, (batch, parents.shape[-1]))
-    rows = jnp.arange(batch)
-    out = [last]
-    node = last
+    rows = jnp.arange(batch)[:, None]
+    out = [start]
+    node = start
     for _ in range(steps - 1):
         up = parents[rows, jnp.maximum(node, 0)]
         node = jnp.where(node >= 0, up, node - 1)  # below the pass: one more token back
         out.append(node)
-    return jnp.stack(out[::-1], axis=1)
+    return jnp.stack(out[::-1], axis=-1)
