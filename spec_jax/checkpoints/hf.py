@@ -155,6 +155,16 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def unused_shared_kv_names(cfg: ModelConfig) -> list[str]:
+    """Gemma 4 checkpoints may hold k/v projections and norms for the KV-shared layers that no
+    computation reads (transformers skips them on load too)."""
+    return [
+        TARGET_LAYER_PREFIX.format(i=i) + f"self_attn.{name}.weight"
+        for i in range(cfg.num_layers) if cfg.kv_source(i) != i
+        for name in ("k_proj", "v_proj", "k_norm", "v_norm")
+    ]
+
+
 def params_from_hf(get_tensor: GetTensor, cfg: ModelConfig) -> Params:
     """Target params (host numpy) from HF-named tensors."""
     specs = model_weight_specs(cfg)
@@ -210,7 +220,7 @@ def check_hf_tensors(
             f"Checkpoint {source} does not match its config: "
             + "; ".join(problems)
             + ". Check that config.json belongs to these weights and that the model is a plain "
-            "Llama, Mistral, Qwen2/3 or Gemma 3 decoder."
+            "Llama, Mistral, Qwen2/3, Gemma 3 or Gemma 4 decoder."
         )
 
 
@@ -416,12 +426,13 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelC
     np_dtype = jnp.dtype(dtype)
     with SafetensorsFiles(directory) as files:
         shapes, file_name = files.shapes, (lambda n: n)
-        if "text_config" in hf:  # Gemma3ForConditionalGeneration: its text decoder only
+        if "text_config" in hf:  # Gemma3/4ForConditionalGeneration: its text decoder only
             file_name = {multimodal_text_name(n): n for n in files.shapes}
             file_name.pop(None, None)
             shapes = {n: files.shapes[f] for n, f in file_name.items()}
             file_name = file_name.__getitem__
         ignore = ["lm_head.weight"] if cfg.tie_embeddings else []  # a tied head duplicates the embedding
+        ignore += unused_shared_kv_names(cfg)
         check_hf_tensors(shapes, expected_hf_shapes(cfg), str(directory), ignore=ignore)
         params = params_from_hf(lambda n: files.get_tensor(file_name(n), np_dtype), cfg)
     return cfg, params

@@ -61,10 +61,24 @@ GEMMA3_LAYER: tuple[HFWeight, ...] = tuple(
     w for w in DECODER_LAYER if w.name not in _GEMMA3_NORMS and w.name != "hidden_norm"
 ) + tuple(HFWeight(name, hf_name, 0) for name, hf_name in _GEMMA3_NORMS.items())
 
+# Gemma 4: Gemma 3's names, plus the per-layer-embedding branch and the layer scalar (a layer
+# that reads another's keys/values has no k_proj / v_proj / k_norm; a full-attention layer with
+# attention_k_eq_v no v_proj: those are absent from its specs, so never looked up).
+GEMMA4_LAYER: tuple[HFWeight, ...] = GEMMA3_LAYER + (
+    HFWeight("per_layer_gate", "per_layer_input_gate.weight", 1),  # [P, H] -> [H, P]
+    HFWeight("per_layer_proj", "per_layer_projection.weight", 1),  # [H, P] -> [P, H]
+    HFWeight("per_layer_norm", "post_per_layer_input_norm.weight", 0),
+    HFWeight("layer_scalar", "layer_scalar", 0),  # [1]
+)
+
 MODEL_WEIGHTS: tuple[HFWeight, ...] = (
     HFWeight("embed", "model.embed_tokens.weight", 0),  # [V, H] both sides
     HFWeight("final_norm", "model.norm.weight", 0),
     HFWeight("lm_head", "lm_head.weight", 1),  # [V, H] -> [H, V]
+    # Gemma 4's per-layer embeddings.
+    HFWeight("per_layer_embed", "model.embed_tokens_per_layer.weight", 0),  # [Vp, L*P] both sides
+    HFWeight("per_layer_model_proj", "model.per_layer_model_projection.weight", 1),  # [L*P, H] -> [H, L*P]
+    HFWeight("per_layer_proj_norm", "model.per_layer_projection_norm.weight", 0),
 )
 
 _LAYER_TABLES = {
@@ -73,6 +87,7 @@ _LAYER_TABLES = {
     "qwen3": DECODER_LAYER,
     "qwen2": QWEN2_LAYER,
     "gemma3": GEMMA3_LAYER,
+    "gemma4": GEMMA4_LAYER,
 }
 
 
@@ -94,7 +109,9 @@ _MULTIMODAL_TEXT = (
     (re.compile(r"^model\.language_model\."), "model."),
     (re.compile(r"^language_model\.lm_head\."), "lm_head."),
 )
-_MULTIMODAL_OTHER = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+_MULTIMODAL_OTHER = re.compile(
+    r"^(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
+)
 
 
 def multimodal_text_name(name: str) -> str | None:

@@ -8,12 +8,17 @@ defaults off (so a Llama config compiles to the same computation as before the s
   Gemma 3 text    + (1 + w) RMSNorms, four per layer ("sandwich"), GeGLU (tanh GELU), embeddings
                   times sqrt(hidden) in the model dtype, query_pre_attn_scalar, q/k norms, a
                   sliding/full `layer_types` pattern with each type's own RoPE base and scaling
+  Gemma 4 text    + the full-attention layers' own head size / KV heads (values = keys' projection
+                  with `attention_k_eq_v`), proportional (partial) RoPE there, unscaled v-norm,
+                  attention scale 1, per-layer embeddings (PLE), a learned scalar per layer, the
+                  last `num_kv_shared_layers` layers reading an earlier layer's keys/values (no
+                  cache of their own; a double-wide MLP there), plain (w, not 1 + w) norm scales
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -23,14 +28,17 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     # The multimodal checkpoint: its language model (config.text_config) is a Gemma 3 text decoder.
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
+    # Its text decoder (config.text_config); the vision and audio towers are not run.
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 # model_type -> family, for configs without `architectures`.
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4"}
 # What each family writes back to config.json.
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
              "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-             "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+             "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "gemma4": ("Gemma4ForCausalLM", "gemma4_text")}
 
 # Gemma3TextConfig's defaults: hub configs (notably the `text_config` of the multimodal
 # checkpoints) leave out every field equal to them.
@@ -75,7 +83,17 @@ class LinearRopeScaling:
     factor: float
 
 
-AnyRopeScaling = RopeScaling | LinearRopeScaling
+@dataclasses.dataclass(frozen=True)
+class ProportionalRope:
+    """`rope_type: proportional` (Gemma 4's full-attention layers): only the first
+    `partial_rotary_factor` of each head's dimensions rotate, at the frequencies the whole head
+    size would give them; the rest keep frequency 0 (no rotation). Frequencies divided by `factor`."""
+
+    partial_rotary_factor: float
+    factor: float = 1.0
+
+
+AnyRopeScaling = RopeScaling | LinearRopeScaling | ProportionalRope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +133,21 @@ class ModelConfig:
     # base 10k, no scaling); None: every layer uses rope_theta / rope_scaling.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: AnyRopeScaling | None = None
+    # ---- Gemma 4 switches (all off for the other families) ----
+    global_head_dim: int | None = None  # head size of the full-attention layers (None: head_dim)
+    num_global_kv_heads: int | None = None  # their KV heads (None: num_kv_heads)
+    attention_k_eq_v: bool = False  # full-attention layers: values = the key projection (no wv)
+    # The last N layers attend to the keys/values of the last earlier layer of their type and
+    # keep no cache of their own (the cache has num_layers - N layer arrays).
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False  # those shared layers' MLPs are 2 * intermediate_size wide
+    value_norm: bool = False  # values RMS-normed (no learned scale) before attention
+    layer_scalar: bool = False  # each layer's output times a learned scalar
+    # Per-layer embeddings (PLE): a second table [per_layer_vocab_size, num_layers * this] whose
+    # slice i, mixed with a projection of the input embeddings, gates a residual branch of layer
+    # i; 0 = off.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -136,6 +169,28 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
                 "grouped-query attention needs whole groups."
             )
+        if self.num_global_kv_heads is not None and self.num_heads % self.num_global_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_global_kv_heads="
+                f"{self.num_global_kv_heads}; grouped-query attention needs whole groups."
+            )
+        if self.num_kv_shared_layers:
+            self._check_kv_sharing()
+
+    def _check_kv_sharing(self) -> None:
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        if not 0 < first_shared < self.num_layers:
+            raise ValueError(
+                f"num_kv_shared_layers={self.num_kv_shared_layers} must be between 0 and "
+                f"num_layers - 1 = {self.num_layers - 1}: a shared layer reads an earlier layer's cache."
+            )
+        types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        missing = sorted(set(types[first_shared:]) - set(types[:first_shared]))
+        if missing:
+            raise ValueError(
+                f"the KV-shared layers include {missing} layers but no earlier layer of that type "
+                "keeps a cache to share; fix layer_types or num_kv_shared_layers."
+            )
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -148,9 +203,45 @@ class ModelConfig:
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def is_full_attention(self, layer: int) -> bool:
+        return not self.layer_types or self.layer_types[layer] == FULL_ATTENTION
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Head size of decoder layer `layer` (Gemma 4: `global_head_dim` on full-attention layers)."""
+        if self.global_head_dim is not None and self.is_full_attention(layer):
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        if self.num_global_kv_heads is not None and self.is_full_attention(layer):
+            return self.num_global_kv_heads
+        return self.num_kv_heads
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        return self.intermediate_size * (2 if self.double_wide_mlp and self.kv_source(layer) != layer else 1)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys/values layer `layer` attends to: itself, or for one of the last
+        `num_kv_shared_layers` layers, the last earlier layer of the same type (as HF shares them)."""
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        if layer < first_shared:
+            return layer
+        types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        return max(i for i in range(first_shared) if types[i] == types[layer])
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers with KV-cache arrays of their own (the first num_layers - num_kv_shared_layers)."""
+        return self.num_layers - self.num_kv_shared_layers
+
+    @property
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(KV heads, head size) of each cache array, one per layer that has its own."""
+        return tuple((self.layer_kv_heads(i), self.layer_head_dim(i)) for i in range(self.num_cache_layers))
+
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return sum(kv_bytes_per_token(1, kv, d, self.dtype) for kv, d in self.kv_cache_shapes)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -163,7 +254,9 @@ class ModelConfig:
             architecture="qwen3" if self.qk_norm else "llama", qkv_bias=False, norm_offset=0.0,
             sandwich_norms=False, mlp_activation="silu", scale_embeddings=False,
             query_pre_attn_scalar=None, final_logit_softcapping=None, sliding_rope_theta=None,
-            sliding_rope_scaling=None,
+            sliding_rope_scaling=None, global_head_dim=None, num_global_kv_heads=None,
+            attention_k_eq_v=False, num_kv_shared_layers=0, double_wide_mlp=False,
+            value_norm=False, layer_scalar=False, per_layer_input_size=0, per_layer_vocab_size=0,
         )
 
     def layer_rope(self, layer: int) -> tuple[float, AnyRopeScaling | None]:
@@ -190,6 +283,8 @@ class ModelConfig:
             )
         if arch == "gemma3":
             return _gemma3_from_hf(cls, hf, dtype)
+        if arch == "gemma4":
+            return _gemma4_from_hf(cls, hf, dtype)
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         head_dim = hf.get("head_dim") or hidden // num_heads
@@ -255,6 +350,8 @@ class ModelConfig:
         sliding = [w for w in self.layer_windows if w != GLOBAL_WINDOW]
         if self.architecture == "gemma3":
             return _gemma3_to_hf(self, hf)
+        if self.architecture == "gemma4":
+            return _gemma4_to_hf(self, hf)
         if self.architecture == "mistral":
             hf["sliding_window"] = sliding[0] if sliding else None
         elif sliding:
@@ -309,9 +406,14 @@ def rope_scaling_from_hf(rs: Mapping[str, Any] | None) -> AnyRopeScaling | None:
         )
     if rope_type == "linear":
         return LinearRopeScaling(factor=float(rs["factor"]))
+    if rope_type == "proportional":
+        return ProportionalRope(
+            partial_rotary_factor=float(rs.get("partial_rotary_factor", 1.0)), factor=float(rs.get("factor", 1.0))
+        )
     if rope_type not in (None, "default"):
         raise ValueError(
-            f"Unsupported rope_scaling type {rope_type!r}; spec_jax implements 'llama3' and 'linear'."
+            f"Unsupported rope_scaling type {rope_type!r}; spec_jax implements 'llama3', 'linear' "
+            "and 'proportional'."
         )
     return None
 
@@ -319,6 +421,9 @@ def rope_scaling_from_hf(rs: Mapping[str, Any] | None) -> AnyRopeScaling | None:
 def rope_scaling_to_hf(scaling: AnyRopeScaling) -> dict[str, Any]:
     if isinstance(scaling, LinearRopeScaling):
         return {"rope_type": "linear", "factor": scaling.factor}
+    if isinstance(scaling, ProportionalRope):
+        out = {"rope_type": "proportional", "partial_rotary_factor": scaling.partial_rotary_factor}
+        return out if scaling.factor == 1.0 else {**out, "factor": scaling.factor}
     return {"rope_type": "llama3", **dataclasses.asdict(scaling)}
 
 
@@ -419,6 +524,158 @@ def _gemma3_to_hf(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
         sliding_window=sliding[0] if sliding else GEMMA3_TEXT_DEFAULTS["sliding_window"],
         layer_types=["full_attention" if w == GLOBAL_WINDOW else "sliding_attention" for w in cfg.layer_windows],
         rope_parameters={"full_attention": full, "sliding_attention": local},
+    )
+    return hf
+
+
+# Gemma4TextConfig's defaults (transformers 5.24), for fields a hub config leaves out.
+GEMMA4_TEXT_DEFAULTS = {
+    "vocab_size": 262144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072, "sliding_window": 512, "tie_word_embeddings": True,
+    "bos_token_id": 2, "eos_token_id": 1, "hidden_activation": "gelu_pytorch_tanh",
+    "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256, "global_head_dim": 512,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    },
+}
+
+
+def _gemma4_from_hf(cls, hf: Mapping[str, Any], dtype: str) -> ModelConfig:
+    """Gemma 4 text: a Gemma4ForCausalLM config, or the `text_config` of a
+    Gemma4ForConditionalGeneration one (dense variants; the MoE one is refused)."""
+    outer: Mapping[str, Any] = {}
+    if "text_config" in hf or hf.get("model_type") == "gemma4":
+        outer = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None}
+        hf = hf.get("text_config") or {}
+    hf = {**GEMMA4_TEXT_DEFAULTS, **outer, **{k: v for k, v in hf.items() if v is not None or k not in outer}}
+    refused = {
+        "enable_moe_block": "the MoE variant (26B-A4B) is not supported yet (the MoE issue adds it)",
+        "use_bidirectional_attention": "bidirectional attention (an encoder config) is not a causal LM target",
+        "attention_bias": "spec_jax's Gemma 4 layers have no attention biases",
+    }
+    for field, why in refused.items():
+        if hf.get(field):
+            raise ValueError(f"{field}={hf[field]!r}: {why}.")
+    if hf["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(
+            f"hidden_activation {hf['hidden_activation']!r}: spec_jax's Gemma MLP is tanh-approximated GELU."
+        )
+    num_layers = int(hf["num_hidden_layers"])
+    layer_types = list(hf.get("layer_types") or [
+        SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(num_layers)
+    ])
+    if layer_types:
+        layer_types[-1] = FULL_ATTENTION  # as Gemma4TextConfig forces it
+    layer_types, window = layer_types_from_hf(
+        {"layer_types": layer_types, "sliding_window": hf.get("sliding_window")}, num_layers, "gemma4"
+    )
+    rp = hf.get("rope_parameters") or {}
+    full, local = rp.get(FULL_ATTENTION) or {}, rp.get(SLIDING_ATTENTION) or {}
+    for kind, params in ((FULL_ATTENTION, full), (SLIDING_ATTENTION, local)):
+        if params.get("rope_type", "default") not in ("default", "proportional"):
+            raise ValueError(
+                f"rope_parameters.{kind}.rope_type {params['rope_type']!r}: spec_jax's Gemma 4 "
+                "implements 'default' and 'proportional'."
+            )
+    global_head_dim, global_kv_heads = _gemma4_global_attention(hf, layer_types or (FULL_ATTENTION,) * num_layers)
+    per_layer_input_size = int(hf.get("hidden_size_per_layer_input") or 0)
+    return cls(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=int(hf["num_attention_heads"]),
+        num_kv_heads=int(hf["num_key_value_heads"]),
+        head_dim=int(hf["head_dim"]),
+        rms_norm_eps=float(hf["rms_norm_eps"]),
+        rope_theta=float(full.get("rope_theta", 1_000_000.0)),
+        rope_scaling=rope_scaling_from_hf(full),
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
+        qk_norm=True,
+        layer_types=layer_types,
+        sliding_window=window,
+        max_position_embeddings=int(hf["max_position_embeddings"]),
+        architecture="gemma4",
+        bos_token_id=hf["bos_token_id"],
+        eos_token_ids=_eos_ids(hf["eos_token_id"]),
+        dtype=dtype,
+        sandwich_norms=True,
+        mlp_activation="gelu_tanh",
+        scale_embeddings=True,
+        query_pre_attn_scalar=1.0,  # Gemma 4 attention scores are q.k unscaled (q/k are normed)
+        final_logit_softcapping=(None if hf.get("final_logit_softcapping") is None
+                                 else float(hf["final_logit_softcapping"])),
+        sliding_rope_theta=float(local.get("rope_theta", 10_000.0)),
+        sliding_rope_scaling=rope_scaling_from_hf(local),
+        global_head_dim=global_head_dim,
+        num_global_kv_heads=global_kv_heads,
+        attention_k_eq_v=bool(hf.get("attention_k_eq_v", False)),
+        num_kv_shared_layers=int(hf.get("num_kv_shared_layers") or 0),
+        double_wide_mlp=bool(hf.get("use_double_wide_mlp", False)),
+        value_norm=True,
+        layer_scalar=True,
+        per_layer_input_size=per_layer_input_size,
+        per_layer_vocab_size=int(hf["vocab_size_per_layer_input"]) if per_layer_input_size else 0,
+    )
+
+
+def _gemma4_global_attention(hf: Mapping[str, Any], layer_types: Sequence[str]) -> tuple[int | None, int | None]:
+    """(global_head_dim, num_global_kv_heads) of a Gemma 4 config: from `per_layer_config` (what
+    transformers 5.24 writes: head_dim / num_key_value_heads overrides on the full-attention layers)
+    or, without it, `global_head_dim` and (only with attention_k_eq_v, as transformers reads them)
+    `num_global_key_value_heads`."""
+    head_dim, kv_heads = int(hf["head_dim"]), int(hf["num_key_value_heads"])
+    per_layer = hf.get("per_layer_config")
+    if per_layer is None:
+        global_kv = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None
+        return int(hf["global_head_dim"]), (None if global_kv is None else int(global_kv))
+    overrides = {int(i): dict(o or {}) for i, o in per_layer.items()}
+    by_type: dict[str, set] = {FULL_ATTENTION: set(), SLIDING_ATTENTION: set()}
+    for i, kind in enumerate(layer_types):
+        o = overrides.get(i, {})
+        unknown = sorted(set(o) - {"head_dim", "num_key_value_heads"})
+        if unknown:
+            raise ValueError(f"per_layer_config.{i} overrides {unknown}; spec_jax reads only head_dim and num_key_value_heads.")
+        by_type[kind].add((int(o.get("head_dim", head_dim)), int(o.get("num_key_value_heads", kv_heads))))
+    if by_type[SLIDING_ATTENTION] - {(head_dim, kv_heads)} or len(by_type[FULL_ATTENTION]) > 1:
+        raise ValueError(
+            "per_layer_config gives layers of one type different head sizes or KV heads; spec_jax's "
+            "Gemma 4 has one shape for the sliding layers (the global fields) and one for the full ones."
+        )
+    global_dim, global_kv = next(iter(by_type[FULL_ATTENTION]), (head_dim, kv_heads))
+    return global_dim, global_kv
+
+
+def _gemma4_to_hf(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
+    types = [FULL_ATTENTION if cfg.is_full_attention(i) else SLIDING_ATTENTION for i in range(cfg.num_layers)]
+    full_rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        full_rope = {**rope_scaling_to_hf(cfg.rope_scaling), "rope_theta": cfg.rope_theta}
+    local_rope = {"rope_type": "default", "rope_theta": cfg.sliding_rope_theta or cfg.rope_theta}
+    if cfg.sliding_rope_scaling is not None:
+        local_rope = {**rope_scaling_to_hf(cfg.sliding_rope_scaling), "rope_theta": local_rope["rope_theta"]}
+    for field in ("rope_theta", "rope_scaling", "hidden_act"):
+        hf.pop(field, None)
+    global_override = {"head_dim": cfg.layer_head_dim(cfg.num_layers - 1),
+                       "num_key_value_heads": cfg.layer_kv_heads(cfg.num_layers - 1)}
+    hf.update(
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=cfg.final_logit_softcapping,
+        sliding_window=cfg.sliding_window or GEMMA4_TEXT_DEFAULTS["sliding_window"],
+        layer_types=types,
+        rope_parameters={FULL_ATTENTION: full_rope, SLIDING_ATTENTION: local_rope},
+        global_head_dim=global_override["head_dim"],
+        num_global_key_value_heads=cfg.num_global_kv_heads,
+        # What transformers >= 5.24 reads (it ignores the two above when this is present).
+        per_layer_config={str(i): dict(global_override) for i, t in enumerate(types) if t == FULL_ATTENTION},
+        attention_k_eq_v=cfg.attention_k_eq_v,
+        num_kv_shared_layers=cfg.num_kv_shared_layers,
+        use_double_wide_mlp=cfg.double_wide_mlp,
+        hidden_size_per_layer_input=cfg.per_layer_input_size,
+        vocab_size_per_layer_input=cfg.per_layer_vocab_size or cfg.vocab_size,
+        enable_moe_block=False,
     )
     return hf
 

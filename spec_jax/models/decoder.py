@@ -30,7 +30,7 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
     float32_precision,
     window_mask,
 )
-from spec_jax.models.config import LinearRopeScaling, ModelConfig, RopeScaling
+from spec_jax.models.config import LinearRopeScaling, ModelConfig, ProportionalRope, RopeScaling
 from spec_jax.models.interface import ForwardOutput, chain_mask
 from spec_jax.models.weights import init_from_specs, model_weight_specs
 
@@ -77,8 +77,14 @@ def empty_cache(
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
-    return empty_cache(
-        cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype or cfg.dtype
+    """An empty cache: one array per layer with a cache of its own (`cfg.kv_cache_shapes`;
+    Gemma 4's full-attention layers have their own KV heads and head size, its KV-shared
+    layers none)."""
+    dtype = dtype or cfg.dtype
+    return KVCache(
+        k=tuple(jnp.zeros((batch, kv, capacity, d), dtype) for kv, d in cfg.kv_cache_shapes),
+        v=tuple(jnp.zeros((batch, kv, capacity, d), dtype) for kv, d in cfg.kv_cache_shapes),
+        lengths=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -95,28 +101,35 @@ class LayerStyle:
     activation:       "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     query_multiplier: queries times this before attention (Gemma's query_pre_attn_scalar ** -0.5
                       in place of head_dim ** -0.5); None = 1
+    value_norm:       values RMS-normed without a learned scale (Gemma 4)
     """
 
     norm_offset: float = 0.0
     activation: str = "silu"
     query_multiplier: float | None = None
+    value_norm: bool = False
 
 
 LLAMA_STYLE = LayerStyle()
 
 
-def layer_style(cfg: ModelConfig) -> LayerStyle:
+def layer_style(cfg: ModelConfig, head_dim: int | None = None) -> LayerStyle:
+    """The style of `cfg`'s layers whose head size is `head_dim` (default cfg.head_dim)."""
+    head_dim = head_dim or cfg.head_dim
     multiplier = None
-    if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+    if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != head_dim:
         # attention divides scores by sqrt(head_dim); this turns that into 1/sqrt(scalar).
-        multiplier = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
-    return LayerStyle(cfg.norm_offset, cfg.mlp_activation, multiplier)
+        multiplier = math.sqrt(head_dim / cfg.query_pre_attn_scalar)
+    return LayerStyle(cfg.norm_offset, cfg.mlp_activation, multiplier, cfg.value_norm)
 
 
 # ----------------------------------------------------------------------------- pieces
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis; `weight` None: no learned scale (Gemma 4's value norm)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight is None:
+        return x32.astype(x.dtype)
     if offset:
         # Gemma: (x * (offset + w)) in float32, then cast (HF Gemma3RMSNorm).
         return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
@@ -124,11 +137,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
 
 
 def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None
+    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | ProportionalRope | None
 ) -> jax.Array:
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, ProportionalRope):
+        # The first partial_rotary_factor of the pairs rotate as in the full head; the rest get
+        # frequency 0 (cos 1, sin 0: left as they are).
+        rotated = int(scaling.partial_rotary_factor * head_dim // 2)
+        return jnp.where(jnp.arange(head_dim // 2) < rotated, inv_freq, 0.0) / scaling.factor
     if isinstance(scaling, LinearRopeScaling):
         return inv_freq / scaling.factor
     # Llama 3.x: long wavelengths slowed by `factor`, short kept, a smooth blend in between.
@@ -155,12 +173,15 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def project_qkv(lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def project_qkv(lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """x: [B, T, H] -> q [B, T, N, D], k/v [B, T, Kv, D] (before q/k norm and RoPE), plus the
-    biases [N or Kv, D] when the layer has them (Qwen2)."""
+    biases [N or Kv, D] when the layer has them (Qwen2). A layer without `wv` takes its values
+    from the key projection (Gemma 4's attention_k_eq_v); one without `wk` reads another layer's
+    keys/values (Gemma 4's KV sharing): k and v are None then."""
     q = einsum("bth,hnd->btnd", x, lp["wq"])
-    k = einsum("bth,hkd->btkd", x, lp["wk"])
-    v = einsum("bth,hkd->btkd", x, lp["wv"])
+    k = einsum("bth,hkd->btkd", x, lp["wk"]) if "wk" in lp else None
+    v = einsum("bth,hkd->btkd", x, lp["wv"]) if "wv" in lp else k
+
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     return q, k, v
@@ -186,12 +207,24 @@ def attention_output(lp: Params, attn: jax.Array) -> jax.Array:
     return einsum("bti,ih->bth", attn.reshape(b, t, n * d), lp["wo"].reshape(n * d, -1))
 
 
+def activate(x: jax.Array, activation: str) -> jax.Array:
+    """SiLU, or tanh-approximated GELU ("gelu_tanh")."""
+    return jax.nn.silu(x) if activation == "silu" else jax.nn.gelu(x, approximate=True)
+
+
 def mlp(lp: Params, x: jax.Array, activation: str = "silu") -> jax.Array:
     """Gated MLP: down(act(gate(x)) * up(x)); act = SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
     gate = einsum("bth,hf->btf", x, lp["w_gate"])
     up = einsum("bth,hf->btf", x, lp["w_up"])
-    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return einsum("btf,fh->bth", act * up, lp["w_down"])
+    return einsum("btf,fh->bth", activate(gate, activation) * up, lp["w_down"])
+
+
+def per_layer_branch(lp: Params, x: jax.Array, per_layer_input: jax.Array, eps: float, style: "LayerStyle") -> jax.Array:
+    """Gemma 4's per-layer-embedding branch: norm(proj(act(gate(x)) * per_layer_input)),
+    x [B, T, H], per_layer_input [B, T, P] -> [B, T, H] (added to the residual)."""
+    gate = activate(einsum("bth,hp->btp", x, lp["per_layer_gate"]), style.activation)
+    out = einsum("btp,ph->bth", gate * per_layer_input.astype(gate.dtype), lp["per_layer_proj"])
+    return rms_norm(out, lp["per_layer_norm"], eps, style.norm_offset)
 
 
 # What one layer's queries attend to: given its queries [B, T, N, D] and new keys/values
@@ -209,12 +242,16 @@ def decoder_layer(
     attend_to: AttendTo,
     attn_input: jax.Array | None = None,
     style: LayerStyle = LLAMA_STYLE,
+    per_layer_input: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm decoder layer: RMSNorm -> GQA attention (q/k/v biases when the layer has
     `bq`/`bk`/`bv`, per-head q/k RMSNorm when it has `q_norm`/`k_norm`, RoPE at `positions`
     [B, T]) -> [post_attn_norm] -> residual -> RMSNorm -> gated MLP -> [post_mlp_norm] -> residual.
     The bracketed norms are Gemma's "sandwich", present when the layer has those weights; `style`
-    holds the rest of a family's math (norm offset, MLP activation, query scale).
+    holds the rest of a family's math (norm offset, MLP activation, query scale, value norm).
+    Gemma 4 adds, when the layer has their weights: the per-layer-embedding branch fed by
+    `per_layer_input` [B, T, P] and the output times `layer_scalar`; a layer without `wk` gets
+    k = v = None and its `attend_to` supplies the keys/values it reads.
 
     The one layer of targets, draft models, DFlash and EAGLE-3; `attend_to` says what the queries
     see. `attn_input`, when given, is what q/k/v are projected from instead of norm(x) (EAGLE-3's
@@ -227,11 +264,15 @@ def decoder_layer(
         q, k, v = project_qkv(lp, h)  # q [B, T, N, D]; k, v [B, T, Kv, D]
         if "q_norm" in lp:
             q = rms_norm(q, lp["q_norm"], eps, offset)
+        if "k_norm" in lp:
             k = rms_norm(k, lp["k_norm"], eps, offset)
+        if style.value_norm and v is not None:
+            v = rms_norm(v, None, eps)
         q = rope(q, positions, inv_freq)
         if style.query_multiplier is not None:
             q = q * jnp.asarray(style.query_multiplier, q.dtype)
-        k, v = heads_major(rope(k, positions, inv_freq)), heads_major(v)  # [B, Kv, T, D]
+        if k is not None:
+            k, v = heads_major(rope(k, positions, inv_freq)), heads_major(v)  # [B, Kv, T, D]
         attn, aux = attend_to(q, k, v)
         out = attention_output(lp, attn)
         if "post_attn_norm" in lp:
@@ -242,6 +283,11 @@ def decoder_layer(
         if "post_mlp_norm" in lp:
             out = rms_norm(out, lp["post_mlp_norm"], eps, offset)
         x = x + out.astype(x.dtype)
+    if "per_layer_gate" in lp:
+        with jax.named_scope("per_layer_input"):
+            x = x + per_layer_branch(lp, x, per_layer_input, eps, style).astype(x.dtype)
+    if "layer_scalar" in lp:
+        x = x * lp["layer_scalar"].astype(x.dtype)
     return x, aux
 
 
@@ -255,22 +301,53 @@ def layer_pass(
     lengths: jax.Array,
     slots: jax.Array,
     pass_mask: jax.Array,
+    per_layer_input: jax.Array | None = None,
     *,
     eps: float,
     window: int,
     style: LayerStyle,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One target layer of `forward_hidden`: (x, this layer's written k cache, v cache)."""
+    keep_pass_kv: bool = False,
+) -> tuple[jax.Array, ...]:
+    """One target layer of `forward_hidden`: (x, this layer's written k cache, v cache), and with
+    `keep_pass_kv` the pass's own keys/values [B, Kv, T, D] too (for the layers that share them)."""
 
     # Write this pass's keys/values first, then attend: the attention reads the written buffer
     # (its committed slots only), so XLA updates the cache in place (no copy per layer).
     def write_then_attend(q, k, v):
         k_written, v_written = write_kv(k_cache, k, slots), write_kv(v_cache, v, slots)
         out = attend_cache_and_pass(q, k_written, v_written, lengths, positions, window, k, v, pass_mask)
-        return out, (k_written, v_written)
+        return out, (k_written, v_written, k, v)
 
-    x, (k_written, v_written) = decoder_layer(lp, x, positions, inv_freq, eps, write_then_attend, style=style)
-    return x, k_written, v_written
+    x, (k_written, v_written, k, v) = decoder_layer(
+        lp, x, positions, inv_freq, eps, write_then_attend, style=style, per_layer_input=per_layer_input
+    )
+    return (x, k_written, v_written, k, v) if keep_pass_kv else (x, k_written, v_written)
+
+
+def shared_kv_layer_pass(
+    lp: Params,
+    x: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    shared_kv: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    lengths: jax.Array,
+    pass_mask: jax.Array,
+    per_layer_input: jax.Array | None = None,
+    *,
+    eps: float,
+    window: int,
+    style: LayerStyle,
+) -> jax.Array:
+    """A Gemma 4 KV-shared layer: its queries attend to another layer's written cache and pass
+    keys/values `shared_kv` = (k cache, v cache, k pass, v pass); it writes nothing. -> x."""
+
+    def attend_shared(q, _k, _v):
+        k_cache, v_cache, k_pass, v_pass = shared_kv
+        return attend_cache_and_pass(q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, pass_mask), None
+
+    x, _ = decoder_layer(lp, x, positions, inv_freq, eps, attend_shared, style=style, per_layer_input=per_layer_input)
+    return x
+
 
 
 # Layers of equal shapes and switches share one trace: JAX caches a jitted function's jaxpr by its
@@ -278,7 +355,8 @@ def layer_pass(
 # the persistent compilation cache cannot skip, went 7.3 s -> 5.2 s for the default model's loop
 # under load on the 2-core CPU, 2026-11-26).
 # XLA inlines the call, so the compiled program (and the in-place cache write) is unchanged.
-cached_layer_pass = jax.jit(layer_pass, static_argnames=("eps", "window", "style"))
+cached_layer_pass = jax.jit(layer_pass, static_argnames=("eps", "window", "style", "keep_pass_kv"))
+cached_shared_kv_layer_pass = jax.jit(shared_kv_layer_pass, static_argnames=("eps", "window", "style"))
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -293,6 +371,19 @@ def embed_tokens(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     if cfg.scale_embeddings:
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), jnp.float32).astype(x.dtype)
     return x
+
+
+def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: jax.Array, x: jax.Array) -> jax.Array:
+    """Gemma 4's per-layer inputs [B, T, L, P] from tokens [B, T] and their (scaled) input
+    embeddings x [B, T, H], as HF mixes them: (the tokens' rows of the per-layer table times
+    sqrt(P) + RMSNorm(x @ projection / sqrt(H))) / sqrt(2)."""
+    b, t = tokens.shape
+    shape = (b, t, cfg.num_layers, cfg.per_layer_input_size)
+    rows = jnp.take(params["per_layer_embed"], tokens, axis=0)
+    rows = rows * jnp.asarray(math.sqrt(cfg.per_layer_input_size), jnp.float32).astype(rows.dtype)
+    projected = einsum("bth,hp->btp", x, params["per_layer_model_proj"]) * (cfg.hidden_size ** -0.5)
+    projected = rms_norm(projected.reshape(shape), params["per_layer_proj_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    return (projected + rows.reshape(shape)) * (2.0 ** -0.5)
 
 
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -348,28 +439,48 @@ def forward_hidden(
             raise ValueError(f"capture layer {layer_id} outside the model's {cfg.num_layers} layers")
     t = tokens.shape[1]
     positions = positions.astype(jnp.int32)
-    style = layer_style(cfg)
-    # One per distinct (base, scaling): Gemma 3's sliding and full layers differ.
-    layer_ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
-    inv_freqs = {r: rope_inv_freq(cfg.head_dim, *r) for r in dict.fromkeys(layer_ropes)}
+    head_dims = [cfg.layer_head_dim(i) for i in range(cfg.num_layers)]
+    styles = {d: layer_style(cfg, d) for d in dict.fromkeys(head_dims)}
+    # One per distinct (head size, base, scaling): Gemma 3's sliding and full layers differ.
+    layer_ropes = [(head_dims[i], *cfg.layer_rope(i)) for i in range(cfg.num_layers)]
+    inv_freqs = {r: rope_inv_freq(*r) for r in dict.fromkeys(layer_ropes)}
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] where the pass goes
     pass_mask = chain_mask(t) if mask is None else mask.astype(bool)
     pass_masks = {}  # one in-pass mask per distinct window: [B or 1, T, T]
     x = embed_tokens(params, cfg, tokens)
+    per_layer = per_layer_inputs(params, cfg, tokens, x) if cfg.per_layer_input_size else None
+    kv_sources = [cfg.kv_source(i) for i in range(cfg.num_layers)]
+    shared_kv = {}  # Gemma 4: layer -> (k cache, v cache, k pass, v pass) that later layers read
     captured: dict[int, jax.Array] = {}
     new_k, new_v = [], []
     for i, lp in enumerate(params["layers"]):
         window = cfg.layer_windows[i]
         if window not in pass_masks:
             pass_masks[window] = pass_mask & window_mask(positions, positions, window)
+        extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, i]}
+        static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]])
+        inv_freq = inv_freqs[layer_ropes[i]]
 
         with jax.named_scope(f"layer_{i}"):
-            x, k_cache, v_cache = cached_layer_pass(
-                lp, x, positions, inv_freqs[layer_ropes[i]], cache.k[i], cache.v[i], cache.lengths,
-                slots, pass_masks[window], eps=cfg.rms_norm_eps, window=window, style=style,
-            )
-        new_k.append(k_cache)
-        new_v.append(v_cache)
+            if kv_sources[i] != i:
+                x = cached_shared_kv_layer_pass(
+                    lp, x, positions, inv_freq, shared_kv[kv_sources[i]], cache.lengths,
+                    pass_masks[window], **extra, **static,
+                )
+            elif i in kv_sources[i + 1:]:
+                x, k_cache, v_cache, k_pass, v_pass = cached_layer_pass(
+                    lp, x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, slots,
+                    pass_masks[window], **extra, **static, keep_pass_kv=True,
+                )
+                shared_kv[i] = (k_cache, v_cache, k_pass, v_pass)
+            else:
+                x, k_cache, v_cache = cached_layer_pass(
+                    lp, x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, slots,
+                    pass_masks[window], **extra, **static,
+                )
+        if kv_sources[i] == i:
+            new_k.append(k_cache)
+            new_v.append(v_cache)
         if i in capture:
             captured[i] = x
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)

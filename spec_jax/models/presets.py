@@ -15,6 +15,7 @@ from spec_jax.models.config import (
     SLIDING_ATTENTION,
     LinearRopeScaling,
     ModelConfig,
+    ProportionalRope,
     RopeScaling,
 )
 
@@ -32,6 +33,21 @@ def _gemma3(num_layers: int, window: int, **fields) -> ModelConfig:
         bos_token_id=2, eos_token_ids=(1, 106), norm_offset=1.0, sandwich_norms=True,
         mlp_activation="gelu_tanh", scale_embeddings=True, **fields,
     )
+
+
+def _gemma4(num_layers: int, full_every: int, window: int, **fields) -> ModelConfig:
+    """A dense Gemma 4 text decoder: `full_every - 1` sliding layers (head 256, RoPE base 10k)
+    then one full layer (head 512, proportional RoPE on a quarter of it, base 1M); the last
+    layer is full."""
+    types = tuple(FULL_ATTENTION if (i + 1) % full_every == 0 else SLIDING_ATTENTION for i in range(num_layers))
+    return ModelConfig(
+        vocab_size=262144, num_layers=num_layers, head_dim=256, global_head_dim=512, layer_types=types,
+        sliding_window=window, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_scaling=ProportionalRope(0.25),
+        sliding_rope_theta=10_000.0, tie_embeddings=True, qk_norm=True, architecture="gemma4", bos_token_id=2,
+        eos_token_ids=(1, 106), sandwich_norms=True, mlp_activation="gelu_tanh", scale_embeddings=True,
+        query_pre_attn_scalar=1.0, final_logit_softcapping=30.0, value_norm=True, layer_scalar=True, **fields,
+    )
+
 
 PRESETS: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct (the default target's shapes).
@@ -69,6 +85,26 @@ PRESETS: dict[str, ModelConfig] = {
         62, 1024, vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_heads=32,
         num_kv_heads=16, head_dim=128, query_pre_attn_scalar=168.0, rope_scaling=LinearRopeScaling(8.0),
         max_position_embeddings=131072,
+    ),
+    # google/gemma-4-E2B-it's text decoder: per-layer embeddings, the last 20 layers reading the
+    # KV of layers 13 / 14 with double-wide MLPs. (Gemma 4 shapes: the published config.json
+    # text_config values, as quoted by third-party loaders; see README "Model families".)
+    "gemma-4-e2b": _gemma4(
+        35, 5, 512, hidden_size=1536, intermediate_size=6144, num_heads=8, num_kv_heads=1,
+        num_kv_shared_layers=20, double_wide_mlp=True, per_layer_input_size=256,
+        per_layer_vocab_size=262144, max_position_embeddings=131072,
+    ),
+    # google/gemma-4-E4B-it's text decoder (the last 18 layers share KV).
+    "gemma-4-e4b": _gemma4(
+        42, 6, 512, hidden_size=2560, intermediate_size=10240, num_heads=8, num_kv_heads=2,
+        num_kv_shared_layers=18, per_layer_input_size=256, per_layer_vocab_size=262144,
+        max_position_embeddings=131072,
+    ),
+    # google/gemma-4-31B-it's text decoder, the largest dense one (full layers: 4 KV heads whose
+    # values are the keys' projection).
+    "gemma-4-31b": _gemma4(
+        60, 6, 1024, hidden_size=5376, intermediate_size=21504, num_heads=32, num_kv_heads=16,
+        num_global_kv_heads=4, attention_k_eq_v=True, max_position_embeddings=262144,
     ),
     # Qwen/Qwen2.5-7B-Instruct (sliding window off, as shipped).
     "qwen2.5-7b": ModelConfig(

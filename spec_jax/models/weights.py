@@ -92,26 +92,52 @@ def per_layer_specs(num_layers: int, **layer_kwargs: Any) -> list[dict[str, Weig
     return [layer_weight_specs(**layer_kwargs) for _ in range(num_layers)]
 
 
+def decoder_layer_specs(cfg: ModelConfig, layer: int) -> dict[str, WeightSpec]:
+    """Decoder layer `layer`'s weights. The same for every layer except in Gemma 4, whose
+    full-attention layers have their own head size / KV heads (and no `wv` with
+    attention_k_eq_v), whose KV-shared layers have no `wk`/`wv`/`k_norm` (and a double-wide MLP
+    with double_wide_mlp), plus the per-layer-embedding branch and the layer scalar."""
+    norm_init = "zeros" if cfg.norm_offset == 1.0 else "ones"
+    specs = layer_weight_specs(
+        hidden=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.layer_kv_heads(layer),
+        head_dim=cfg.layer_head_dim(layer),
+        intermediate=cfg.layer_intermediate_size(layer),
+        qk_norm=cfg.qk_norm,
+        qkv_bias=cfg.qkv_bias,
+        sandwich_norms=cfg.sandwich_norms,
+        norm_init=norm_init,
+    )
+    if cfg.kv_source(layer) != layer:
+        for name in ("wk", "wv", "k_norm", "bk", "bv"):
+            specs.pop(name, None)
+    elif cfg.attention_k_eq_v and cfg.is_full_attention(layer):
+        specs.pop("wv")
+    if cfg.per_layer_input_size:
+        P = cfg.per_layer_input_size
+        specs["per_layer_gate"] = WeightSpec((cfg.hidden_size, P), ("embed", None))
+        specs["per_layer_proj"] = WeightSpec((P, cfg.hidden_size), (None, "embed"))
+        specs["per_layer_norm"] = WeightSpec((cfg.hidden_size,), (None,), norm_init)
+    if cfg.layer_scalar:
+        specs["layer_scalar"] = WeightSpec((1,), (None,), "ones")
+    return specs
+
+
 def model_weight_specs(cfg: ModelConfig) -> dict[str, Any]:
     norm_init = "zeros" if cfg.norm_offset == 1.0 else "ones"
     specs: dict[str, Any] = {
         "embed": WeightSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
-        "layers": per_layer_specs(
-            cfg.num_layers,
-            hidden=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            intermediate=cfg.intermediate_size,
-            qk_norm=cfg.qk_norm,
-            qkv_bias=cfg.qkv_bias,
-            sandwich_norms=cfg.sandwich_norms,
-            norm_init=norm_init,
-        ),
+        "layers": [decoder_layer_specs(cfg, i) for i in range(cfg.num_layers)],
         "final_norm": WeightSpec((cfg.hidden_size,), (None,), norm_init),
     }
     if not cfg.tie_embeddings:
         specs["lm_head"] = WeightSpec((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+    if cfg.per_layer_input_size:  # Gemma 4's per-layer embeddings, all layers' slices side by side
+        width = cfg.num_layers * cfg.per_layer_input_size
+        specs["per_layer_embed"] = WeightSpec((cfg.per_layer_vocab_size or cfg.vocab_size, width), ("vocab", None))
+        specs["per_layer_model_proj"] = WeightSpec((cfg.hidden_size, width), ("embed", None))
+        specs["per_layer_proj_norm"] = WeightSpec((cfg.per_layer_input_size,), (None,), norm_init)
     return specs
 
 
