@@ -74,3 +74,28 @@ def test_mxfp4_dequantisation_matches_transformers():
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     theirs = mxfp4.convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
     np.testing.assert_array_equal(ours, theirs.numpy())
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_and_attention_factor_match_transformers(truncate):
+    """YaRN's inverse frequencies and cos/sin factor equal transformers' `_compute_yarn_parameters`
+    (gpt-oss's rope: factor 32, beta 32/1, no truncation; and truncated); other families refuse
+    YaRN on RoPE of their own per layer type."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from spec_jax.models.config import ModelConfig, rope_scaling_from_hf
+    from spec_jax.models.decoder import layer_style, rope_inv_freq
+
+    rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate,
+            "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+    hf = transformers.GptOssConfig(head_dim=64, hidden_size=128, num_attention_heads=2, rope_parameters=rope)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    scaling = rope_scaling_from_hf(rope)
+    assert scaling.attention_factor == pytest.approx(factor) and scaling.truncate == truncate
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(64, 150000.0, scaling)), inv_freq.numpy(), rtol=1e-6)
+    cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=64, rope_theta=150000.0, rope_scaling=scaling)
+    assert layer_style(cfg).query_multiplier == pytest.approx(factor ** 2)  # cos and sin each carry it
+    with pytest.raises(ValueError, match="YaRN RoPE is implemented for one RoPE"):
+        cfg.replace(sliding_rope_theta=10_000.0, layer_types=("sliding_attention",), sliding_window=4)

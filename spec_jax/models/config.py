@@ -18,6 +18,7 @@ defaults off (so a Llama config compiles to the same computation as before the s
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence
 
 SUPPORTED_ARCHITECTURES = {
@@ -93,7 +94,24 @@ class ProportionalRope:
     factor: float = 1.0
 
 
-AnyRopeScaling = RopeScaling | LinearRopeScaling | ProportionalRope
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """`rope_type: yarn` (gpt-oss; transformers' `_compute_yarn_parameters`): frequencies blended
+    between the original (extrapolation, high frequencies) and divided by `factor`
+    (interpolation, low frequencies) by a linear ramp over the dimensions between the
+    `beta_fast` and `beta_slow` rotation counts (floored / ceiled when `truncate`); cos and sin are
+    multiplied by `attention_factor` (resolved from `mscale` / `mscale_all_dim` / `factor` when
+    the config does not set it)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+AnyRopeScaling = RopeScaling | LinearRopeScaling | ProportionalRope | YarnRopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +167,10 @@ class ModelConfig:
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
 
+    # ---- gpt-oss switches (all off for the other families) ----
+    o_bias: bool = False  # the attention output projection carries a bias
+    attention_sinks: bool = False  # a learned logit per query head joins each softmax's denominator
+
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(
@@ -176,6 +198,16 @@ class ModelConfig:
             )
         if self.num_kv_shared_layers:
             self._check_kv_sharing()
+        self._check_yarn()
+
+    def _check_yarn(self) -> None:
+        if isinstance(self.sliding_rope_scaling, YarnRopeScaling) or (
+            isinstance(self.rope_scaling, YarnRopeScaling) and self.sliding_rope_theta is not None
+        ):
+            raise ValueError(
+                "YaRN RoPE is implemented for one RoPE shared by every layer (gpt-oss); this config "
+                "gives its sliding layers their own RoPE. Use one rope_parameters for all layers."
+            )
 
     def _check_kv_sharing(self) -> None:
         first_shared = self.num_layers - self.num_kv_shared_layers
@@ -257,6 +289,7 @@ class ModelConfig:
             sliding_rope_scaling=None, global_head_dim=None, num_global_kv_heads=None,
             attention_k_eq_v=False, num_kv_shared_layers=0, double_wide_mlp=False,
             value_norm=False, layer_scalar=False, per_layer_input_size=0, per_layer_vocab_size=0,
+            o_bias=False, attention_sinks=False,
         )
 
     def layer_rope(self, layer: int) -> tuple[float, AnyRopeScaling | None]:
@@ -290,6 +323,12 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hidden // num_heads
         num_layers = hf["num_hidden_layers"]
         rope_theta, rope_scaling = rope_from_hf(hf)
+        if isinstance(rope_scaling, YarnRopeScaling):  # implemented and checked against HF for gpt-oss
+            raise ValueError(
+                f"Unsupported rope_scaling type 'yarn' for {arch}: spec_jax implements YaRN for gpt-oss "
+                "only. Use the model's unscaled RoPE (drop rope_scaling) for contexts within its "
+                "original length."
+            )
         if arch == "mistral":
             # MistralConfig ignores layer_types: a sliding_window applies to every layer.
             window = hf.get("sliding_window")
@@ -410,15 +449,49 @@ def rope_scaling_from_hf(rs: Mapping[str, Any] | None) -> AnyRopeScaling | None:
         return ProportionalRope(
             partial_rotary_factor=float(rs.get("partial_rotary_factor", 1.0)), factor=float(rs.get("factor", 1.0))
         )
+    if rope_type == "yarn":
+        return yarn_from_hf(rs)
     if rope_type not in (None, "default"):
         raise ValueError(
-            f"Unsupported rope_scaling type {rope_type!r}; spec_jax implements 'llama3', 'linear' "
-            "and 'proportional'."
+            f"Unsupported rope_scaling type {rope_type!r}; spec_jax implements 'llama3', 'linear', "
+            "'proportional' and 'yarn'."
         )
     return None
 
 
+def yarn_from_hf(rs: Mapping[str, Any]) -> YarnRopeScaling:
+    """A `rope_type: yarn` object -> YarnRopeScaling, with transformers' defaults and its
+    attention factor resolved (0.1 * mscale * ln(factor) + 1, a ratio of two such with
+    `mscale` / `mscale_all_dim`)."""
+    if rs.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("YaRN with partial_rotary_factor != 1 is not implemented in spec_jax.")
+    for name in ("factor", "original_max_position_embeddings"):
+        if rs.get(name) is None:
+            raise ValueError(f"rope_scaling type 'yarn' lacks {name!r}; add it to config.json.")
+    factor = float(rs["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            attention_factor = mscale(factor, rs["mscale"]) / mscale(factor, rs["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    return YarnRopeScaling(
+        factor=factor,
+        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        beta_fast=float(rs.get("beta_fast") or 32.0),
+        beta_slow=float(rs.get("beta_slow") or 1.0),
+        truncate=bool(rs.get("truncate", True)),
+        attention_factor=float(attention_factor),
+    )
+
+
 def rope_scaling_to_hf(scaling: AnyRopeScaling) -> dict[str, Any]:
+    if isinstance(scaling, YarnRopeScaling):
+        return {"rope_type": "yarn", **dataclasses.asdict(scaling)}
     if isinstance(scaling, LinearRopeScaling):
         return {"rope_type": "linear", "factor": scaling.factor}
     if isinstance(scaling, ProportionalRope):

@@ -30,7 +30,7 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
     float32_precision,
     window_mask,
 )
-from spec_jax.models.config import LinearRopeScaling, ModelConfig, ProportionalRope, RopeScaling
+from spec_jax.models.config import LinearRopeScaling, ModelConfig, ProportionalRope, RopeScaling, YarnRopeScaling
 from spec_jax.models.interface import ForwardOutput, chain_mask
 from spec_jax.models.weights import init_from_specs, model_weight_specs
 
@@ -120,6 +120,10 @@ def layer_style(cfg: ModelConfig, head_dim: int | None = None) -> LayerStyle:
     if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != head_dim:
         # attention divides scores by sqrt(head_dim); this turns that into 1/sqrt(scalar).
         multiplier = math.sqrt(head_dim / cfg.query_pre_attn_scalar)
+    if isinstance(cfg.rope_scaling, YarnRopeScaling) and cfg.rope_scaling.attention_factor != 1.0:
+        # YaRN multiplies cos and sin, so queries and keys, by its attention factor: every score
+        # by its square, which the queries alone carry here (the cached keys stay unscaled).
+        multiplier = (multiplier or 1.0) * cfg.rope_scaling.attention_factor ** 2
     return LayerStyle(cfg.norm_offset, cfg.mlp_activation, multiplier, cfg.value_norm)
 
 
@@ -149,6 +153,8 @@ def rope_inv_freq(
         return jnp.where(jnp.arange(head_dim // 2) < rotated, inv_freq, 0.0) / scaling.factor
     if isinstance(scaling, LinearRopeScaling):
         return inv_freq / scaling.factor
+    if isinstance(scaling, YarnRopeScaling):
+        return yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # Llama 3.x: long wavelengths slowed by `factor`, short kept, a smooth blend in between.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -161,6 +167,27 @@ def rope_inv_freq(
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return jnp.where(is_medium, blended, scaled)
+
+
+def yarn_inv_freq(inv_freq: jax.Array, head_dim: int, theta: float, scaling: YarnRopeScaling) -> jax.Array:
+    """YaRN frequencies (transformers' `_compute_yarn_parameters`): dimension pairs that turn
+    more than `beta_fast` times over the original context keep their frequency, those turning
+    fewer than `beta_slow` times are divided by `factor`, a linear ramp blends those between.
+    (Its attention factor scales cos and sin: `layer_style` folds it into the queries.)"""
+
+    def pair_of_rotations(rotations: float) -> float:  # the dimension that turns `rotations` times
+        turns = scaling.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = pair_of_rotations(scaling.beta_fast), pair_of_rotations(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (divided by factor)
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
 
 
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -202,9 +229,11 @@ def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Arra
 
 
 def attention_output(lp: Params, attn: jax.Array) -> jax.Array:
-    """attn [B, T, N, D] -> [B, T, H]. Flattened (N*D) so XLA does not transpose wo every step."""
+    """attn [B, T, N, D] -> [B, T, H], plus the bias when the layer has one (`bo`, gpt-oss).
+    Flattened (N*D) so XLA does not transpose wo every step."""
     b, t, n, d = attn.shape
-    return einsum("bti,ih->bth", attn.reshape(b, t, n * d), lp["wo"].reshape(n * d, -1))
+    out = einsum("bti,ih->bth", attn.reshape(b, t, n * d), lp["wo"].reshape(n * d, -1))
+    return out + lp["bo"] if "bo" in lp else out
 
 
 def activate(x: jax.Array, activation: str) -> jax.Array:
@@ -315,7 +344,8 @@ def layer_pass(
     # (its committed slots only), so XLA updates the cache in place (no copy per layer).
     def write_then_attend(q, k, v):
         k_written, v_written = write_kv(k_cache, k, slots), write_kv(v_cache, v, slots)
-        out = attend_cache_and_pass(q, k_written, v_written, lengths, positions, window, k, v, pass_mask)
+        out = attend_cache_and_pass(q, k_written, v_written, lengths, positions, window, k, v, pass_mask,
+                                    sinks=lp.get("sinks"))
         return out, (k_written, v_written, k, v)
 
     x, (k_written, v_written, k, v) = decoder_layer(

@@ -114,6 +114,10 @@ def decoder_layer_specs(cfg: ModelConfig, layer: int) -> dict[str, WeightSpec]:
             specs.pop(name, None)
     elif cfg.attention_k_eq_v and cfg.is_full_attention(layer):
         specs.pop("wv")
+    if cfg.o_bias:  # gpt-oss
+        specs["bo"] = WeightSpec((cfg.hidden_size,), (None,), "zeros")
+    if cfg.attention_sinks:  # gpt-oss: one sink logit per query head
+        specs["sinks"] = WeightSpec((cfg.num_heads,), ("q_heads",), "zeros")
     if cfg.per_layer_input_size:
         P = cfg.per_layer_input_size
         specs["per_layer_gate"] = WeightSpec((cfg.hidden_size, P), ("embed", None))
