@@ -55,7 +55,9 @@ LayerTable = Mapping[str, HFWeight]
 _LAYER_WEIGHT = layer_table()
 
 # Buffers that some checkpoints carry but that hold no parameters.
-_IGNORED_HF_NAMES = re.compile(r".*\.rotary_emb\.inv_freq$")
+# Rotary buffers; the MTP head Qwen3.5 / Qwen3-Next checkpoints carry (`mtp.*`, which
+# transformers skips too).
+_IGNORED_HF_NAMES = re.compile(r".*\.rotary_emb\.inv_freq$|^mtp\.")
 
 
 # ----------------------------------------------------------------------------- layout mapping

@@ -71,6 +71,23 @@ GEMMA4_LAYER: tuple[HFWeight, ...] = GEMMA3_LAYER + (
     HFWeight("layer_scalar", "layer_scalar", 0),  # [1]
 )
 
+# Qwen3.5 / Qwen3-Next: the plain names on the gated full-attention layers (q_proj holds [query,
+# gate] per head: our wq [H, N, 2D]); Gated DeltaNet under `linear_attn.` on the others (Qwen3.5's
+# separate projections, or Qwen3-Next's grouped in_proj_qkvz / in_proj_ba [Hk * c, H] -> [H, Hk, c]).
+QWEN3_5_LAYER: tuple[HFWeight, ...] = DECODER_LAYER + (
+    HFWeight("linear_qkv", "linear_attn.in_proj_qkv.weight", 1),  # [C, H] -> [H, C]
+    HFWeight("linear_z", "linear_attn.in_proj_z.weight", 1),
+    HFWeight("linear_b", "linear_attn.in_proj_b.weight", 1),
+    HFWeight("linear_a", "linear_attn.in_proj_a.weight", 1),
+    HFWeight("linear_qkvz", "linear_attn.in_proj_qkvz.weight", 1),
+    HFWeight("linear_ba", "linear_attn.in_proj_ba.weight", 1),
+    HFWeight("conv", "linear_attn.conv1d.weight", 0),  # [C, 1, kernel] both sides
+    HFWeight("dt_bias", "linear_attn.dt_bias", 0),
+    HFWeight("A_log", "linear_attn.A_log", 0),
+    HFWeight("linear_norm", "linear_attn.norm.weight", 0),
+    HFWeight("linear_out", "linear_attn.out_proj.weight", 1),  # [H, Hv*dv] -> [Hv*dv, H]
+)
+
 MODEL_WEIGHTS: tuple[HFWeight, ...] = (
     HFWeight("embed", "model.embed_tokens.weight", 0),  # [V, H] both sides
     HFWeight("final_norm", "model.norm.weight", 0),
@@ -88,6 +105,8 @@ _LAYER_TABLES = {
     "qwen2": QWEN2_LAYER,
     "gemma3": GEMMA3_LAYER,
     "gemma4": GEMMA4_LAYER,
+    "qwen3_5": QWEN3_5_LAYER,
+    "qwen3_next": QWEN3_5_LAYER,
 }
 
 
@@ -110,7 +129,7 @@ _MULTIMODAL_TEXT = (
     (re.compile(r"^language_model\.lm_head\."), "lm_head."),
 )
 _MULTIMODAL_OTHER = re.compile(
-    r"^(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
+    r"^(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio|visual)\."
 )
 
 

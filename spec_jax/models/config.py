@@ -32,10 +32,15 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma4ForCausalLM": "gemma4",
     # Its text decoder (config.text_config); the vision and audio towers are not run.
     "Gemma4ForConditionalGeneration": "gemma4",
+    # Hybrid Gated DeltaNet + gated attention; the multimodal Qwen3.5 checkpoints' text decoder.
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # model_type -> family, for configs without `architectures`.
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4"}
+                "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4",
+                "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next"}
 # What each family writes back to config.json.
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
              "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
@@ -55,6 +60,7 @@ GEMMA3_TEXT_DEFAULTS = {
 GLOBAL_WINDOW = 1 << 30  # "no sliding window": larger than any cache capacity
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"  # a Gated DeltaNet layer (Qwen3.5 / Qwen3-Next)
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -171,13 +177,24 @@ class ModelConfig:
     o_bias: bool = False  # the attention output projection carries a bias
     attention_sinks: bool = False  # a learned logit per query head joins each softmax's denominator
 
+    # ---- hybrid recurrent switches (Qwen3.5 / Qwen3-Next; all off for the other families) ----
+    # Gated DeltaNet sizes of the layers typed "linear_attention" (HF `linear_*`; 0: none).
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    attn_output_gate: bool = False  # attention output times sigmoid(a gate half of q_proj)
+    partial_rotary_factor: float = 1.0  # RoPE turns only the first this fraction of each head
+
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but the model has "
                 f"{self.num_layers} layers; give one type per layer (or none: every layer full)."
             )
-        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        known = {FULL_ATTENTION, SLIDING_ATTENTION} | ({LINEAR_ATTENTION} if self.linear_num_value_heads else set())
+        unknown = sorted(set(self.layer_types) - known)
         if unknown:
             raise ValueError(
                 f"layer types {unknown} are not supported; use '{FULL_ATTENTION}' or '{SLIDING_ATTENTION}'."
@@ -269,7 +286,13 @@ class ModelConfig:
     @property
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """(KV heads, head size) of each cache array, one per layer that has its own."""
-        return tuple((self.layer_kv_heads(i), self.layer_head_dim(i)) for i in range(self.num_cache_layers))
+        return tuple((self.layer_kv_heads(i), self.layer_head_dim(i)) for i in range(self.num_cache_layers)
+                     if not self.is_linear_attention(i))
+
+    def is_linear_attention(self, layer: int) -> bool:
+        """A Gated DeltaNet layer (a recurrent state, no keys/values)."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -289,6 +312,8 @@ class ModelConfig:
             sliding_rope_scaling=None, global_head_dim=None, num_global_kv_heads=None,
             attention_k_eq_v=False, num_kv_shared_layers=0, double_wide_mlp=False,
             value_norm=False, layer_scalar=False, per_layer_input_size=0, per_layer_vocab_size=0,
+            linear_num_key_heads=0, linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0,
+            attn_output_gate=False, partial_rotary_factor=1.0,
             o_bias=False, attention_sinks=False,
         )
 
@@ -314,6 +339,8 @@ class ModelConfig:
                 f"{sorted(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(sorted(_MODEL_TYPES))}). "
                 "Convert the model or pick a supported target."
             )
+        if arch in ("qwen3_5", "qwen3_next"):
+            return _qwen3_5_from_hf(cls, hf, arch, dtype)
         if arch == "gemma3":
             return _gemma3_from_hf(cls, hf, dtype)
         if arch == "gemma4":
@@ -789,3 +816,56 @@ def layer_types_from_hf(
     if SLIDING_ATTENTION not in layer_types:
         return (), None
     return tuple(layer_types), int(window)
+
+
+def _qwen3_5_from_hf(cls, hf: Mapping[str, Any], arch: str, dtype: str) -> ModelConfig:
+    """Qwen3.5 / Qwen3-Next text: Gated DeltaNet layers ("linear_attention") between gated
+    full-attention layers with q/k norms and partial RoPE, (1 + w) RMSNorms. A
+    Qwen3_5ForConditionalGeneration config's `text_config` is its text decoder."""
+    if "text_config" in hf:
+        outer = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf}
+        hf = {**outer, **hf["text_config"]}
+    if hf.get("num_experts") and arch == "qwen3_next":
+        raise ValueError(
+            "this Qwen3-Next config has a mixture-of-experts MLP (num_experts > 0); spec_jax runs the "
+            "dense-MLP Qwen3-Next/Qwen3.5 layers only so far. Use a dense config."
+        )
+    num_layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # as transformers derives them: every full_attention_interval-th is full
+        interval = int(hf.get("full_attention_interval", 4))
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
+    unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+    if unknown or len(layer_types) != num_layers:
+        raise ValueError(f"layer_types {layer_types} must give one of linear_attention / full_attention per layer.")
+    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rp.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rp.get('rope_type')!r}: spec_jax runs Qwen3.5 / Qwen3-Next with default RoPE.")
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    return cls(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rp.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        layer_types=tuple(layer_types),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        architecture=arch,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+        dtype=dtype,
+        norm_offset=1.0,
+        linear_num_key_heads=int(hf["linear_num_key_heads"]),
+        linear_num_value_heads=int(hf["linear_num_value_heads"]),
+        linear_key_head_dim=int(hf["linear_key_head_dim"]),
+        linear_value_head_dim=int(hf["linear_value_head_dim"]),
+        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)),
+        attn_output_gate=True,
+        partial_rotary_factor=float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+    )

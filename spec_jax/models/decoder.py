@@ -33,6 +33,8 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
 from spec_jax.models.config import LinearRopeScaling, ModelConfig, ProportionalRope, RopeScaling, YarnRopeScaling
 from spec_jax.models.interface import ForwardOutput, chain_mask
 from spec_jax.models.weights import init_from_specs, model_weight_specs
+from spec_jax.models.gated_deltanet import DeltaNetDims, commit_delta_net, delta_net
+from spec_jax.models.recurrent import last_committed_index
 
 Params = Any
 
@@ -42,6 +44,7 @@ class KVCache:
 
     k, v:     L-tuples of [B, Kv, S, D]  S = capacity; heads before positions ("heads-major"), so
                                          attention contracts each head's [S, D] block in place
+                                         (one per attention layer with a cache of its own)
     lengths:  [B] int32                  committed tokens per row
 
     A pass writes its keys/values at slots lengths .. lengths + T - 1 and attends to the committed
@@ -52,6 +55,13 @@ class KVCache:
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array
+    # Gated DeltaNet layers (Qwen3.5 / Qwen3-Next; empty for attention-only models, so their
+    # cache is the same arrays as before): per such layer the convolution's last inputs
+    # [B, kernel - 1, C] and the float32 state [B, Hv, dk, dv]; `record`, set by a pass and
+    # cleared by commit, is what commit rebuilds the states from (`spec_jax.models.gated_deltanet`).
+    conv: tuple[jax.Array, ...] = ()
+    recurrent: tuple[jax.Array, ...] = ()
+    record: Any = None
 
     @property
     def capacity(self) -> int:
@@ -81,11 +91,24 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype: Any = None) -
     Gemma 4's full-attention layers have their own KV heads and head size, its KV-shared
     layers none)."""
     dtype = dtype or cfg.dtype
-    return KVCache(
+    cache = KVCache(
         k=tuple(jnp.zeros((batch, kv, capacity, d), dtype) for kv, d in cfg.kv_cache_shapes),
         v=tuple(jnp.zeros((batch, kv, capacity, d), dtype) for kv, d in cfg.kv_cache_shapes),
         lengths=jnp.zeros((batch,), jnp.int32),
     )
+    linear = sum(map(cfg.is_linear_attention, range(cfg.num_layers)))
+    if not linear:
+        return cache
+    dims = delta_net_dims(cfg)
+    conv = jnp.zeros((batch, dims.conv_kernel - 1, dims.conv_channels), dtype)
+    state = jnp.zeros((batch, dims.value_heads, dims.key_dim, dims.value_dim), jnp.float32)
+    return cache.replace(conv=(conv,) * linear, recurrent=(state,) * linear)
+
+
+def delta_net_dims(cfg: ModelConfig) -> DeltaNetDims:
+    """The static sizes of `cfg`'s Gated DeltaNet layers."""
+    return DeltaNetDims(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                        cfg.linear_value_head_dim, cfg.linear_conv_kernel, cfg.rms_norm_eps)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 1.0) -> Params:
@@ -108,6 +131,7 @@ class LayerStyle:
     activation: str = "silu"
     query_multiplier: float | None = None
     value_norm: bool = False
+    output_gate: bool = False  # q_proj gives [query, gate] per head; output times sigmoid(gate)
 
 
 LLAMA_STYLE = LayerStyle()
@@ -124,7 +148,7 @@ def layer_style(cfg: ModelConfig, head_dim: int | None = None) -> LayerStyle:
         # YaRN multiplies cos and sin, so queries and keys, by its attention factor: every score
         # by its square, which the queries alone carry here (the cached keys stay unscaled).
         multiplier = (multiplier or 1.0) * cfg.rope_scaling.attention_factor ** 2
-    return LayerStyle(cfg.norm_offset, cfg.mlp_activation, multiplier, cfg.value_norm)
+    return LayerStyle(cfg.norm_offset, cfg.mlp_activation, multiplier, cfg.value_norm, cfg.attn_output_gate)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -191,7 +215,12 @@ def yarn_inv_freq(inv_freq: jax.Array, head_dim: int, theta: float, scaling: Yar
 
 
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x: [B, T, N, D], positions: [B, T]."""
+    """Rotate-half RoPE (HF layout). x: [B, T, N, D], positions: [B, T]. With fewer than D/2
+    frequencies (partial RoPE, Qwen3.5 / Qwen3-Next) the first 2 * len(inv_freq) dims turn and
+    the rest pass through."""
+    rotated = 2 * inv_freq.shape[-1]
+    if rotated < x.shape[-1]:
+        return jnp.concatenate([rope(x[..., :rotated], positions, inv_freq), x[..., rotated:]], axis=-1)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(freqs)[:, :, None, :]
     sin = jnp.sin(freqs)[:, :, None, :]
@@ -291,6 +320,8 @@ def decoder_layer(
     with jax.named_scope("attention"):
         h = rms_norm(x, lp["attn_norm"], eps, offset) if attn_input is None else attn_input
         q, k, v = project_qkv(lp, h)  # q [B, T, N, D]; k, v [B, T, Kv, D]
+        if style.output_gate:  # Qwen3.5 / Qwen3-Next: [query, gate] per head
+            q, gate = jnp.split(q, 2, axis=-1)
         if "q_norm" in lp:
             q = rms_norm(q, lp["q_norm"], eps, offset)
         if "k_norm" in lp:
@@ -303,6 +334,8 @@ def decoder_layer(
         if k is not None:
             k, v = heads_major(rope(k, positions, inv_freq)), heads_major(v)  # [B, Kv, T, D]
         attn, aux = attend_to(q, k, v)
+        if style.output_gate:
+            attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
         out = attention_output(lp, attn)
         if "post_attn_norm" in lp:
             out = rms_norm(out, lp["post_attn_norm"], eps, offset)
@@ -386,6 +419,24 @@ def shared_kv_layer_pass(
 # under load on the 2-core CPU, 2026-11-26).
 # XLA inlines the call, so the compiled program (and the in-place cache write) is unchanged.
 cached_layer_pass = jax.jit(layer_pass, static_argnames=("eps", "window", "style", "keep_pass_kv"))
+
+
+def delta_net_layer_pass(lp: Params, x: jax.Array, conv_state: jax.Array, state: jax.Array,
+                         mask: jax.Array | None, *, eps: float, style: LayerStyle,
+                         dims: DeltaNetDims) -> tuple[jax.Array, dict]:
+    """One Gated DeltaNet layer (Qwen3.5 / Qwen3-Next "linear_attention"): RMSNorm -> the
+    recurrent token mixer -> residual -> RMSNorm -> MLP -> residual. mask: None for a chain, the
+    in-pass ancestor mask for a tree. -> (x, the layer's pass record for `commit`)."""
+    with jax.named_scope("linear_attention"):
+        out, record = delta_net(lp, rms_norm(x, lp["attn_norm"], eps, style.norm_offset), conv_state,
+                                state, mask, dims)
+        x = x + out.astype(x.dtype)
+    with jax.named_scope("mlp"):
+        x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], eps, style.norm_offset), style.activation).astype(x.dtype)
+    return x, record
+
+
+cached_delta_net_layer_pass = jax.jit(delta_net_layer_pass, static_argnames=("eps", "style", "dims"))
 cached_shared_kv_layer_pass = jax.jit(shared_kv_layer_pass, static_argnames=("eps", "window", "style"))
 
 
@@ -472,7 +523,8 @@ def forward_hidden(
     head_dims = [cfg.layer_head_dim(i) for i in range(cfg.num_layers)]
     styles = {d: layer_style(cfg, d) for d in dict.fromkeys(head_dims)}
     # One per distinct (head size, base, scaling): Gemma 3's sliding and full layers differ.
-    layer_ropes = [(head_dims[i], *cfg.layer_rope(i)) for i in range(cfg.num_layers)]
+    # (Qwen3.5 / Qwen3-Next turn only the first partial_rotary_factor of each head.)
+    layer_ropes = [(int(head_dims[i] * cfg.partial_rotary_factor), *cfg.layer_rope(i)) for i in range(cfg.num_layers)]
     inv_freqs = {r: rope_inv_freq(*r) for r in dict.fromkeys(layer_ropes)}
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] where the pass goes
     pass_mask = chain_mask(t) if mask is None else mask.astype(bool)
@@ -483,7 +535,12 @@ def forward_hidden(
     shared_kv = {}  # Gemma 4: layer -> (k cache, v cache, k pass, v pass) that later layers read
     captured: dict[int, jax.Array] = {}
     new_k, new_v = [], []
+    # Each attention layer's index into cache.k / cache.v (the layer's own index unless Gated
+    # DeltaNet layers, which keep no keys/values, come before it).
+    kv_slot = {i: i - sum(map(cfg.is_linear_attention, range(i))) for i in range(cfg.num_layers)}
+    records: list[dict] = []  # the Gated DeltaNet layers' pass records
     for i, lp in enumerate(params["layers"]):
+
         window = cfg.layer_windows[i]
         if window not in pass_masks:
             pass_masks[window] = pass_mask & window_mask(positions, positions, window)
@@ -492,29 +549,37 @@ def forward_hidden(
         inv_freq = inv_freqs[layer_ropes[i]]
 
         with jax.named_scope(f"layer_{i}"):
-            if kv_sources[i] != i:
+            if cfg.is_linear_attention(i):  # Gated DeltaNet: a recurrent state, no keys/values
+                j = len(records)
+                x, record = cached_delta_net_layer_pass(
+                    lp, x, cache.conv[j], cache.recurrent[j], mask, eps=cfg.rms_norm_eps,
+                    style=styles[head_dims[i]], dims=delta_net_dims(cfg))
+                records.append(record)
+            elif kv_sources[i] != i:
                 x = cached_shared_kv_layer_pass(
                     lp, x, positions, inv_freq, shared_kv[kv_sources[i]], cache.lengths,
                     pass_masks[window], **extra, **static,
                 )
             elif i in kv_sources[i + 1:]:
                 x, k_cache, v_cache, k_pass, v_pass = cached_layer_pass(
-                    lp, x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, slots,
+                    lp, x, positions, inv_freq, cache.k[kv_slot[i]], cache.v[kv_slot[i]], cache.lengths, slots,
                     pass_masks[window], **extra, **static, keep_pass_kv=True,
                 )
                 shared_kv[i] = (k_cache, v_cache, k_pass, v_pass)
             else:
                 x, k_cache, v_cache = cached_layer_pass(
-                    lp, x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, slots,
+                    lp, x, positions, inv_freq, cache.k[kv_slot[i]], cache.v[kv_slot[i]], cache.lengths, slots,
                     pass_masks[window], **extra, **static,
                 )
-        if kv_sources[i] == i:
+        if kv_sources[i] == i and not cfg.is_linear_attention(i):
             new_k.append(k_cache)
             new_v.append(v_cache)
         if i in capture:
             captured[i] = x
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
+    if records:
+        new_cache = new_cache.replace(record=tuple(records))
     if not capture:
         return ForwardOutput(x, None, new_cache)
     # [B, T, n * H], layer order as requested.
@@ -525,7 +590,13 @@ def commit(cache: KVCache, lengths: jax.Array, path: jax.Array | None = None) ->
     """Set the committed lengths [B]. With `path` [B, P] (in-pass indices of a tree's accepted
     nodes, root first), the keys/values of node path[b, i], written at slot old + path[b, i],
     move to slot old + i first (old = the lengths before the pass); entries past the new length
-    are moved too but stay uncommitted."""
+    are moved too but stay uncommitted. Gated DeltaNet layers take the states after each row's
+    last committed token from the pass record (`spec_jax.models.recurrent`)."""
+    if cache.record is not None:
+        last = last_committed_index(cache.lengths, lengths, path)
+        conv, recurrent = zip(*(commit_delta_net(c, s, r, last)
+                                for c, s, r in zip(cache.conv, cache.recurrent, cache.record)))
+        cache = cache.replace(conv=conv, recurrent=recurrent, record=None)
     if path is None:
         return cache.with_lengths(lengths)
     old = cache.lengths[:, None]

@@ -98,6 +98,8 @@ def decoder_layer_specs(cfg: ModelConfig, layer: int) -> dict[str, WeightSpec]:
     attention_k_eq_v), whose KV-shared layers have no `wk`/`wv`/`k_norm` (and a double-wide MLP
     with double_wide_mlp), plus the per-layer-embedding branch and the layer scalar."""
     norm_init = "zeros" if cfg.norm_offset == 1.0 else "ones"
+    if cfg.is_linear_attention(layer):
+        return delta_net_layer_specs(cfg, norm_init)
     specs = layer_weight_specs(
         hidden=cfg.hidden_size,
         num_heads=cfg.num_heads,
@@ -118,6 +120,9 @@ def decoder_layer_specs(cfg: ModelConfig, layer: int) -> dict[str, WeightSpec]:
         specs["bo"] = WeightSpec((cfg.hidden_size,), (None,), "zeros")
     if cfg.attention_sinks:  # gpt-oss: one sink logit per query head
         specs["sinks"] = WeightSpec((cfg.num_heads,), ("q_heads",), "zeros")
+    if cfg.attn_output_gate:  # Qwen3.5 / Qwen3-Next: q_proj holds [query, gate] per head
+        H, N, D = cfg.hidden_size, cfg.num_heads, cfg.layer_head_dim(layer)
+        specs["wq"] = WeightSpec((H, N, 2 * D), ("embed", "q_heads", "head_dim"))
     if cfg.per_layer_input_size:
         P = cfg.per_layer_input_size
         specs["per_layer_gate"] = WeightSpec((cfg.hidden_size, P), ("embed", None))
@@ -125,6 +130,67 @@ def decoder_layer_specs(cfg: ModelConfig, layer: int) -> dict[str, WeightSpec]:
         specs["per_layer_norm"] = WeightSpec((cfg.hidden_size,), (None,), norm_init)
     if cfg.layer_scalar:
         specs["layer_scalar"] = WeightSpec((1,), (None,), "ones")
+    return specs
+
+
+def delta_net_layer_specs(cfg: ModelConfig, norm_init: str) -> dict[str, WeightSpec]:
+    """A Gated DeltaNet ("linear_attention") layer: its mixer (`spec_jax.models.gated_deltanet`)
+    in Qwen3.5's layout (Qwen3-Next's grouped `linear_qkvz` / `linear_ba` when architecture is
+    qwen3_next), the two norms and the MLP. The conv weight keeps HF's [C, 1, kernel]."""
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    channels = 2 * hk * dk + hv * dv
+    specs = {
+        "attn_norm": WeightSpec((H,), (None,), norm_init),
+        "conv": WeightSpec((channels, 1, cfg.linear_conv_kernel), (None, None, None)),
+        "dt_bias": WeightSpec((hv,), (None,), "ones"),
+        "A_log": WeightSpec((hv,), (None,), "zeros"),
+        "linear_norm": WeightSpec((dv,), (None,), "ones"),
+        "linear_out": WeightSpec((hv * dv, H), (None, "embed")),
+        "mlp_norm": WeightSpec((H,), (None,), norm_init),
+        "w_gate": WeightSpec((H, F), ("embed", "mlp")),
+        "w_up": WeightSpec((H, F), ("embed", "mlp")),
+        "w_down": WeightSpec((F, H), ("mlp", "embed")),
+    }
+    if cfg.architecture == "qwen3_next":
+        r = hv // hk
+        specs["linear_qkvz"] = WeightSpec((H, hk, 2 * dk + 2 * r * dv), ("embed", None, None))
+        specs["linear_ba"] = WeightSpec((H, hk, 2 * r), ("embed", None, None))
+    else:
+        specs["linear_qkv"] = WeightSpec((H, channels), ("embed", None))
+        specs["linear_z"] = WeightSpec((H, hv * dv), ("embed", None))
+        specs["linear_b"] = WeightSpec((H, hv), ("embed", None))
+        specs["linear_a"] = WeightSpec((H, hv), ("embed", None))
+    return specs
+
+
+def moe_layer_specs(cfg: ModelConfig, layer: int, specs: dict[str, WeightSpec]) -> dict[str, WeightSpec]:
+    """Layer `layer`'s weights with the MoE block (`spec_jax.models.moe`) in place of the dense
+    MLP, unless it is one of `cfg.moe.dense_layers`. Experts are stacked on a leading `expert`
+    axis; the router is replicated."""
+    moe = cfg.moe
+    if not moe.is_moe_layer(layer):
+        return specs
+    H, E, F = cfg.hidden_size, moe.num_experts, moe.expert_intermediate_size
+    specs = {name: spec for name, spec in specs.items() if name not in ("w_gate", "w_up", "w_down")}
+    specs["router"] = WeightSpec((H, E), ("embed", None))
+    specs["experts_w_gate"] = WeightSpec((E, H, F), ("expert", "embed", "mlp"))
+    specs["experts_w_up"] = WeightSpec((E, H, F), ("expert", "embed", "mlp"))
+    specs["experts_w_down"] = WeightSpec((E, F, H), ("expert", "mlp", "embed"))
+    if moe.router_bias:
+        specs["router_bias"] = WeightSpec((E,), (None,), "zeros")
+    if moe.expert_bias:
+        specs["experts_b_gate"] = WeightSpec((E, F), ("expert", "mlp"), "zeros")
+        specs["experts_b_up"] = WeightSpec((E, F), ("expert", "mlp"), "zeros")
+        specs["experts_b_down"] = WeightSpec((E, H), ("expert", "embed"), "zeros")
+    if moe.shared_expert_intermediate_size:
+        S = moe.shared_expert_intermediate_size
+        specs["shared_w_gate"] = WeightSpec((H, S), ("embed", "mlp"))
+        specs["shared_w_up"] = WeightSpec((H, S), ("embed", "mlp"))
+        specs["shared_w_down"] = WeightSpec((S, H), ("mlp", "embed"))
+        if moe.shared_expert_gate:
+            specs["shared_gate"] = WeightSpec((H, 1), ("embed", None))
     return specs
 
 

@@ -1,0 +1,148 @@
+"""Qwen3.5 and Qwen3-Next text (issue 44) as configurations of the one decoder, against
+transformers on tiny random checkpoints (float32).
+
+- parity (max |logit diff| <= 1e-4) for a prefill, one-token decode steps and a mixed pass (3 tokens
+  of which 2 are committed, then steps), for both families (Qwen3-Next with a dense MLP: the MoE
+  block is issue 43's); a prefill longer than one chunk of the gated delta rule;
+- the text decoder of a multimodal Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration) loads;
+- 64 greedy tokens equal transformers' `generate`, and greedy DFlash tree decoding (the Gated
+  DeltaNet states follow the accepted path) equals plain decoding at batch 4.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import spec_jax  # noqa: E402
+from spec_jax.checkpoints.hf import load_hf_dir  # noqa: E402
+from spec_jax.models import Decoder  # noqa: E402
+from tiny_configs import TINY_DFLASH, VOCAB  # noqa: E402
+
+TEXT = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+
+
+def randomised(model, seed: int):
+    """Every weight random (norms included: zero-centred ones would hide a missing 1 + w)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2))
+    return model.float().eval()
+
+
+def hf_model(family: str):
+    if family == "qwen3_5":
+        return randomised(transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT)), 0)
+    cfg = transformers.Qwen3NextConfig(**TEXT, num_experts=0)  # a dense MLP on every layer
+    return randomised(transformers.Qwen3NextForCausalLM(cfg), 1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (the HF model, spec_jax's Decoder, params loaded from its saved checkpoint)."""
+    out = {}
+    for family in ("qwen3_5", "qwen3_next"):
+        model = hf_model(family)
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        cfg, params = load_hf_dir(path)
+        assert cfg.architecture == family
+        out[family] = (model, Decoder(cfg), jax.tree.map(jnp.asarray, params))
+    return out
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def test_prefill_steps_and_a_mixed_pass_match_transformers(checkpoints):
+    """Rows of different lengths: prefill (row 1 commits 3 fewer), a 3-token pass of which 2 are
+    committed, then one-token steps; every pass's logits against one full HF forward."""
+    tokens = np.random.RandomState(0).randint(0, VOCAB, (2, 14))
+    for family, (model, decoder, params) in checkpoints.items():
+        want = hf_logits(model, tokens)
+        run = jax.jit(decoder.forward)
+        rows = np.arange(2)
+
+        def check(out, at, what):
+            got = np.asarray(decoder.logits(params, out.hidden))
+            diff = np.abs(got - want[rows[:, None], at]).max()
+            assert diff <= 1e-4, f"{family} {what}: {diff:.2e}"
+
+        positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+        out = run(params, jnp.asarray(tokens[:, :8]), positions, decoder.init_cache(2, 32))
+        check(out, np.broadcast_to(np.arange(8), (2, 8)), "prefill")
+        start = np.asarray([8, 5])
+        cache = decoder.commit(out.cache, jnp.asarray(start))
+        mixed = start[:, None] + np.arange(3)
+        out = run(params, jnp.asarray(tokens[rows[:, None], mixed]), jnp.asarray(mixed), cache)
+        check(out, mixed, "mixed pass")
+        pos = start + 2
+        cache = decoder.commit(out.cache, jnp.asarray(pos))
+        for _ in range(3):
+            out = run(params, jnp.asarray(tokens[rows, pos][:, None]), jnp.asarray(pos[:, None]), cache)
+            check(out, pos[:, None], "decode step")
+            pos = pos + 1
+            cache = decoder.commit(out.cache, jnp.asarray(pos))
+
+
+def test_a_prefill_longer_than_a_chunk_matches_transformers(checkpoints):
+    """150 tokens: the gated delta rule's chunked form (3 chunks of 64), then a commit inside
+    the second chunk and a step from there."""
+    model, decoder, params = checkpoints["qwen3_5"]
+    tokens = np.random.RandomState(1).randint(0, VOCAB, (1, 150))
+    want = hf_logits(model, tokens)
+    positions = jnp.arange(150)[None]
+    out = decoder.forward(params, jnp.asarray(tokens), positions, decoder.init_cache(1, 160))
+    assert np.abs(np.asarray(decoder.logits(params, out.hidden)) - want).max() <= 1e-4
+    cache = decoder.commit(out.cache, jnp.asarray([100]))
+    step = decoder.forward(params, jnp.asarray(tokens[:, 100:101]), jnp.asarray([[100]]), cache)
+    assert np.abs(np.asarray(decoder.logits(params, step.hidden))[0, 0] - want[0, 100]).max() <= 1e-4
+
+
+def test_the_text_decoder_of_a_multimodal_checkpoint_loads(checkpoints, tmp_path):
+    """Qwen3_5ForConditionalGeneration: `model.language_model.*` is the text decoder, `model.visual.*`
+    is skipped; its text logits match."""
+    cfg = transformers.Qwen3_5Config(
+        text_config=TEXT,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+    )
+    model = randomised(transformers.Qwen3_5ForConditionalGeneration(cfg), 2)
+    model.save_pretrained(tmp_path)
+    loaded, params = load_hf_dir(tmp_path)
+    assert loaded.architecture == "qwen3_5" and loaded.num_layers == 2
+    tokens = np.random.RandomState(2).randint(0, VOCAB, (1, 6))
+    decoder = Decoder(loaded)
+    out = decoder.forward(params, jnp.asarray(tokens), jnp.arange(6)[None], decoder.init_cache(1, 8))
+    assert np.abs(np.asarray(decoder.logits(params, out.hidden)) - hf_logits(model, tokens)).max() <= 1e-4
+
+
+def test_greedy_64_tokens_equal_transformers_generate_and_dflash_trees_stay_exact(checkpoints):
+    model, decoder, params = checkpoints["qwen3_5"]
+    prompt = np.random.RandomState(3).randint(0, VOCAB, 7).tolist()
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
+    assert len(hf) == 64  # the tiny config has no EOS
+    common = dict(max_new_tokens=64, capacity=128, ignore_eos=True)
+    plain = spec_jax.generate((decoder, params), [prompt], **common).generated_ids[0]
+    assert plain == hf
+    prompts = [prompt, prompt[:3], prompt[2:], prompt[:5]]
+    short = dict(common, max_new_tokens=16)
+    want = spec_jax.generate((decoder, params), prompts, **short).generated_ids
+    dflash = spec_jax.DFlashDrafter(TINY_DFLASH, tree=8)
+    got = spec_jax.generate((decoder, params), prompts, dflash,
+                            spec_jax.init_dflash_params(TINY_DFLASH, jax.random.key(5)), **short)
+    assert got.generated_ids == want
