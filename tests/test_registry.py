@@ -24,8 +24,8 @@ VOCAB = 48
 
 def test_the_built_in_kinds():
     assert registry.names() == (
-        "none", "ngram", "self", "draft-model", "dflash", "eagle3", "medusa",
-        "draft-model+ngram", "dflash+ngram", "eagle3+ngram", "medusa+ngram")
+        "none", "ngram", "self", "draft-model", "dflash", "eagle3", "medusa", "mtp",
+        "draft-model+ngram", "dflash+ngram", "eagle3+ngram", "medusa+ngram", "mtp+ngram")
     assert [k.name for k in registry.trainable()] == ["draft-model", "dflash", "eagle3", "medusa"]
     assert all(k.help for k in registry.kinds())
     assert "eagle3=PATH" in registry.synopsis() and "dflash[=PATH]" in registry.synopsis()

@@ -252,8 +252,8 @@ def check_mesh(mesh: Any) -> None:
 
 def check_drafter_params(drafter: Any, params: Any) -> None:
     """`params` must have the drafter's weights (`drafter.weight_specs()`): the same tree, shapes,
-    floating-point weights and integer vocabulary maps (`d2t`). Nothing is checked for a drafter
-    whose weight_specs() is None."""
+    floating-point weights and integer vocabulary maps (`d2t`, `token_ordering`). Nothing is
+    checked for a drafter whose weight_specs() is None."""
     if drafter is None:
         return
     import jax
@@ -282,7 +282,8 @@ def check_drafter_params(drafter: Any, params: Any) -> None:
                 f"found {found if found is not None else type(leaf).__name__}; {fix}"
             )
         dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
-        integer = key.endswith("['d2t']")  # the reduced vocabulary's offsets are ints
+        # The reduced vocabulary's offsets and the Gemma 4 assistant's token ordering are ints.
+        integer = key.endswith(("['d2t']", "['token_ordering']"))
         if not (np.issubdtype(dtype, np.integer) if integer else _is_float(dtype)):
             want = "integer" if integer else "floating-point"
             raise ValueError(f"{name} params: weight {key} must be {want}, found {dtype}; {fix}")

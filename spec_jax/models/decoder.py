@@ -33,6 +33,8 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
 from spec_jax.models.config import LinearRopeScaling, ModelConfig, ProportionalRope, RopeScaling, YarnRopeScaling
 from spec_jax.models.interface import ForwardOutput, chain_mask
 from spec_jax.models.weights import init_from_specs, model_weight_specs
+from spec_jax.models.config import FULL_ATTENTION, GLOBAL_WINDOW, SLIDING_ATTENTION
+from spec_jax.models.interface import LayerKV
 from spec_jax.models.gated_deltanet import DeltaNetDims, commit_delta_net, delta_net
 from spec_jax.models.recurrent import last_committed_index
 
@@ -649,6 +651,15 @@ class Decoder:
 
     def commit(self, cache: KVCache, lengths: jax.Array, path: jax.Array | None = None) -> KVCache:
         return commit(cache, lengths, path)
+
+    # Reading the cache (`spec_jax.models.interface.CacheReader`): each layer's own arrays.
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return tuple(FULL_ATTENTION if w == GLOBAL_WINDOW else SLIDING_ATTENTION for w in self.cfg.layer_windows)
+
+    def cache_view(self, cache: KVCache, layer: int) -> LayerKV:
+        source = self.cfg.kv_source(layer)  # a KV-shared layer (Gemma 4) reads an earlier one's
+        return LayerKV(cache.k[source], cache.v[source], cache.lengths, self.cfg.layer_windows[layer])
 
     def weight_specs(self) -> Any:
         return model_weight_specs(self.cfg)
