@@ -49,6 +49,18 @@ def _gemma4(num_layers: int, full_every: int, window: int, **fields) -> ModelCon
     )
 
 
+def _qwen3_5(num_layers: int, **fields) -> ModelConfig:
+    """A dense Qwen3.5 text decoder: three Gated DeltaNet layers (16 key / 32 value heads of
+    128) then one gated full-attention layer (16 query / 4 KV heads of 256, RoPE on a quarter
+    of each head), (1 + w) RMSNorms."""
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers))
+    defaults = dict(vocab_size=248320, num_heads=16, num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                    rope_theta=10_000_000.0, qk_norm=True, architecture="qwen3_5", norm_offset=1.0,
+                    max_position_embeddings=262144, linear_num_key_heads=16, linear_num_value_heads=32,
+                    linear_key_head_dim=128, linear_value_head_dim=128, attn_output_gate=True,
+                    partial_rotary_factor=0.25)
+    return ModelConfig(num_layers=num_layers, layer_types=types, **{**defaults, **fields})
+
 PRESETS: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct (the default target's shapes).
     "smollm2-135m": ModelConfig(
@@ -113,6 +125,16 @@ PRESETS: dict[str, ModelConfig] = {
         architecture="qwen2", max_position_embeddings=32768, bos_token_id=151643,
         eos_token_ids=(151645,),
     ),
+    # Qwen/Qwen3.5-9B and -4B (the text decoder of the multimodal checkpoints): 24 Gated DeltaNet
+    # + 8 gated full-attention layers.
+    "qwen3.5-9b": _qwen3_5(32, hidden_size=4096, intermediate_size=12288, eos_token_ids=(248044,)),
+    "qwen3.5-4b": _qwen3_5(32, hidden_size=2560, intermediate_size=9216, tie_embeddings=True,
+                           eos_token_ids=(248046,)),
+    # Qwen3.5-9B's layers (DeltaNet heads and state at full size, so the rollback memory per layer
+    # is the real model's) at hidden 1024, 8 of its 32 layers and a 16k vocabulary: the verify-cost
+    # curve on a CPU (benchmarks/RESULTS.md, "Issue 44").
+    "qwen3.5-9b-scaled": _qwen3_5(8, vocab_size=16384, hidden_size=1024, intermediate_size=3072,
+                                  eos_token_ids=(1,)),
     # mistralai/Mistral-7B-v0.1 (a 4096-token sliding window on every layer).
     "mistral-7b": ModelConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
