@@ -99,3 +99,37 @@ def test_yarn_frequencies_and_attention_factor_match_transformers(truncate):
     assert layer_style(cfg).query_multiplier == pytest.approx(factor ** 2)  # cos and sin each carry it
     with pytest.raises(ValueError, match="YaRN RoPE is implemented for one RoPE"):
         cfg.replace(sliding_rope_theta=10_000.0, layer_types=("sliding_attention",), sliding_window=4)
+
+
+# z-lab/gpt-oss-20b-DFlash's config.json as published (quoted by third-party loaders, e.g. an MLX
+# port's tests; the file itself is not fetched here). model_type gpt_oss: transformers fills in
+# GptOssConfig's defaults (alternating sliding-128 / full layers, YaRN), and so the reference
+# `dflash` package's layers have them.
+ZLAB_GPT_OSS_20B_DFLASH = {
+    "architectures": ["DFlashDraftModel"], "attention_bias": True, "attention_dropout": 0.0, "block_size": 8,
+    "bos_token_id": 199998, "dflash_config": {"mask_token_id": 200000, "target_layer_ids": [1, 6, 11, 16, 21]},
+    "dtype": "bfloat16", "eos_token_id": 200002, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 7680,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_hidden_layers": 8, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+    "vocab_size": 201088,
+}
+
+
+def test_zlab_gpt_oss_dflash_config_loads():
+    """z-lab's gpt-oss-20b DFlash config reads as the reference reads it: q/k/v/o biases, YaRN,
+    alternating sliding-128 / full layers; its weights are the published size (1.46 GiB in
+    bf16) under the names its loader expects; the z-lab config it writes back reads the same."""
+    from spec_jax.checkpoints.dflash import dflash_config_from_hf, dflash_config_to_hf, expected_dflash_shapes
+    from spec_jax.drafters.dflash import init_dflash_params
+    from spec_jax.models.config import SLIDING_ATTENTION, YarnRopeScaling
+
+    dcfg = dflash_config_from_hf(ZLAB_GPT_OSS_20B_DFLASH, "bfloat16")
+    assert (dcfg.block_size, dcfg.mask_token_id, dcfg.target_layer_ids) == (8, 200000, (1, 6, 11, 16, 21))
+    assert dcfg.layer.qkv_bias and dcfg.layer.o_bias and isinstance(dcfg.layer.rope_scaling, YarnRopeScaling)
+    assert dcfg.layer_types[::2] == (SLIDING_ATTENTION,) * 4 and dcfg.layer.sliding_window == 128
+    names = expected_dflash_shapes(dcfg)
+    assert names["layers.7.self_attn.o_proj.bias"] == (2880,) and names["layers.0.self_attn.k_proj.bias"] == (512,)
+    params = jax.eval_shape(lambda key: init_dflash_params(dcfg, key), jax.random.key(0))
+    assert abs(sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)) * 2 / 2**30 - 1.46) < 0.01
+    assert dflash_config_from_hf(dflash_config_to_hf(dcfg), "bfloat16") == dcfg

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from spec_jax.checkpoints.errors import CheckpointError
+from spec_jax.checkpoints.hf_names import BIASED_DECODER_LAYER
 from spec_jax.checkpoints.hf import (
     HFWeight,
     SafetensorsFiles,
@@ -52,6 +53,7 @@ from spec_jax.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     ModelConfig,
+    gpt_oss_defaults,
     rope_from_hf,
     rope_scaling_to_hf,
 )
@@ -61,6 +63,8 @@ __all__ = ["check_compatible", "load_dflash", "save_dflash", "canonical_weight_n
            "dflash_config_from_hf", "dflash_config_to_hf"]
 
 LAYER_PREFIX = "layers.{i}."
+# Decoder-layer names, attention biases included (`attention_bias`: z-lab's gpt-oss drafters).
+DFLASH_LAYER = {w.name: w for w in BIASED_DECODER_LAYER}
 
 # The drafter's own (non-layer) weights; decoder-layer weights use hf.LAYER_WEIGHTS.
 DFLASH_WEIGHTS: tuple[HFWeight, ...] = (
@@ -87,7 +91,7 @@ def canonical_weight_name(name: str) -> str:
 
 def expected_dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     specs = dflash_weight_specs(cfg)
-    out = expected_hf_layer_shapes(specs["layers"], LAYER_PREFIX)
+    out = expected_hf_layer_shapes(specs["layers"], LAYER_PREFIX, DFLASH_LAYER)
     for w in DFLASH_WEIGHTS:
         out[w.hf_name] = hf_shape(specs[w.name].shape, w.in_axes)
     if cfg.draft_vocab_size:
@@ -134,6 +138,8 @@ def dflash_config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> DFla
     """Parse a z-lab DFlash config.json (Qwen3 fields + block_size, num_target_layers,
     dflash_config.{mask_token_id, target_layer_ids}); DFlash values are looked up in
     `dflash_config` first, then at the top level, as the reference does."""
+    if hf.get("model_type") == "gpt_oss":  # z-lab's gpt-oss drafters: read as transformers does
+        hf = gpt_oss_defaults(hf)
     extra = hf.get("dflash_config") or {}
 
     def draft_value(name: str, default: Any = None) -> Any:
@@ -207,6 +213,8 @@ def _dflash_layers_from_hf(
         max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
         final_logit_softcapping=softcap,
         dtype=dtype,
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)),
     )
 
 
@@ -235,7 +243,7 @@ def dflash_config_to_hf(cfg: DFlashConfig) -> dict[str, Any]:
         "rope_theta": layer.rope_theta,
         "max_position_embeddings": layer.max_position_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": layer.qkv_bias,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
         "layer_types": list(cfg.layer_types),
@@ -316,7 +324,7 @@ def load_dflash(
             return files.get_tensor(original_of[canonical], np_dtype)
 
         specs = dflash_weight_specs(cfg)
-        params: dict[str, Any] = {"layers": layers_from_hf(get_tensor, LAYER_PREFIX, specs["layers"])}
+        params: dict[str, Any] = {"layers": layers_from_hf(get_tensor, LAYER_PREFIX, specs["layers"], DFLASH_LAYER)}
         for w in DFLASH_WEIGHTS:
             params[w.name] = from_hf(get_tensor(w.hf_name), specs[w.name].shape, w.in_axes)
         if cfg.draft_vocab_size:
@@ -332,7 +340,7 @@ def load_dflash(
 
 def dflash_params_to_hf(cfg: DFlashConfig, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     check_params_match_specs(params, dflash_weight_specs(cfg), what="DFlash params")
-    out = layers_to_hf(params["layers"], LAYER_PREFIX)
+    out = layers_to_hf(params["layers"], LAYER_PREFIX, DFLASH_LAYER)
     for w in DFLASH_WEIGHTS + ((DRAFT_HEAD,) if cfg.draft_vocab_size else ()):
         out[w.hf_name] = np.ascontiguousarray(to_hf(np.asarray(params[w.name]), w.in_axes))
     if cfg.draft_vocab_size:

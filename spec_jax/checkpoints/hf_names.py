@@ -23,11 +23,14 @@ class HFWeight:
 
     in_axes == 0 means the array is copied as is (norms, the embedding table); FLAT (-1) means a
     vector HF stores flat (a bias [N, D] is HF's [N * D]).
+    interleaved 0 / 1: ours is the even / odd entries of the HF tensor's last axis, which holds two
+    of our arrays side by side (gpt-oss's experts: gate and up interleaved in `gate_up_proj`).
     """
 
     name: str
     hf_name: str
     in_axes: int
+    interleaved: int | None = None
 
 
 DECODER_LAYER: tuple[HFWeight, ...] = (
@@ -88,6 +91,21 @@ QWEN3_5_LAYER: tuple[HFWeight, ...] = DECODER_LAYER + (
     HFWeight("linear_out", "linear_attn.out_proj.weight", 1),  # [H, Hv*dv] -> [Hv*dv, H]
 )
 
+# Decoder layers with every attention bias (q/k/v/o: `attention_bias` in a Qwen3 / gpt-oss
+# config): the DFlash drafters' layers (z-lab's gpt-oss drafters have them).
+BIASED_DECODER_LAYER: tuple[HFWeight, ...] = QWEN2_LAYER + (HFWeight("bo", "self_attn.o_proj.bias", 0),)
+GPT_OSS_LAYER: tuple[HFWeight, ...] = tuple(w for w in BIASED_DECODER_LAYER if not w.name.startswith("w_")) + (
+    HFWeight("sinks", "self_attn.sinks", 0),
+    HFWeight("router", "mlp.router.weight", 1),  # [E, H] -> [H, E]
+    HFWeight("router_bias", "mlp.router.bias", 0),
+    HFWeight("experts_w_gate", "mlp.experts.gate_up_proj", 0, interleaved=0),  # [E, H, 2F] -> [E, H, F]
+    HFWeight("experts_w_up", "mlp.experts.gate_up_proj", 0, interleaved=1),
+    HFWeight("experts_b_gate", "mlp.experts.gate_up_proj_bias", 0, interleaved=0),  # [E, 2F] -> [E, F]
+    HFWeight("experts_b_up", "mlp.experts.gate_up_proj_bias", 0, interleaved=1),
+    HFWeight("experts_w_down", "mlp.experts.down_proj", 0),  # [E, F, H] both sides
+    HFWeight("experts_b_down", "mlp.experts.down_proj_bias", 0),
+)
+
 MODEL_WEIGHTS: tuple[HFWeight, ...] = (
     HFWeight("embed", "model.embed_tokens.weight", 0),  # [V, H] both sides
     HFWeight("final_norm", "model.norm.weight", 0),
@@ -107,6 +125,7 @@ _LAYER_TABLES = {
     "gemma4": GEMMA4_LAYER,
     "qwen3_5": QWEN3_5_LAYER,
     "qwen3_next": QWEN3_5_LAYER,
+    "gpt_oss": GPT_OSS_LAYER,
 }
 
 

@@ -35,6 +35,7 @@ from spec_jax.models.decoder import (
     einsum,
     empty_cache,
     heads_major,
+    layer_style,
     project_qkv,
     rms_norm,
     rope,
@@ -145,15 +146,19 @@ def dflash_weight_specs(cfg: DFlashConfig) -> dict[str, Any]:
         "fc": WeightSpec((n * H, H), (None, "embed")),
         "hidden_norm": WeightSpec((H,), (None,), "ones"),
         "norm": WeightSpec((H,), (None,), "ones"),
-        "layers": per_layer_specs(
-            cfg.num_layers,
-            hidden=H,
-            num_heads=cfg.layer.num_heads,
-            num_kv_heads=cfg.layer.num_kv_heads,
-            head_dim=cfg.layer.head_dim,
-            intermediate=cfg.layer.intermediate_size,
-            qk_norm=True,
-        ),
+        "layers": [
+            {**layer, **({"bo": WeightSpec((H,), (None,), "zeros")} if cfg.layer.o_bias else {})}
+            for layer in per_layer_specs(
+                cfg.num_layers,
+                hidden=H,
+                num_heads=cfg.layer.num_heads,
+                num_kv_heads=cfg.layer.num_kv_heads,
+                head_dim=cfg.layer.head_dim,
+                intermediate=cfg.layer.intermediate_size,
+                qk_norm=True,
+                qkv_bias=cfg.layer.qkv_bias,  # attention_bias (z-lab's gpt-oss drafters)
+            )
+        ],
     }
 
 
@@ -248,6 +253,7 @@ def dflash_hidden(
     Returns the final-normed hidden states [B, Tq, H].
     """
     inv_freq = rope_inv_freq(cfg.layer.head_dim, cfg.layer.rope_theta, cfg.layer.rope_scaling)
+    style = layer_style(cfg.layer)  # the plain layer's, or with YaRN's attention factor on the queries
     layers = zip(params["layers"], ctx_k, ctx_v, cfg.layer.layer_windows, cfg.layer_causal)
     with jax.named_scope("dflash_block"):
         for i, (lp, layer_ctx_k, layer_ctx_v, window, causal) in enumerate(layers):
@@ -262,7 +268,8 @@ def dflash_hidden(
                 return attend(q, [(*ctx, ctx_mask), (k, v, own)]), None
 
             with jax.named_scope(f"layer_{i}"):
-                x, _ = decoder_layer(lp, x, positions, inv_freq, cfg.layer.rms_norm_eps, context_and_block)
+                x, _ = decoder_layer(lp, x, positions, inv_freq, cfg.layer.rms_norm_eps, context_and_block,
+                                     style=style)
         return rms_norm(x, params["norm"], cfg.layer.rms_norm_eps)
 
 

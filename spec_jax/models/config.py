@@ -571,21 +571,12 @@ def _gemma3_from_hf(cls, hf: Mapping[str, Any], dtype: str) -> ModelConfig:
         local_theta = float(hf["rope_local_base_freq"])
         local_scaling = None
     return cls(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=int(hf["num_attention_heads"]),
-        num_kv_heads=int(hf["num_key_value_heads"]),
-        head_dim=int(hf["head_dim"]),
-        rms_norm_eps=float(hf["rms_norm_eps"]),
+        **_shape_fields(hf),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_embeddings=bool(hf["tie_word_embeddings"]),
         qk_norm=True,
         layer_types=layer_types,
         sliding_window=window,
-        max_position_embeddings=int(hf["max_position_embeddings"]),
         architecture="gemma3",
         bos_token_id=hf["bos_token_id"],
         eos_token_ids=_eos_ids(hf["eos_token_id"]),
@@ -599,6 +590,18 @@ def _gemma3_from_hf(cls, hf: Mapping[str, Any], dtype: str) -> ModelConfig:
                                  else float(hf["final_logit_softcapping"])),
         sliding_rope_theta=local_theta,
         sliding_rope_scaling=local_scaling,
+    )
+
+
+def _shape_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The sizes, norm epsilon, tying and context length of a config.json whose family's
+    defaults are already filled in (Gemma 3, gpt-oss)."""
+    return dict(
+        vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+        num_heads=int(hf["num_attention_heads"]), num_kv_heads=int(hf["num_key_value_heads"]),
+        head_dim=int(hf["head_dim"]), rms_norm_eps=float(hf["rms_norm_eps"]),
+        tie_embeddings=bool(hf["tie_word_embeddings"]), max_position_embeddings=int(hf["max_position_embeddings"]),
     )
 
 
@@ -869,3 +872,28 @@ def _qwen3_5_from_hf(cls, hf: Mapping[str, Any], arch: str, dtype: str) -> Model
         attn_output_gate=True,
         partial_rotary_factor=float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
     )
+
+
+# ----------------------------------------------------------------------------- gpt-oss
+# GptOssConfig's defaults (transformers 5): what a gpt-oss config.json may leave out.
+GPT_OSS_DEFAULTS = {
+    "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "sliding_window": 128, "tie_word_embeddings": False,
+    "attention_bias": True, "num_local_experts": 128, "num_experts_per_tok": 4,
+    "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rope_theta": 150000.0,
+}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def gpt_oss_defaults(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """A gpt-oss config.json with GptOssConfig's defaults filled in, as transformers reads it: the
+    YaRN RoPE above, and layers alternating sliding (even) / full (odd) without `layer_types`."""
+    hf = {**GPT_OSS_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+        hf["rope_parameters"] = {**GPT_OSS_ROPE, "rope_theta": hf["rope_theta"]}
+    if not hf.get("layer_types"):
+        hf["layer_types"] = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION
+                             for i in range(int(hf["num_hidden_layers"]))]
+    return hf
