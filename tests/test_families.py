@@ -68,7 +68,21 @@ def _mistral():
     return transformers.MistralForCausalLM(transformers.MistralConfig(**_common(sliding_window=WINDOW, head_dim=24)))
 
 
+def _qwen3_moe():
+    # Layer 0 dense (mlp_only_layers, and decoder_sparse_step 2), layer 1 top-3 of 8 experts, weights
+    # not renormalised (Mixtral renormalises). test_moe.py checks the layer choice on more layers.
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**_common(
+        head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        decoder_sparse_step=2, mlp_only_layers=[0], norm_topk_prob=False)))
+
+
+def _mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**_common(
+        head_dim=16, sliding_window=WINDOW, num_local_experts=8, num_experts_per_tok=2)))
+
+
 HF_MODELS = {"gemma3": _gemma3, "qwen2": _qwen2, "mistral": _mistral}
+HF_MODELS.update(qwen3_moe=_qwen3_moe, mixtral=_mixtral)  # mixture-of-experts (spec_jax.models.moe)
 FAMILIES = sorted(HF_MODELS)
 
 
@@ -82,6 +96,8 @@ def build_family_models(root: Path) -> dict:
             for pname, p in model.named_parameters():
                 if "norm" in pname or "bias" in pname:
                     p.add_(0.3 * torch.randn_like(p))
+                elif pname.endswith("gate.weight") and "proj" not in pname:  # MoE routers: decisive routing
+                    p.mul_(10.0)
                 elif "embed" in pname:  # peakier logits: fewer near-ties in the greedy comparison
                     p.mul_(4.0)
         path = root / name
@@ -119,7 +135,8 @@ def test_logits_and_captured_layers_match_transformers(family_models, family):
     cfg = loaded.cfg
     assert cfg.architecture == family
     expected_windows = {"gemma3": (WINDOW, GLOBAL_WINDOW), "qwen2": (GLOBAL_WINDOW, WINDOW),
-                        "mistral": (WINDOW, WINDOW)}[family]
+                        "mistral": (WINDOW, WINDOW), "qwen3_moe": (GLOBAL_WINDOW,) * 2,
+                        "mixtral": (WINDOW, WINDOW)}[family]
     assert cfg.layer_windows == expected_windows
     if family == "gemma3":
         assert cfg.rope_scaling == LinearRopeScaling(4.0) and cfg.sliding_rope_theta == 1000.0
@@ -237,6 +254,10 @@ SPEC_CASES = [
     ("qwen2", "ngram", 4), ("qwen2", "draft", 1), ("qwen2", "dflash", 4), ("qwen2", "eagle3", 1),
     ("qwen2", "medusa", 4),
     ("mistral", "draft", 4), ("mistral", "dflash", 1), ("mistral", "eagle3", 4),
+    # The MoE families: each drafter kind once (DFlash as a chain and as a 16-node tree), each
+    # family at batch 1 and batch 4.
+    ("qwen3_moe", "ngram", 4), ("qwen3_moe", "dflash_tree", 1), ("qwen3_moe", "eagle3", 4),
+    ("mixtral", "draft", 1), ("mixtral", "dflash", 4),
 ]
 
 
@@ -250,11 +271,11 @@ def _drafter(kind, cfg: ModelConfig, target_params):
         noisy = jax.tree_util.tree_map(
             lambda x: x + 0.1 * jnp.std(x) * jax.random.normal(key, x.shape, x.dtype), target_params)
         return DraftModelDrafter(cfg, k=3), noisy
-    if kind == "dflash":
+    if kind in ("dflash", "dflash_tree"):  # dflash_tree: a best-first tree of 16 nodes
         dcfg = DFlashConfig(layer=dflash_layers(1, cfg.hidden_size, 4, 2, 16, 96, vocab_size=VOCAB),
                             block_size=4, target_layer_ids=(0, 1), mask_token_id=VOCAB - 1,
                             num_target_layers=cfg.num_layers)
-        return DFlashDrafter(dcfg), init_dflash_params(dcfg, key, scale=3.0)
+        return DFlashDrafter(dcfg, tree=16 if kind == "dflash_tree" else 0), init_dflash_params(dcfg, key, scale=3.0)
     if kind == "medusa":
         mcfg = MedusaConfig.for_target(cfg, num_heads=3)
         return MedusaDrafter(mcfg, k=3), init_medusa_params(mcfg, key, scale=3.0)

@@ -47,6 +47,7 @@ from spec_jax.checkpoints.hf_names import (  # noqa: E402,F401
     MODEL_TABLE as _MODEL_WEIGHT,
     MODEL_WEIGHTS,
     HFWeight,
+    expert_parts,
     layer_table,
     multimodal_text_name,
 )
@@ -105,7 +106,8 @@ def expected_hf_layer_shapes(
     for i, specs in enumerate(layer_specs):
         for name, spec in specs.items():
             w = _layer_weight(name, table)
-            out[name_of(i) + w.hf_name] = hf_shape(spec.shape, w.in_axes)
+            for hf_name, expert in expert_parts(w, spec.shape):
+                out[name_of(i) + hf_name] = hf_shape(spec.shape[expert is not None:], w.in_axes)
     return out
 
 
@@ -125,12 +127,18 @@ def layers_from_hf(
     name_of = _prefix_fn(prefix)
     return [
         {
-            name: from_hf(get_tensor(name_of(i) + _layer_weight(name, table).hf_name), spec.shape,
-                          _layer_weight(name, table).in_axes)
+            name: _read_layer_weight(get_tensor, name_of(i), _layer_weight(name, table), spec.shape)
             for name, spec in specs.items()
         }
         for i, specs in enumerate(layer_specs)
     ]
+
+
+def _read_layer_weight(get_tensor: GetTensor, prefix: str, w: HFWeight, shape: tuple[int, ...]) -> np.ndarray:
+    """One weight in our layout `shape` from its HF tensor, or a per-expert weight's E tensors stacked."""
+    parts = [from_hf(get_tensor(prefix + hf_name), shape[expert is not None:], w.in_axes)
+             for hf_name, expert in expert_parts(w, shape)]
+    return np.stack(parts) if "{e}" in w.hf_name else parts[0]
 
 
 def layers_to_hf(
@@ -142,7 +150,9 @@ def layers_to_hf(
     for i, layer in enumerate(layers):
         for name, value in layer.items():
             w = _layer_weight(name, table)
-            out[name_of(i) + w.hf_name] = np.ascontiguousarray(to_hf(np.asarray(value), w.in_axes))
+            for hf_name, expert in expert_parts(w, np.shape(value)):
+                part = np.asarray(value if expert is None else value[expert])
+                out[name_of(i) + hf_name] = np.ascontiguousarray(to_hf(part, w.in_axes))
     return out
 
 

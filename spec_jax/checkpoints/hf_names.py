@@ -22,7 +22,8 @@ class HFWeight:
     """One weight: our params key, its HF name, and how many leading axes of ours are HF's input.
 
     in_axes == 0 means the array is copied as is (norms, the embedding table); FLAT (-1) means a
-    vector HF stores flat (a bias [N, D] is HF's [N * D]).
+    vector HF stores flat (a bias [N, D] is HF's [N * D]). A per-expert weight (MoE) has `{e}` in
+    its hf_name: ours is stacked [E, ...] on a leading expert axis, HF holds one tensor per expert.
     interleaved 0 / 1: ours is the even / odd entries of the HF tensor's last axis, which holds two
     of our arrays side by side (gpt-oss's experts: gate and up interleaved in `gate_up_proj`).
     """
@@ -106,6 +107,29 @@ GPT_OSS_LAYER: tuple[HFWeight, ...] = tuple(w for w in BIASED_DECODER_LAYER if n
     HFWeight("experts_b_down", "mlp.experts.down_proj_bias", 0),
 )
 
+# Mixture-of-experts layers (spec_jax.models.moe): the dense family's table plus the router and one
+# HF tensor per expert, as hub checkpoints and transformers' save_pretrained write them (5.x
+# fuses them into 3-D `experts.gate_up_proj` / `experts.down_proj` in memory only). A dense layer
+# of the same model (mlp_only_layers) keeps the plain `mlp.*_proj` names.
+_QWEN_MOE_FFN: tuple[HFWeight, ...] = (
+    HFWeight("router", "mlp.gate.weight", 1),  # [E, H] -> [H, E]
+    HFWeight("experts_w_gate", "mlp.experts.{e}.gate_proj.weight", 1),  # E x [F, H] -> [E, H, F]
+    HFWeight("experts_w_up", "mlp.experts.{e}.up_proj.weight", 1),  # E x [F, H] -> [E, H, F]
+    HFWeight("experts_w_down", "mlp.experts.{e}.down_proj.weight", 1),  # E x [H, F] -> [E, F, H]
+    HFWeight("shared_w_gate", "mlp.shared_expert.gate_proj.weight", 1),  # [S, H] -> [H, S]
+    HFWeight("shared_w_up", "mlp.shared_expert.up_proj.weight", 1),
+    HFWeight("shared_w_down", "mlp.shared_expert.down_proj.weight", 1),  # [H, S] -> [S, H]
+    HFWeight("shared_gate", "mlp.shared_expert_gate.weight", 1),  # [1, H] -> [H, 1]
+)
+QWEN3_MOE_LAYER: tuple[HFWeight, ...] = DECODER_LAYER + _QWEN_MOE_FFN
+QWEN2_MOE_LAYER: tuple[HFWeight, ...] = QWEN2_LAYER + _QWEN_MOE_FFN
+MIXTRAL_LAYER: tuple[HFWeight, ...] = DECODER_LAYER + (
+    HFWeight("router", "block_sparse_moe.gate.weight", 1),
+    HFWeight("experts_w_gate", "block_sparse_moe.experts.{e}.w1.weight", 1),
+    HFWeight("experts_w_up", "block_sparse_moe.experts.{e}.w3.weight", 1),
+    HFWeight("experts_w_down", "block_sparse_moe.experts.{e}.w2.weight", 1),
+)
+
 MODEL_WEIGHTS: tuple[HFWeight, ...] = (
     HFWeight("embed", "model.embed_tokens.weight", 0),  # [V, H] both sides
     HFWeight("final_norm", "model.norm.weight", 0),
@@ -122,6 +146,9 @@ _LAYER_TABLES = {
     "qwen3": DECODER_LAYER,
     "qwen2": QWEN2_LAYER,
     "gemma3": GEMMA3_LAYER,
+    "qwen3_moe": QWEN3_MOE_LAYER,
+    "qwen2_moe": QWEN2_MOE_LAYER,
+    "mixtral": MIXTRAL_LAYER,
     "gemma4": GEMMA4_LAYER,
     "qwen3_5": QWEN3_5_LAYER,
     "qwen3_next": QWEN3_5_LAYER,
@@ -135,6 +162,14 @@ def layer_table(architecture: str | None = None) -> Mapping[str, HFWeight]:
     if table is None:
         raise ValueError(f"no HF name table for architecture {architecture!r}; add one to hf_names.py")
     return {w.name: w for w in table}
+
+
+def expert_parts(w: HFWeight, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """(HF name, expert index) of each HF tensor behind one weight of ours of `shape`: a per-expert
+    weight (`{e}` in its hf_name) is shape[0] tensors, any other one tensor (index None)."""
+    if "{e}" not in w.hf_name:
+        return [(w.hf_name, None)]
+    return [(w.hf_name.format(e=e), e) for e in range(shape[0])]
 
 
 MODEL_TABLE: Mapping[str, HFWeight] = {w.name: w for w in MODEL_WEIGHTS}

@@ -26,6 +26,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Mixture-of-experts families (spec_jax.models.moe): a dense family's attention + MoE layers.
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3",
     # The multimodal checkpoint: its language model (config.text_config) is a Gemma 3 text decoder.
     "Gemma3ForConditionalGeneration": "gemma3",
@@ -39,11 +43,14 @@ SUPPORTED_ARCHITECTURES = {
 }
 # model_type -> family, for configs without `architectures`.
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
                 "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4",
                 "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next"}
 # What each family writes back to config.json.
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
              "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+             "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+             "mixtral": ("MixtralForCausalLM", "mixtral"),
              "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "gemma4": ("Gemma4ForCausalLM", "gemma4_text")}
 
 # Gemma3TextConfig's defaults: hub configs (notably the `text_config` of the multimodal
@@ -70,6 +77,59 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     if dtype not in _ITEMSIZE:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_ITEMSIZE)}.")
     return 2 * num_layers * num_kv_heads * head_dim * _ITEMSIZE[dtype]
+
+
+# The experts' gated activations `spec_jax.models.moe.expert_activation` implements.
+EXPERT_ACTIVATIONS = ("silu",)
+# How the router turns logits into top-k weights (see MoeConfig.router_scoring).
+ROUTER_SCORINGS = ("softmax", "topk_softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts feed-forward block (`spec_jax.models.moe`): every layer not in
+    `dense_layers` runs `num_experts` SwiGLU experts of width `expert_intermediate_size`, each
+    token through its router's `top_k`.
+
+    normalize_top_k:  the top-k weights renormalised to sum 1 (Mixtral; Qwen-MoE's norm_topk_prob)
+    dense_layers:     layers with the dense MLP of width `intermediate_size` instead (Qwen-MoE's
+                      mlp_only_layers and decoder_sparse_step)
+    shared_expert_intermediate_size: a dense expert every token runs as well (0: none);
+    shared_expert_gate:  scaled by sigmoid(x @ w) (Qwen2-MoE, Qwen3-Next)
+    router_scoring:   "softmax": a softmax over every expert, then the top k; "topk_softmax": the
+                      top k logits, then a softmax over them (gpt-oss)
+    router_bias, expert_bias: the router and the experts' projections carry biases (gpt-oss)
+    expert_activation: the experts' gated activation (one of EXPERT_ACTIVATIONS)
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    normalize_top_k: bool = False
+    dense_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    router_scoring: str = "softmax"
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"MoE top_k={self.top_k} must be between 1 and num_experts={self.num_experts}; "
+                "fix num_experts_per_tok in config.json."
+            )
+        if self.expert_intermediate_size < 1:
+            raise ValueError(f"MoE expert_intermediate_size={self.expert_intermediate_size} must be positive.")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router_scoring {self.router_scoring!r} is not one of {ROUTER_SCORINGS}.")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert_activation {self.expert_activation!r} is not one of {EXPERT_ACTIVATIONS}.")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +217,8 @@ class ModelConfig:
     # base 10k, no scaling); None: every layer uses rope_theta / rope_scaling.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: AnyRopeScaling | None = None
+    # Mixture-of-experts layers in place of the dense MLP (spec_jax.models.moe); None: dense.
+    moe: MoeConfig | None = None
     # ---- Gemma 4 switches (all off for the other families) ----
     global_head_dim: int | None = None  # head size of the full-attention layers (None: head_dim)
     num_global_kv_heads: int | None = None  # their KV heads (None: num_kv_heads)
@@ -306,7 +368,7 @@ class ModelConfig:
         switch off. A drafter that copies a target's config for its own layers (EAGLE-3) runs the
         plain layer math, so this is the config that describes it."""
         return self.replace(
-            architecture="qwen3" if self.qk_norm else "llama", qkv_bias=False, norm_offset=0.0,
+            architecture="qwen3" if self.qk_norm else "llama", qkv_bias=False, norm_offset=0.0, moe=None,
             sandwich_norms=False, mlp_activation="silu", scale_embeddings=False,
             query_pre_attn_scalar=None, final_logit_softcapping=None, sliding_rope_theta=None,
             sliding_rope_scaling=None, global_head_dim=None, num_global_kv_heads=None,
@@ -343,6 +405,8 @@ class ModelConfig:
             return _qwen3_5_from_hf(cls, hf, arch, dtype)
         if arch == "gemma3":
             return _gemma3_from_hf(cls, hf, dtype)
+        if arch in MOE_FAMILIES:
+            return _moe_from_hf(cls, hf, dtype, arch)
         if arch == "gemma4":
             return _gemma4_from_hf(cls, hf, dtype)
         num_heads = hf["num_attention_heads"]
@@ -386,6 +450,8 @@ class ModelConfig:
         )
 
     def to_hf_config(self) -> dict[str, Any]:
+        if self.moe is not None:
+            return _moe_to_hf(self)
         arch_name, model_type = _HF_NAMES[self.architecture]
         hf: dict[str, Any] = {
             "architectures": [arch_name],
@@ -434,6 +500,86 @@ class ModelConfig:
                 else self.num_layers
             )
         return hf
+
+
+# MoE family -> the dense family whose attention and config fields it shares.
+MOE_FAMILIES = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral"}
+
+
+def _moe_from_hf(cls, hf: Mapping[str, Any], dtype: str, arch: str) -> ModelConfig:
+    """Qwen3-MoE, Qwen2-MoE and Mixtral: the dense family's config (attention, RoPE, windows)
+    plus the MoE block. Qwen-MoE layer i has experts unless i is in `mlp_only_layers` or
+    (i + 1) % decoder_sparse_step != 0, as transformers builds them."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r}: spec_jax's {arch} experts are SwiGLU (silu).")
+    num_layers = int(hf["num_hidden_layers"])
+    dense_hf = {**hf, "architectures": [], "model_type": MOE_FAMILIES[arch]}
+    if arch == "qwen3_moe":
+        # Qwen3MoeConfig: one window on every layer when use_sliding_window, none otherwise.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        dense_hf.update(layer_types=[SLIDING_ATTENTION if window else FULL_ATTENTION] * num_layers,
+                        sliding_window=window)
+    elif arch == "qwen2_moe" and hf.get("layer_types") is None:
+        # Qwen2MoeConfig: with use_sliding_window, the odd-numbered layers below max_window_layers
+        # (1st, 3rd, ...) slide.
+        sliding = bool(hf.get("use_sliding_window"))
+        mwl = hf.get("max_window_layers", 28)
+        dense_hf["layer_types"] = [SLIDING_ATTENTION if sliding and (i + 1) % 2 and i < mwl else FULL_ATTENTION
+                                   for i in range(num_layers)]
+        dense_hf["use_sliding_window"] = True  # so the qwen2 path reads the layer_types above
+    base = ModelConfig.from_hf_config(dense_hf, dtype)
+    if arch == "qwen2_moe":
+        base = base.replace(qkv_bias=bool(hf.get("qkv_bias", True)))
+    if arch == "mixtral":
+        experts, width = hf.get("num_local_experts", hf.get("num_experts", 8)), hf["intermediate_size"]
+        dense_layers: list[int] = []
+    else:
+        experts, width = hf.get("num_experts", hf.get("num_local_experts")), hf["moe_intermediate_size"]
+        step = int(hf.get("decoder_sparse_step", 1))
+        only = set(int(i) for i in hf.get("mlp_only_layers") or ())
+        if not only <= set(range(num_layers)):
+            raise ValueError(f"mlp_only_layers {sorted(only)} names layers outside 0..{num_layers - 1}.")
+        dense_layers = [i for i in range(num_layers) if i in only or (i + 1) % step]
+    moe = MoeConfig(
+        num_experts=int(experts), top_k=int(hf["num_experts_per_tok"]), expert_intermediate_size=int(width),
+        normalize_top_k=arch == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+        dense_layers=tuple(dense_layers),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0,
+        shared_expert_gate=arch == "qwen2_moe",
+    )
+    return base.replace(architecture=arch, moe=moe)
+
+
+def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """`_moe_from_hf`'s inverse: the dense family's config.json plus the MoE fields."""
+    moe, arch = cfg.moe, cfg.architecture
+    if arch not in MOE_FAMILIES:
+        raise ValueError(f"architecture {arch!r} has no MoE config.json mapping; use one of {sorted(MOE_FAMILIES)}.")
+    hf = cfg.replace(architecture=MOE_FAMILIES[arch], moe=None).to_hf_config()
+    hf["architectures"], hf["model_type"] = [_HF_NAMES[arch][0]], _HF_NAMES[arch][1]
+    hf["num_experts_per_tok"] = moe.top_k
+    windows = set(cfg.layer_windows)
+    if arch == "mixtral":
+        if moe.dense_layers or moe.shared_expert_intermediate_size or not moe.normalize_top_k:
+            raise ValueError("Mixtral has experts on every layer, no shared expert and renormalised top-k weights.")
+        hf.update(num_local_experts=moe.num_experts, intermediate_size=moe.expert_intermediate_size)
+        return hf
+    hf.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
+              norm_topk_prob=moe.normalize_top_k, decoder_sparse_step=1, mlp_only_layers=list(moe.dense_layers))
+    if arch == "qwen3_moe":
+        if len(windows) > 1:
+            raise ValueError("Qwen3-MoE slides every layer or none; this config mixes sliding and full layers.")
+        window = windows.pop()
+        for name in ("layer_types", "max_window_layers"):
+            hf.pop(name, None)
+        hf.update(use_sliding_window=window != GLOBAL_WINDOW, sliding_window=None if window == GLOBAL_WINDOW else window)
+    else:  # qwen2_moe
+        hf.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
+        if not moe.shared_expert_gate or not moe.shared_expert_intermediate_size:
+            raise ValueError("Qwen2-MoE has a gated shared expert; this config has none.")
+        hf.setdefault("layer_types", [FULL_ATTENTION if w == GLOBAL_WINDOW else SLIDING_ATTENTION
+                                      for w in cfg.layer_windows])
+    return hf
 
 
 def config_fields(cfg: Any) -> dict[str, Any]:

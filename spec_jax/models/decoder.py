@@ -30,8 +30,9 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
     float32_precision,
     window_mask,
 )
-from spec_jax.models.config import LinearRopeScaling, ModelConfig, ProportionalRope, RopeScaling, YarnRopeScaling
+from spec_jax.models.config import LinearRopeScaling, ModelConfig, MoeConfig, ProportionalRope, RopeScaling, YarnRopeScaling
 from spec_jax.models.interface import ForwardOutput, chain_mask
+from spec_jax.models.moe import moe_block
 from spec_jax.models.weights import init_from_specs, model_weight_specs
 from spec_jax.models.config import FULL_ATTENTION, GLOBAL_WINDOW, SLIDING_ATTENTION
 from spec_jax.models.interface import LayerKV
@@ -126,6 +127,8 @@ class LayerStyle:
     activation:       "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     query_multiplier: queries times this before attention (Gemma's query_pre_attn_scalar ** -0.5
                       in place of head_dim ** -0.5); None = 1
+    moe:              the MoE block's settings (`MoeConfig`), for the layers whose weights
+                      have a `router` (None: dense)
     value_norm:       values RMS-normed without a learned scale (Gemma 4)
     """
 
@@ -134,6 +137,7 @@ class LayerStyle:
     query_multiplier: float | None = None
     value_norm: bool = False
     output_gate: bool = False  # q_proj gives [query, gate] per head; output times sigmoid(gate)
+    moe: MoeConfig | None = None
 
 
 LLAMA_STYLE = LayerStyle()
@@ -150,7 +154,8 @@ def layer_style(cfg: ModelConfig, head_dim: int | None = None) -> LayerStyle:
         # YaRN multiplies cos and sin, so queries and keys, by its attention factor: every score
         # by its square, which the queries alone carry here (the cached keys stay unscaled).
         multiplier = (multiplier or 1.0) * cfg.rope_scaling.attention_factor ** 2
-    return LayerStyle(cfg.norm_offset, cfg.mlp_activation, multiplier, cfg.value_norm, cfg.attn_output_gate)
+    return LayerStyle(cfg.norm_offset, cfg.mlp_activation, multiplier, cfg.value_norm, cfg.attn_output_gate,
+                      moe=cfg.moe)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -343,7 +348,9 @@ def decoder_layer(
             out = rms_norm(out, lp["post_attn_norm"], eps, offset)
         x = x + out.astype(x.dtype)
     with jax.named_scope("mlp"):
-        out = mlp(lp, rms_norm(x, lp["mlp_norm"], eps, offset), style.activation)
+        h = rms_norm(x, lp["mlp_norm"], eps, offset)
+        # A MoE layer (its weights have a router) runs the experts in place of the dense MLP.
+        out = moe_block(lp, h, style.moe) if "router" in lp else mlp(lp, h, style.activation)
         if "post_mlp_norm" in lp:
             out = rms_norm(out, lp["post_mlp_norm"], eps, offset)
         x = x + out.astype(x.dtype)

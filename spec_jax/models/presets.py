@@ -15,6 +15,7 @@ from spec_jax.models.config import (
     SLIDING_ATTENTION,
     LinearRopeScaling,
     ModelConfig,
+    MoeConfig,
     ProportionalRope,
     RopeScaling,
 )
@@ -141,6 +142,29 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8, head_dim=128, layer_types=(SLIDING_ATTENTION,) * 32, sliding_window=4096,
         architecture="mistral",
         max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
+    ),
+    # Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised (30.5B parameters,
+    # 3.3B active per token).
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True,
+        architecture="qwen3_moe", max_position_embeddings=40960, bos_token_id=151643,
+        eos_token_ids=(151645,), moe=MoeConfig(128, 8, 768, normalize_top_k=True),
+    ),
+    # Its routing (128 experts, 8 per token) at a quarter of its widths, 8 of its 48 layers and a
+    # 16k vocabulary: the verify-cost curve of its expert reads on a CPU (benchmarks/RESULTS.md).
+    "qwen3-30b-a3b-scaled": ModelConfig(
+        vocab_size=16384, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+        num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True,
+        architecture="qwen3_moe", max_position_embeddings=40960, eos_token_ids=(1,),
+        moe=MoeConfig(128, 8, 192, normalize_top_k=True),
+    ),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336, 2 per token (46.7B, 12.9B active).
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, architecture="mixtral",
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
+        moe=MoeConfig(8, 2, 14336, normalize_top_k=True),
     ),
     # A few-MB model for smoke tests of the measuring scripts.
     "tiny": ModelConfig(

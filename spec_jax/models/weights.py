@@ -14,6 +14,7 @@ Logical axis names:
   embed    model width (hidden size)       vocab     vocabulary
   q_heads  query heads                     mlp       MLP width
   head_dim per-head width                  kv_heads  key/value heads
+  expert   experts of a MoE layer (spec_jax.models.moe)
   None     never sharded
 """
 
@@ -208,10 +209,14 @@ def model_weight_specs(cfg: ModelConfig) -> dict[str, Any]:
         specs["per_layer_embed"] = WeightSpec((cfg.per_layer_vocab_size or cfg.vocab_size, width), ("vocab", None))
         specs["per_layer_model_proj"] = WeightSpec((cfg.hidden_size, width), ("embed", None))
         specs["per_layer_proj_norm"] = WeightSpec((cfg.per_layer_input_size,), (None,), norm_init)
+    if cfg.moe is not None:  # experts in place of the dense MLP on the MoE layers
+        specs["layers"] = [moe_layer_specs(cfg, i, layer) for i, layer in enumerate(specs["layers"])]
     return specs
 
 
 def _fan_in(spec: WeightSpec) -> int:
+    if spec.axes[:1] == ("expert",):  # one [in, out] matrix (or bias) per expert
+        return spec.shape[1]
     # Contracted dims: for our layouts the input is the first axis, except wo whose input is
     # (q_heads, head_dim).
     if spec.axes[-1] == "embed" and len(spec.shape) == 3:  # wo [N, D, H]

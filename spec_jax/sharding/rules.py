@@ -46,6 +46,8 @@ class ShardingRules:
     kv_heads: str | None = "model"
     head_dim: str | None = None
     mlp: str | None = "model"
+    # A MoE layer's experts (whole experts per device; docs/sharding.md says why `model`).
+    expert: str | None = "model"
 
     def mesh_axis(self, logical: str | None) -> str | None:
         if logical is None:

@@ -1,0 +1,188 @@
+"""The mixture-of-experts block (spec_jax.models.moe) and its families.
+
+Parity, greedy decoding, check_target, save round trips and every drafter kind on Qwen3-MoE and
+Mixtral run with the other families in tests/test_families.py (its HF_MODELS and SPEC_CASES);
+sharded == unsharded with experts over the mesh in tests/test_sharding.py ("moe-" cases). Here:
+the expert computations agree, routing is per token, Qwen2-MoE's shared expert, which layers
+get experts, the configs, and the real-size presets (eval_shape only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax.models import ModelConfig, forward, init_cache, init_params
+from spec_jax.models import moe as moe_module
+from spec_jax.models.config import MoeConfig
+from spec_jax.models.presets import preset_config
+from spec_jax.models.weights import init_from_specs, model_weight_specs
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+H = 64
+
+
+def _moe_layer_params(moe: MoeConfig, key) -> dict:
+    cfg = ModelConfig(vocab_size=32, hidden_size=H, intermediate_size=96, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, moe=moe)
+    lp = init_from_specs(model_weight_specs(cfg), key)["layers"][0]
+    # Nonzero biases and a decisive router, so a wrong path or a swapped expert shows.
+    return {name: (value + 0.1 * jax.random.normal(jax.random.fold_in(key, i), value.shape)
+                   if "_b_" in name or name == "router_bias" else value * (4.0 if name == "router" else 1.0))
+            for i, (name, value) in enumerate(sorted(lp.items()))}
+
+
+def test_expert_paths_agree():
+    """The per-pair loop, the gathered pairs, every expert (dense) and ragged_dot give one result,
+    with expert and router biases, a gated shared expert, and both router scorings."""
+    x = jax.random.normal(jax.random.key(1), (2, 5, H))
+    for moe in (MoeConfig(8, 3, 32, normalize_top_k=True, shared_expert_intermediate_size=48, shared_expert_gate=True),
+                MoeConfig(8, 2, 32, router_scoring="topk_softmax", router_bias=True, expert_bias=True)):
+        lp = _moe_layer_params(moe, jax.random.key(0))
+        outs = {path: np.asarray(jax.jit(functools.partial(moe_module.moe_block, moe=moe, path=path))(lp, x))
+                for path in (moe_module.LOOP, moe_module.GATHER, moe_module.DENSE, moe_module.RAGGED)}
+        for path, out in outs.items():
+            np.testing.assert_allclose(out, outs[moe_module.LOOP], atol=1e-5, err_msg=path)
+    assert moe_module.expert_path(8, 128, "cpu") == moe_module.LOOP
+    assert moe_module.expert_path(8, 128, "gpu") == moe_module.GATHER
+    assert moe_module.expert_path(512, 128, "gpu") == moe_module.DENSE
+    assert moe_module.expert_path(512, 128, "tpu") == moe_module.RAGGED
+
+
+def test_routing_is_per_token(monkeypatch):
+    """A token is routed to the same experts, and its logits agree within 1e-5, whether its pass
+    holds 64, 8 or 1 tokens and whatever the other rows hold (no capacity, no dropping)."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=H, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, qk_norm=True, architecture="qwen3_moe",
+                      moe=MoeConfig(8, 2, 32, normalize_top_k=True))
+    params = init_params(cfg, jax.random.key(0))
+    params["layers"] = [{**lp, "router": lp["router"] * 4.0} for lp in params["layers"]]
+    routed: list[np.ndarray] = []  # each MoE call's experts [B * T, k], in layer order
+    original = moe_module.route
+
+    def recording_route(lp, x, moe):
+        weights, experts = original(lp, x, moe)
+        jax.debug.callback(lambda e: routed.append(np.asarray(e)), experts, ordered=True)
+        return weights, experts
+
+    monkeypatch.setattr(moe_module, "route", recording_route)
+    rng = np.random.RandomState(0)
+    target = rng.randint(0, 97, 64)
+
+    def run(rows, cache, start):
+        """One pass of `rows` [B, T] at positions start..; -> (logits [B, T, V], per-layer
+        experts [B, T, k] of this pass, cache with the pass committed)."""
+        rows = jnp.asarray(rows)
+        b, t = rows.shape
+        del routed[:]
+        positions = jnp.broadcast_to(start + jnp.arange(t), (b, t))
+        logits, _, cache = jax.jit(forward, static_argnums=1)(params, cfg, rows, positions, cache)
+        jax.effects_barrier()
+        experts = [e.reshape(b, t, -1) for e in routed]
+        return np.asarray(logits), experts, cache.with_lengths(cache.lengths + t)
+
+    def stack(row0, other):
+        return np.stack([row0, other])
+
+    # 64 tokens in one pass, next to one other row.
+    logits_64, experts_64, _ = run(stack(target, rng.randint(0, 97, 64)), init_cache(cfg, 2, 64), 0)
+    # The last 8 after a prefill, next to a different row.
+    other = rng.randint(0, 97, 64)
+    _, _, cache = run(stack(target[:56], other[:56]), init_cache(cfg, 2, 64), 0)
+    logits_8, experts_8, _ = run(stack(target[56:], other[56:]), cache, 56)
+    # The last one alone.
+    _, _, cache = run(target[None, :63], init_cache(cfg, 1, 64), 0)
+    logits_1, experts_1, _ = run(target[None, 63:], cache, 63)
+
+    assert len(experts_64) == len(experts_8) == len(experts_1) == 2  # both layers route
+    for layer in range(2):
+        np.testing.assert_array_equal(experts_8[layer][0], experts_64[layer][0, 56:])
+        np.testing.assert_array_equal(experts_1[layer][0], experts_64[layer][0, 63:])
+    assert len({tuple(e) for e in experts_64[1][0]}) > 4  # the tokens do take different experts
+    np.testing.assert_allclose(logits_8[0], logits_64[0, 56:], atol=1e-5)
+    np.testing.assert_allclose(logits_1[0], logits_64[0, 63:], atol=1e-5)
+
+
+def test_qwen2_moe_shared_expert_matches_transformers(tmp_path):
+    """Qwen2-MoE: q/k/v biases, top-2 of 8 experts and the sigmoid-gated shared expert; the saved
+    checkpoint loads back in transformers."""
+    from spec_jax.checkpoints import load_hf_dir, save_hf_dir
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, max_position_embeddings=256)
+    model = transformers.Qwen2MoeForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
+                p.mul_(10.0)
+    model.save_pretrained(tmp_path / "hf")
+    cfg, params = load_hf_dir(tmp_path / "hf")
+    assert cfg.architecture == "qwen2_moe" and cfg.qkv_bias
+    assert cfg.moe == MoeConfig(8, 2, 32, shared_expert_intermediate_size=48, shared_expert_gate=True)
+    tokens = np.random.RandomState(0).randint(0, 128, (2, 9))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    logits, _, _ = forward(params, cfg, jnp.asarray(tokens), positions, init_cache(cfg, 2, 16))
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4)
+    reloaded = type(model).from_pretrained(save_hf_dir(tmp_path / "ours", cfg, params)).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(reloaded(torch.tensor(tokens)).logits.numpy(), expected, atol=1e-5)
+
+
+def test_which_layers_have_experts_and_config_round_trip():
+    """decoder_sparse_step and mlp_only_layers pick the same layers as transformers builds; the
+    presets' configs round-trip through config.json; bad MoE fields are clear errors."""
+    hf_cfg = transformers.Qwen3MoeConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=7, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4,
+        decoder_sparse_step=2, mlp_only_layers=[3])
+    model = transformers.Qwen3MoeForCausalLM(hf_cfg)
+    has_experts = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
+    assert has_experts == [False, True, False, False, False, True, False]
+    cfg = ModelConfig.from_hf_config(hf_cfg.to_dict())
+    assert [cfg.moe.is_moe_layer(i) for i in range(7)] == has_experts
+    assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
+        preset = preset_config(name)
+        assert ModelConfig.from_hf_config(preset.to_hf_config()) == preset
+    windowed = preset_config("mixtral-8x7b").replace(
+        layer_types=("sliding_attention",) * 32, sliding_window=4096)
+    assert ModelConfig.from_hf_config(windowed.to_hf_config()) == windowed
+    base = hf_cfg.to_dict()
+    with pytest.raises(ValueError, match="top_k=9 must be between 1 and num_experts=4"):
+        ModelConfig.from_hf_config({**base, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelConfig.from_hf_config({**base, "mlp_only_layers": [7]})
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf_config({**base, "hidden_act": "gelu"})
+
+
+@pytest.mark.parametrize("preset,total,active", [("qwen3-30b-a3b", 30.5, 3.35), ("mixtral-8x7b", 46.7, 12.9)])
+def test_moe_presets_have_the_models_shapes(preset, total, active):
+    """Total and active parameter counts of the real models (eval_shape: nothing is allocated)."""
+    cfg = preset_config(preset, "bfloat16")
+    shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+    counts = moe_module.param_counts(cfg)
+    assert counts["total"] == count and abs(count / 1e9 - total) / total < 0.01, count
+    assert abs(counts["active"] / 1e9 - active) / active < 0.01, counts
+    assert shapes["layers"][0]["experts_w_gate"].shape == (cfg.moe.num_experts, cfg.hidden_size,
+                                                           cfg.moe.expert_intermediate_size)
+    if preset == "qwen3-30b-a3b":  # the forward traces at these shapes too
+        logits = jax.eval_shape(
+            lambda p, c: forward(p, cfg, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32), c)[0],
+            shapes, jax.eval_shape(lambda: init_cache(cfg, 1, 64)))
+        assert logits.shape == (1, 4, cfg.vocab_size)
+    # A verify pass of T tokens reads the union of their experts: k for one token, towards all E.
+    reads = [moe_module.param_counts(cfg, t)["read"] for t in (1, 4, 16, 64)]
+    assert reads[0] == counts["active"] and reads == sorted(reads) and reads[-1] < counts["total"]
