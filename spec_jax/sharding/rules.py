@@ -202,11 +202,12 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: ShardingRules = DEFA
 
     def one(x: Any) -> Any:
         if isinstance(x, KVCache):
-            b, kv_heads, capacity, head_dim = x.k[0].shape
-            return kv_cache_shardings(
-                mesh, rules, batch=b, num_kv_heads=kv_heads, num_layers=x.num_layers,
-                capacity=capacity, head_dim=head_dim,
-            )
+            # Layer by layer: Gemma 4's full-attention layers have their own KV heads and head size.
+            layers = [kv_cache_shardings(mesh, rules, batch=b, num_kv_heads=kv_heads, capacity=capacity,
+                                         head_dim=head_dim) for b, kv_heads, capacity, head_dim in
+                      (k.shape for k in x.k)]
+            kv = tuple(layer.k[0] for layer in layers)
+            return layers[0].replace(k=kv, v=kv)
         shape = tuple(getattr(x, "shape", ()))
         if shape and batch is not None and shape[0] == batch:
             axes = ("batch",) + (None,) * (len(shape) - 1)
