@@ -14,10 +14,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from conftest import make_prompts
 
 from spec_jax.app import compilation_cache
 from spec_jax.app.main import COMMANDS, build_parser
+from spec_jax.decoding import saved_programs
+from spec_jax.decoding.generate import prepare_inputs, saved_loop_key
+from spec_jax.decoding.programs import _CACHE_HIT as _JAX_CACHE_HIT
+from spec_jax.decoding.programs import CompileTally, ProgramCache
+from spec_jax.drafters.ngram import NGramDrafter
 
 REPO = Path(__file__).parent.parent
 
@@ -81,12 +93,104 @@ def test_a_second_run_loads_its_program_from_the_cache(tmp_path):
     cache = tmp_path / "cache"
     argv = ["-m", "spec_jax.app.main", "generate", "--target", "random:tiny", "--prompt-ids", "1,2,3",
             "--max-new-tokens", "2", "--json", "--compile-cache", str(cache)]
-    first = json.loads(_python(argv, {}).stdout)["compilation"]
+    first_out = json.loads(_python(argv, {}).stdout)
+    first = first_out["compilation"]
     assert first["cache_dir"] == str(cache) and any(cache.iterdir())
     assert first["programs"] == 1 and first["cache_misses"] == 1 and first["cache_hits"] == 0
     second_proc = _python(argv, {})
     second = json.loads(second_proc.stdout)["compilation"]
+    # Loaded whole (spec_jax-programs/): not even traced, and the same tokens.
     assert second["programs"] == 1 and second["cache_hits"] == 1 and second["cache_misses"] == 0
-    assert second["trace_seconds"] > 0
-    assert re.search(r"compiled 1 program in [\d.]+s, [\d.]+s of it tracing \(1 from the persistent cache\)",
-                     second_proc.stderr), second_proc.stderr
+    assert second["saved_hits"] == 1 and second["trace_seconds"] == 0
+    assert json.loads(second_proc.stdout)["results"] == first_out["results"]
+    assert re.search(r"compiled 1 program in [\d.]+s, 0.0s of it tracing \(1 from the persistent cache, 1 of them "
+                     r"untraced\)", second_proc.stderr), second_proc.stderr
+
+
+# Saved programs (spec_jax.decoding.saved_programs): a program is loaded whole only for the exact
+# call it was saved for, and anything unusable is a miss that compiles as before.
+
+
+@pytest.fixture
+def saved_dir(tmp_path):
+    saved_programs.enable(tmp_path)
+    yield tmp_path / saved_programs.SUBDIR
+    saved_programs.enable(None)
+
+
+def _loop_call(models, prompt_length=5, k=3, **values):
+    values = dict(dict(max_new_tokens=8), **values)
+    return prepare_inputs(models.target, make_prompts([prompt_length]), NGramDrafter(k=k), **values)
+
+
+def _loop_key(call):
+    return saved_loop_key(call.target.model, call.drafter, call.capacity, call.inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _UsersConfig:  # a class whose code is not in spec_jax's source digest
+    width: int = 4
+
+
+def test_saved_program_keys_name_the_exact_call(models, saved_dir, monkeypatch):
+    key = _loop_key(_loop_call(models)).digest
+    assert _loop_key(_loop_call(models)).digest == key  # the same call, built again
+    # Traced values share one program: the prompt's tokens, the seed, sampling, the token budget.
+    assert _loop_key(_loop_call(models, seed=7, temperature=0.5, max_new_tokens=6)).digest == key
+    # A static argument or a shape that differs misses.
+    assert _loop_key(_loop_call(models, k=4)).digest != key
+    assert _loop_key(_loop_call(models, capacity=128)).digest != key
+    assert _loop_key(_loop_call(models, prompt_length=20)).digest != key  # the next prompt bucket
+    call = _loop_call(models)
+    as_f16 = jax.tree_util.tree_map(lambda x: x.astype(np.float16), call.inputs.target_params)
+    assert saved_loop_key(call.target.model, call.drafter, call.capacity,
+                          call.inputs.replace(target_params=as_f16)).digest != key
+    # Any edit of spec_jax's source misses.
+    monkeypatch.setattr(saved_programs, "source_digest", lambda: "edited")
+    assert _loop_key(call).digest != key
+    # Not saved: statics without an exact description, a mesh, or saving off.
+    assert saved_programs.key_for("f", (call.target.model, lambda x: x), (1,)) is None
+    assert saved_programs.key_for("f", _UsersConfig(), (1,)) is None
+    assert saved_programs.key_for("f", (), (1,), mesh="a mesh") is None
+    saved_programs.enable(None)
+    assert _loop_key(call) is None
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def _scaled(x, scale):
+    return jnp.tanh(x @ x.T) * scale
+
+
+def test_a_saved_program_loads_whole_and_a_bad_file_is_a_miss(saved_dir):
+    # A constant new to every run: JAX's own cache cannot have it, so the first get compiles.
+    scale = float(int.from_bytes(os.urandom(4), "little"))
+    x = np.arange(12.0, dtype=np.float32).reshape(3, 4)
+
+    def get(lower=lambda: _scaled.lower(x, scale=scale)):
+        tally = CompileTally()
+        exe, _ = ProgramCache(1).get_or_compile("scaled", lower, tally=tally, saved_as=saved_as)
+        return exe, tally
+
+    saved_as = lambda: saved_programs.key_for("scaled", scale, (x,))  # noqa: E731
+    compiled, tally = get()
+    assert (tally.saved_hits, tally.cache_hits) == (0, 0)
+    [path] = saved_dir.iterdir()
+    loaded, tally = get()
+    assert (tally.saved_hits, tally.cache_hits, tally.trace_seconds) == (1, 1, 0)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(compiled(x)))
+    # A cut file, a damaged one, or one saved for another call is a miss, and is removed.
+    whole, key = path.read_bytes(), saved_as()
+    other = saved_programs.key_for("scaled", scale + 1, (x,))
+    for path_now, data in ((path, whole[:-100]), (path, whole[:-100] + b"x" * 100),
+                           (saved_dir / f"{other.digest}{saved_programs.SUFFIX}", whole)):
+        path_now.write_bytes(data)
+        assert saved_programs.load(key if path_now == path else other) is None
+        assert not path_now.exists()
+    # A program JAX's cache served is not saved: its executable would serialize without its
+    # machine code.
+    served = lambda: (jax.monitoring.record_event(_JAX_CACHE_HIT), _scaled.lower(x, scale=scale))[1]  # noqa: E731
+    exe, _ = get(served)
+    np.testing.assert_array_equal(np.asarray(exe(x)), np.asarray(compiled(x)))
+    assert not any(saved_dir.iterdir())
+
+

@@ -7,7 +7,11 @@ Where it goes, first that is set:
   3. JAX's own JAX_COMPILATION_CACHE_DIR (the user's JAX setting is kept as it is);
   4. $XDG_CACHE_HOME/spec_jax/jax-compilation-cache (~/.cache/... when XDG_CACHE_HOME is unset).
 
-The library (`import spec_jax`) never turns the cache on: that is the user's JAX config.
+In that directory's spec_jax-programs/ the command line also saves each program whole
+(`spec_jax.decoding.saved_programs`): a later start loads it without tracing or lowering it again.
+
+The library (`import spec_jax`) never turns the cache on: that is the user's JAX config (and
+`saved_programs.enable(directory)` for the saved programs).
 """
 
 from __future__ import annotations
@@ -65,7 +69,10 @@ def configure(flag: str | None) -> str | None:
     """Set JAX's config for this process (before anything compiles) -> the directory, or None."""
     import jax
 
+    from spec_jax.decoding import saved_programs
+
     directory = choose(flag)
     for name, value in jax_settings(directory).items():
         jax.config.update(name, value)
+    saved_programs.enable(directory)
     return directory

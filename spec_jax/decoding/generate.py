@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.decoding import validation
+from spec_jax.decoding import saved_programs, validation
 from spec_jax.decoding.loop import (
     FINISH_NAMES,
     MAX_STOP_IDS,
@@ -280,7 +280,14 @@ def compiled_loop(
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, inputs)
         cache_key += (mesh, str(shardings))
     return _COMPILED.get_or_compile(
-        cache_key, lambda: generate_jit.lower(inputs, model=model, drafter=drafter, capacity=capacity), mesh)
+        cache_key, lambda: generate_jit.lower(inputs, model=model, drafter=drafter, capacity=capacity), mesh,
+        saved_as=lambda: saved_loop_key(model, drafter, capacity, inputs, mesh))
+
+
+def saved_loop_key(model: TargetModel, drafter: Drafter | None, capacity: int, inputs: LoopInputs,
+                   mesh: Any = None) -> saved_programs.ProgramKey | None:
+    """The loop's key among `saved_programs` (None: not saved)."""
+    return saved_programs.key_for("generate_loop", (model, drafter, capacity), (inputs,), mesh=mesh)
 
 
 def generate(

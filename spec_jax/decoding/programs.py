@@ -3,7 +3,8 @@ and the engine's chunk and admit programs all go through a `ProgramCache`, and `
 releases every one of them.
 
 Every compile is counted (`compile_tally()`: programs, seconds, and how many came from JAX's
-persistent compilation cache), so the command line can say whether a start paid for its compiles.
+persistent compilation cache or whole from `saved_programs`), so the command line can say whether a
+start paid for its compiles.
 spec_jax never turns that cache on from the library: the command line does, or the user's JAX
 config (`jax.config.update("jax_compilation_cache_dir", ...)`)."""
 
@@ -18,6 +19,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+from spec_jax.decoding import saved_programs
 
 # Every cache made, so clear_compiled reaches them all.
 _ALL_CACHES: list[ProgramCache] = []
@@ -49,13 +52,15 @@ class CompileTally:
     """Programs compiled, the seconds it took (`trace_seconds` of them tracing and lowering to
     StableHLO, paid on every start: the persistent cache's key is the lowered program), and what
     JAX's persistent compilation cache did for them: `cache_hits` were loaded from it,
-    `cache_misses` were looked up there and compiled anew (both 0 when the cache is off)."""
+    `cache_misses` were looked up there and compiled anew (both 0 when the cache is off);
+    `saved_hits` of the hits were loaded whole from `saved_programs`, with no tracing."""
 
     programs: int = 0
     seconds: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
     trace_seconds: float = 0.0
+    saved_hits: int = 0
 
     def add(self, other: CompileTally) -> None:
         for field in dataclasses.fields(self):
@@ -78,7 +83,8 @@ class CompileTally:
             return "compiled no programs"
         plural = "" if self.programs == 1 else "s"
         looked_up = self.cache_hits + self.cache_misses
-        source = f" ({self.cache_hits} from the persistent cache)" if looked_up else " (persistent cache off)"
+        untraced = f", {self.saved_hits} of them untraced" if self.saved_hits else ""
+        source = f" ({self.cache_hits} from the persistent cache{untraced})" if looked_up else " (persistent cache off)"
         return (f"compiled {self.programs} program{plural} in {self.seconds:.1f}s, {self.trace_seconds:.1f}s of "
                 f"it tracing{source}")
 
@@ -93,19 +99,31 @@ def compile_tally() -> CompileTally:
         return dataclasses.replace(_TOTAL)
 
 
-def _compile_counted(lower: Callable[[], Any], mesh: Any) -> tuple[Any, CompileTally]:
-    """`lower().compile()` -> (executable, its tally: time, and whether the persistent cache served it)."""
-    lookups0, hits0 = _cache_events()
+def _compile_counted(lower: Callable[[], Any], mesh: Any,
+                     saved_as: Callable[[], saved_programs.ProgramKey | None] | None) -> tuple[Any, CompileTally]:
+    """The program saved under `saved_as()`, else `lower().compile()` (then saved there) ->
+    (executable, its tally: time, and whether the persistent cache or the saved program served it)."""
     t0 = time.perf_counter()
+    key = saved_as() if saved_as is not None else None
+    if key is not None:
+        exe = saved_programs.load(key)
+        if exe is not None:
+            return exe, CompileTally(1, time.perf_counter() - t0, cache_hits=1, saved_hits=1)
+    lookups0, hits0 = _cache_events()
+    lowering = time.perf_counter()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         lowered = lower()
         traced = time.perf_counter()
         exe = lowered.compile()
-    seconds = time.perf_counter() - t0
     lookups, hits = _cache_events()
     hit = hits > hits0
     missed = lookups > lookups0 and not hit
-    return exe, CompileTally(1, seconds, int(hit), int(missed), traced - t0)
+    # Only a program compiled here: one JAX's cache loaded serializes without its machine code
+    # (jaxlib 0.10.2 on CPU: it loads, then fails when run).
+    if key is not None and not hit:
+        saved_programs.save(key, exe)
+    seconds = time.perf_counter() - t0
+    return exe, CompileTally(1, seconds, int(hit), int(missed), traced - lowering)
 
 
 class ProgramCache:
@@ -120,16 +138,18 @@ class ProgramCache:
         _ALL_CACHES.append(self)
 
     def get_or_compile(self, key: Any, lower: Callable[[], Any], mesh: Any = None,
-                       tally: CompileTally | None = None) -> tuple[Any, float]:
+                       tally: CompileTally | None = None,
+                       saved_as: Callable[[], saved_programs.ProgramKey | None] | None = None) -> tuple[Any, float]:
         """The executable for `key`, compiled from `lower()` (a `jax.stages.Lowered`) on first use
         -> (executable, seconds spent compiling now). A compile is added to `compile_tally()` and
-        to `tally` when given."""
+        to `tally` when given. `saved_as()` is the program's `saved_programs` key (None: not saved):
+        a program saved there by an earlier process is loaded instead of lowered and compiled."""
         with self._lock:
             exe = self._programs.get(key)
             if exe is not None:
                 self._programs.move_to_end(key)
                 return exe, 0.0
-        exe, this = _compile_counted(lower, mesh)  # outside the lock: other keys compile meanwhile
+        exe, this = _compile_counted(lower, mesh, saved_as)  # outside the lock: other keys compile meanwhile
         with _TOTAL_LOCK:  # one lock for every tally: warm-up threads add to the engine's
             _TOTAL.add(this)
             if tally is not None:
