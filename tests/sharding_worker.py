@@ -6,6 +6,7 @@ JSON object (the last stdout line) that the test asserts on.
 
 usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@MESH
   MODEL: divisible (8 heads, 4 KV heads) | nondivisible (9 heads, 3 KV heads, like SmolLM2)
+         | moe (divisible with a mixture-of-experts layer)
          | default (the real SmolLM2-135M-Instruct)
   DRAFTER: ar | ngram | draft_model | dflash | dflash_vocab | eagle3 | table (a test-only drafter);  MESH: DxM (data x model), e.g. 2x4
 """
@@ -31,7 +32,7 @@ from spec_jax.sampling import SamplingParams# noqa: E402
 from spec_jax.models import Decoder, Target  # noqa: E402
 from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from spec_jax.drafters.ngram import NGramDrafter  # noqa: E402
-from spec_jax.models.config import ModelConfig  # noqa: E402
+from spec_jax.models.config import ModelConfig, MoeConfig  # noqa: E402
 from spec_jax.models.decoder import init_params  # noqa: E402
 from spec_jax.models.weights import model_weight_specs  # noqa: E402
 from table_drafter import TableDrafter, table_params  # noqa: E402  (tests/ is sys.path[0])
@@ -49,6 +50,9 @@ generate_module = importlib.import_module("spec_jax.decoding.generate")
 MODELS = {
     "divisible": dict(num_heads=8, num_kv_heads=4, hidden_size=64),
     "nondivisible": dict(num_heads=9, num_kv_heads=3, hidden_size=72),
+    # "divisible" with experts on layer 1 (8 of width 32, top 2): experts split over `model`.
+    "moe": dict(num_heads=8, num_kv_heads=4, hidden_size=64,
+                moe=MoeConfig(8, 2, 32, normalize_top_k=True, dense_layers=(0,))),
 }
 CAPACITY = 64
 MAX_NEW = 12
@@ -142,7 +146,11 @@ def shard_report(cfg: ModelConfig, params, mesh) -> dict:
         "specs": {
             name: str(sharded["layers"][0][name].sharding.spec) for name in ("wq", "wk", "wo", "w_up")
         }
-        | {"embed": str(sharded["embed"].sharding.spec)},
+        | {"embed": str(sharded["embed"].sharding.spec)}
+        | {  # the MoE model's last layer: its router and experts
+            name: str(sharded["layers"][-1][name].sharding.spec)
+            for name in ("router", "experts_w_gate", "experts_w_down") if cfg.moe is not None
+        },
         "wq_shard_bytes": [s.data.nbytes for s in wq.addressable_shards],
         "wq_bytes": int(wq.nbytes),
         "param_bytes_total": int(total),

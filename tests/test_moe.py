@@ -9,7 +9,7 @@ get experts, the configs, and the real-size presets (eval_shape only).
 
 from __future__ import annotations
 
-import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +45,10 @@ def test_expert_paths_agree():
     for moe in (MoeConfig(8, 3, 32, normalize_top_k=True, shared_expert_intermediate_size=48, shared_expert_gate=True),
                 MoeConfig(8, 2, 32, router_scoring="topk_softmax", router_bias=True, expert_bias=True)):
         lp = _moe_layer_params(moe, jax.random.key(0))
-        outs = {path: np.asarray(jax.jit(functools.partial(moe_module.moe_block, moe=moe, path=path))(lp, x))
-                for path in (moe_module.LOOP, moe_module.GATHER, moe_module.DENSE, moe_module.RAGGED)}
-        for path, out in outs.items():
-            np.testing.assert_allclose(out, outs[moe_module.LOOP], atol=1e-5, err_msg=path)
+        paths = (moe_module.LOOP, moe_module.GATHER, moe_module.DENSE, moe_module.RAGGED)
+        outs = jax.jit(lambda lp, x, moe=moe: [moe_module.moe_block(lp, x, moe, path) for path in paths])(lp, x)
+        for path, out in zip(paths, outs):
+            np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=1e-5, err_msg=path)
     assert moe_module.expert_path(8, 128, "cpu") == moe_module.LOOP
     assert moe_module.expert_path(8, 128, "gpu") == moe_module.GATHER
     assert moe_module.expert_path(512, 128, "gpu") == moe_module.DENSE
@@ -186,3 +186,18 @@ def test_moe_presets_have_the_models_shapes(preset, total, active):
     # A verify pass of T tokens reads the union of their experts: k for one token, towards all E.
     reads = [moe_module.param_counts(cfg, t)["read"] for t in (1, 4, 16, 64)]
     assert reads[0] == counts["active"] and reads == sorted(reads) and reads[-1] < counts["total"]
+
+
+def test_info_and_roofline_count_the_routed_experts(capsys):
+    """`spec-jax info` on a random 30B MoE preset (shapes only, nothing allocated): total and
+    active parameters, the bytes a decode step reads; the roofline's floor reads the same."""
+    from spec_jax.app.main import main
+    from spec_jax.app.roofline import weight_bytes_read
+
+    assert main(["info", "--target", "random:qwen3-30b-a3b", "--dtype", "bfloat16", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["target"]
+    assert info["params"] == 30_532_122_624 and info["active_params_per_token"] == 3_353_032_704
+    assert info["weight_bytes_per_step"] == 2 * info["active_params_per_token"]
+    cfg = preset_config("qwen3-30b-a3b", "bfloat16")
+    assert weight_bytes_read(cfg, 2 * info["params"], 1) == pytest.approx(info["weight_bytes_per_step"])
+    assert weight_bytes_read(preset_config("qwen3-8b"), 1000, 16) == 1000  # dense: every weight

@@ -171,6 +171,7 @@ MESHES = ["2x4", "4x2", "1x8"]
 DEFAULT_CASES = {
     "divisible": ["ar@1x8", "ngram@4x2", "dflash_vocab@2x4", "table@2x4", "eagle3@4x2"],
     "nondivisible": ["draft_model@2x4", "ngram@1x8", "dflash@4x2", "eagle3@2x4"],
+    "moe": ["ngram@1x8"],  # one expert per device
 }
 
 
@@ -190,7 +191,7 @@ def worker_results() -> dict:
             [sys.executable, str(WORKER), model, ",".join(worker_cases(model))],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
-        for model in ("divisible", "nondivisible")
+        for model in ("divisible", "nondivisible", "moe")
     }
     results = {}
     for model, proc in procs.items():
@@ -201,7 +202,7 @@ def worker_results() -> dict:
     return results
 
 
-@pytest.mark.parametrize("model", ["divisible", "nondivisible"])
+@pytest.mark.parametrize("model", ["divisible", "nondivisible", "moe"])
 def test_sharded_generate_matches_unsharded(worker_results, model):
     result = worker_results[model]
     assert result["devices"] == 8
@@ -257,6 +258,16 @@ EXPECTED_SHARDS = {
     ("nondivisible", "4x2"): ("P()", "P('data',)"),
     ("nondivisible", "1x8"): ("P()", "P()"),
 }
+EXPECTED_SHARDS.update({("moe", mesh): EXPECTED_SHARDS[("divisible", mesh)] for mesh in MESHES})
+
+
+def test_experts_are_sharded_over_model(worker_results):
+    """The MoE model's experts split whole over `model` (8 experts: 1 per device on model=8), its
+    MLP width within an expert unsplit; the router replicated."""
+    for mesh_name, shards in worker_results["moe"]["shards"].items():
+        expert_spec = "P()" if mesh_name.endswith("x1") else "P('model',)"
+        assert shards["specs"]["experts_w_gate"] == shards["specs"]["experts_w_down"] == expert_spec, mesh_name
+        assert shards["specs"]["router"] == "P()", mesh_name
 
 
 @pytest.mark.parametrize("model", ["divisible", "nondivisible"])

@@ -1,4 +1,6 @@
-"""`spec-jax info`: parameter counts and KV-cache bytes per token of a target and a drafter."""
+"""`spec-jax info`: parameter counts and KV-cache bytes per token of a target and a drafter; for a
+mixture-of-experts target also the parameters one token runs through and the weight bytes one
+decode step reads (the routed experts only)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 from spec_jax.app import inputs
 from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_from_args
 
-HELP = "parameter counts and KV-cache bytes per token"
+HELP = "parameter counts (total, active per token), bytes per decode step, KV-cache bytes per token"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,10 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    import jax.numpy as jnp
+
+    from spec_jax.models.moe import param_counts
     from spec_jax.models.weights import count_params, model_weight_specs
 
     spec = drafter_spec_from_args(args) if args.drafter else inputs.DrafterSpec("none")
-    target = inputs.load_target_or_fail(args.target, args.dtype)
+    target = _load_target(args.target, args.dtype)
     cfg = target.cfg
     info: dict[str, Any] = {
         "target": {
@@ -36,6 +41,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             "tied_embeddings": cfg.tie_embeddings,
             "dtype": cfg.dtype,
             "params": count_params(model_weight_specs(cfg)),
+            # A MoE target: every weight but the experts, plus k experts per MoE layer; a step at
+            # batch 1 reads those (the embedding table counted whole, as published totals do).
+            "active_params_per_token": int(param_counts(cfg)["active"]),
+            "weight_bytes_per_step": int(param_counts(cfg)["active"]) * jnp.dtype(cfg.dtype).itemsize,
             "kv_bytes_per_token": cfg.kv_bytes_per_token,
             "has_tokenizer": target.tokenizer is not None,
             "has_chat_template": target.chat_template is not None,
@@ -51,8 +60,28 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         for key, value in values.items():
             if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
                 value = f"{value:,}"
-            print(f"  {key:20s} {value}")
+            print(f"  {key:24s} {value}")
     return None
+
+
+def _load_target(spec: str | None, dtype: str | None) -> Any:
+    """The target, except that a `random:PRESET` one is its shapes alone (`jax.eval_shape`): info
+    reads no weight, and a 30B preset's random weights would not fit in memory."""
+    from spec_jax.checkpoints import RANDOM_PREFIX, CheckpointError, LoadedModel
+
+    if not (spec or "").startswith(RANDOM_PREFIX):
+        return inputs.load_target_or_fail(spec, dtype)
+    import jax
+
+    from spec_jax.models.decoder import init_params
+    from spec_jax.models.presets import preset_config
+
+    try:
+        cfg = preset_config(spec[len(RANDOM_PREFIX):], inputs.resolve_dtype(dtype))
+    except ValueError as e:
+        raise CheckpointError(f"{e} Pass --target random:<preset>.") from None
+    params = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+    return LoadedModel(cfg, params, None, None, spec)
 
 
 def drafter_info(drafter: Any) -> dict[str, Any]:

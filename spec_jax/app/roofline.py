@@ -11,7 +11,10 @@ Measured on the default device, all in one process:
 - copy bandwidth: a jitted `x + 1` over a buffer far larger than any cache (bytes read + written
   per second), the best a memory-bound kernel can do here;
 - the floor: parameter bytes / that bandwidth, since every decode step reads every weight once
-  (the KV cache read is listed apart: it grows with the context);
+  (the KV cache read is listed apart: it grows with the context). A mixture-of-experts target
+  reads only the experts its tokens route to: its floor counts every other weight plus the
+  expected union of the batch's experts (`spec_jax.models.moe.param_counts`), and each verify
+  row its own T tokens' union, which grows from k experts per layer towards all of them;
 - the AR step: per-step time of the real loop (`generate` with no drafter, K = 0), and of a bare
   jitted one-token forward against the same cache;
 - verify cost: a jitted forward of T tokens (T = K + 1 of a speculative step) against a cache that
@@ -181,7 +184,8 @@ def run_roofline(
     # The loop's attention reads the whole cache buffer (masked), keys and values of every layer.
     cache_bytes = cfg.kv_bytes_per_token * batch * capacity
     bandwidth = copy["bytes_per_s"]
-    floor_s = weight_bytes / bandwidth
+    step_bytes = weight_bytes_read(cfg, weight_bytes, batch)
+    floor_s = step_bytes / bandwidth
     device = jax.devices()[0]
     base = verify[1]
     return {
@@ -190,19 +194,21 @@ def run_roofline(
         "dtype": cfg.dtype,
         "params": int(sum(x.size for x in jax.tree.leaves(target.params))),
         "weight_bytes": int(weight_bytes),
+        "step_weight_bytes": int(step_bytes),  # what one decode step reads (MoE: routed experts)
         "cache_bytes": int(cache_bytes),
         "batch": batch,
         "context": context,
         "capacity": capacity,
         "copy": copy,
         "floor_ms": 1e3 * floor_s,
-        "floor_with_cache_ms": 1e3 * (weight_bytes + cache_bytes) / bandwidth,
+        "floor_with_cache_ms": 1e3 * (step_bytes + cache_bytes) / bandwidth,
         "ar_loop_step_ms": 1e3 * ar["step_s"],
         "ar_prefill_ms": 1e3 * ar["prefill_s"],
         "forward_1_token_ms": 1e3 * base,
         "ar_step_over_floor": ar["step_s"] / floor_s,
         "verify": [
-            {"tokens": t, "ms": 1e3 * s, "relative": s / base, "ms_per_token": 1e3 * s / t}
+            {"tokens": t, "ms": 1e3 * s, "relative": s / base, "ms_per_token": 1e3 * s / t,
+             "floor_ms": 1e3 * weight_bytes_read(cfg, weight_bytes, batch * t) / bandwidth}
             for t, s in verify.items()
         ],
         "repeats": repeats,
@@ -211,6 +217,15 @@ def run_roofline(
         "host": platform.node(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
+
+
+def weight_bytes_read(cfg: Any, weight_bytes: int, tokens: int) -> float:
+    """Bytes of the `weight_bytes` a pass of `tokens` tokens reads: all of them, except a MoE
+    target's unrouted experts (the expected union of the tokens' choices is read)."""
+    from spec_jax.models.moe import param_counts
+
+    counts = param_counts(cfg, tokens)
+    return weight_bytes * counts["read"] / counts["total"]
 
 
 def print_roofline(report: dict[str, Any], file: Any = None) -> None:
@@ -223,16 +238,21 @@ def print_roofline(report: dict[str, Any], file: Any = None) -> None:
         file=file,
     )
     print(f"copy bandwidth            {gb:9.1f} GB/s (read + write)", file=file)
+    moe = report["step_weight_bytes"] != report["weight_bytes"]
+    if moe:
+        print(f"a step reads              {report['step_weight_bytes'] / 2**20:9.0f} MiB of the weights "
+              "(routed experts only)", file=file)
     print(f"floor (weights / bw)      {report['floor_ms']:9.3f} ms", file=file)
     print(f"floor incl. KV cache      {report['floor_with_cache_ms']:9.3f} ms "
           f"({report['cache_bytes'] / 2**20:.0f} MiB cache)", file=file)
     print(f"AR step in the loop       {report['ar_loop_step_ms']:9.3f} ms "
           f"= {report['ar_step_over_floor']:.2f}x floor", file=file)
     print(f"bare 1-token forward      {report['forward_1_token_ms']:9.3f} ms", file=file)
-    print("verify T tokens           ms       x T=1   ms/token", file=file)
+    print("verify T tokens           ms       x T=1   ms/token" + ("   floor ms (experts read)" if moe else ""),
+          file=file)
     for row in report["verify"]:
         print(f"  T={row['tokens']:<3d}                {row['ms']:9.3f} {row['relative']:7.2f} "
-              f"{row['ms_per_token']:9.3f}", file=file)
+              f"{row['ms_per_token']:9.3f}" + (f" {row['floor_ms']:9.3f}" if moe else ""), file=file)
 
 
 def write_roofline(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
@@ -256,6 +276,9 @@ def write_roofline(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     left.set_title("decode step vs memory-bandwidth floor")
     ts = [r["tokens"] for r in report["verify"]]
     right.plot(ts, [r["relative"] for r in report["verify"]], "o-", label="measured")
+    if report["step_weight_bytes"] != report["weight_bytes"]:  # MoE: the union of routed experts grows
+        first = report["verify"][0]["floor_ms"]
+        right.plot(ts, [r["floor_ms"] / first for r in report["verify"]], "s--", label="expert reads (floor x T=1)")
     right.plot(ts, ts, ":", color="gray", label="compute-bound (x T)")
     right.axhline(1.0, color="gray", linestyle="--", label="memory-bound (x 1)")
     right.set_xscale("log", base=2)
