@@ -95,7 +95,9 @@ class DraftModelDrafter:
     def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
         batch, prompt_len = prompt_tokens.shape
         positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-        cache = self.model.init_cache(batch, capacity)
+        # Behind a barrier, as the target's in the loop's prefill: constant zero lengths would let
+        # XLA fold the fully masked cache attention on the host, slowly, at large batches.
+        cache = jax.lax.optimization_barrier(self.model.init_cache(batch, capacity))
         cache = self.model.forward(params, prompt_tokens, positions, cache).cache
         return self.model.commit(cache, prompt_lengths)
 

@@ -326,7 +326,9 @@ class Eagle3Drafter:
     def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
         c = self.cfg.layer
         batch, prompt_len = prompt_tokens.shape
-        cache = empty_cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, params["fc"].dtype)
+        # Behind a barrier, as the target's cache in the loop's prefill (constant folding).
+        cache = jax.lax.optimization_barrier(
+            empty_cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, params["fc"].dtype))
         if prompt_len > 1:  # pairs 0 .. P-2 are complete: (features of token t, token t + 1)
             pairs = jnp.broadcast_to(jnp.arange(prompt_len - 1, dtype=jnp.int32), (batch, prompt_len - 1))
             hidden = fuse_features(self.cfg, params, prefill_captured[:, :-1])
