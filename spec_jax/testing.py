@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.interface import TargetModel, ancestor_mask
+from spec_jax.models.interface import CacheReader, TargetModel, ancestor_mask
 from spec_jax.models.resolve import as_target_model
 
 # Host callbacks in lowered StableHLO (jax.pure_callback, io_callback, jax.debug.print/callback):
@@ -94,6 +94,9 @@ def check_target(
     passed += ["float32 logits", "captured layers"]
     cache, pos = checker.prefill_then_steps(full_logits)
     passed += ["prefill then steps equals full forward", "per-row writes"]
+    if isinstance(model, CacheReader):
+        checker.cache_view(cache, pos, np.random.default_rng(seed + 1))
+        passed.append("cache view")
     checker.rollback_by_length(full_logits, cache, pos, rng)
     passed.append("rollback by length")
     checker.partial_rollback(full_logits, rng)
@@ -271,6 +274,48 @@ class _Checker:
             "after a 3-token pass of which 2 tokens were committed, the next step differs from the "
             "full forward (max diff {diff:.2e}). A recurrent layer's commit must restore, per row, "
             "the state after its last committed token (docs/bring_your_own_model.md, recurrent layers).")
+
+    def cache_view(self, cache, pos: np.ndarray, rng: np.random.Generator) -> None:
+        """8. A model that offers `cache_view` (drafters that read its cache): one layer type per
+        layer; each attention type's last layer's view is the cache's own arrays (no copy) with
+        its committed lengths, committed slot j holds position j (the same keys/values as one
+        full pass over those tokens), and a pass that was not committed changes no committed slot."""
+        model, capacity = self.model, self.probe.capacity
+        types = tuple(model.layer_types)
+        if len(types) != model.num_layers:
+            _fail("cache view", f"layer_types has {len(types)} entries for {model.num_layers} layers.")
+        full = self.run(self.probe.tokens[:, : pos.max()], self.positions_full[:, : pos.max()], self.empty_cache())
+        full_cache = model.commit(full.cache, jnp.asarray(pos))
+        junk = rng.integers(0, int(model.vocab_size), (2, 2)).astype(np.int32)
+        after_junk = self.run(junk, pos[:, None] + np.arange(2), cache).cache
+        for kind in ("sliding_attention", "full_attention"):
+            if kind not in types:
+                continue
+            layer = len(types) - 1 - types[::-1].index(kind)
+            view = model.cache_view(cache, layer)
+            leaves = jax.tree_util.tree_leaves(cache)
+            if not any(view.k is leaf for leaf in leaves) or not any(view.v is leaf for leaf in leaves):
+                _fail("cache view", f"cache_view(cache, {layer}) returned new arrays: return the cache's own "
+                      "keys/values arrays (a view the loop reads in place, never a copy or a slice).")
+            shape = tuple(view.k.shape)
+            if len(shape) != 4 or shape[0] != 2 or shape[2] != capacity or tuple(view.v.shape) != shape:
+                _fail("cache view", f"layer {layer}'s view has k {shape}, v {tuple(view.v.shape)}; expected "
+                      f"[B, Kv, capacity, D] = [2, Kv, {capacity}, D] for both.")
+            if np.asarray(view.lengths).tolist() != pos.tolist():
+                _fail("cache view", f"the view's lengths {np.asarray(view.lengths).tolist()} differ from the "
+                      f"committed lengths {pos.tolist()}.")
+            reference = model.cache_view(full_cache, layer)
+            for name, got, want, moved in (("keys", view.k, reference.k, model.cache_view(after_junk, layer).k),
+                                           ("values", view.v, reference.v, model.cache_view(after_junk, layer).v)):
+                for b in range(2):
+                    committed = slice(0, int(pos[b]))
+                    same, diff = _close(got[b, :, committed], want[b, :, committed], self.atol, self.rtol)
+                    kept, _ = _close(moved[b, :, committed], got[b, :, committed], 0, 0)
+                    if not same or not kept:
+                        _fail("cache view", f"layer {layer} ({kind}), row {b}: the committed {name} "
+                              + (f"differ from one full pass over the same tokens (max diff {diff:.2e}): slot j "
+                                 "must hold position j's." if not same else
+                                 "changed under a pass that was not committed."))
 
     def positions_honoured(self, cache, pos: np.ndarray) -> None:
         """6. The same step at positions shifted past the slots must change the output (a model

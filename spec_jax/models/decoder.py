@@ -34,7 +34,7 @@ from spec_jax.models.config import LinearRopeScaling, ModelConfig, MoeConfig, Pr
 from spec_jax.models.interface import ForwardOutput, chain_mask
 from spec_jax.models.moe import moe_block
 from spec_jax.models.weights import init_from_specs, model_weight_specs
-from spec_jax.models.config import FULL_ATTENTION, GLOBAL_WINDOW, SLIDING_ATTENTION
+from spec_jax.models.config import FULL_ATTENTION, GLOBAL_WINDOW, LINEAR_ATTENTION, SLIDING_ATTENTION
 from spec_jax.models.interface import LayerKV
 from spec_jax.models.gated_deltanet import DeltaNetDims, commit_delta_net, delta_net
 from spec_jax.models.recurrent import last_committed_index
@@ -662,11 +662,17 @@ class Decoder:
     # Reading the cache (`spec_jax.models.interface.CacheReader`): each layer's own arrays.
     @property
     def layer_types(self) -> tuple[str, ...]:
-        return tuple(FULL_ATTENTION if w == GLOBAL_WINDOW else SLIDING_ATTENTION for w in self.cfg.layer_windows)
+        # The window tells full from sliding (Mistral slides on every layer without layer_types).
+        types = self.cfg.layer_types or (FULL_ATTENTION,) * self.cfg.num_layers
+        return tuple(t if t == LINEAR_ATTENTION else FULL_ATTENTION if w == GLOBAL_WINDOW else SLIDING_ATTENTION
+                     for t, w in zip(types, self.cfg.layer_windows))
 
     def cache_view(self, cache: KVCache, layer: int) -> LayerKV:
+        if self.cfg.is_linear_attention(layer):
+            raise ValueError(f"layer {layer} is a linear-attention layer: it keeps no keys/values to view.")
         source = self.cfg.kv_source(layer)  # a KV-shared layer (Gemma 4) reads an earlier one's
-        return LayerKV(cache.k[source], cache.v[source], cache.lengths, self.cfg.layer_windows[layer])
+        slot = source - sum(map(self.cfg.is_linear_attention, range(source)))  # Gated DeltaNet layers have none
+        return LayerKV(cache.k[slot], cache.v[slot], cache.lengths, self.cfg.layer_windows[layer])
 
     def weight_specs(self) -> Any:
         return model_weight_specs(self.cfg)
