@@ -72,6 +72,32 @@ def gated_norm(x: jax.Array, weight: jax.Array, gate: jax.Array, eps: float) -> 
     return (normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
+def unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """The inverse of unit lower-triangular matrices [..., n, n] by recursive 2 x 2 blocking
+    (inv [[A, 0], [C, D]] = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]), both halves of a level inverted
+    as one batch: log2(n) levels of batched matmuls. (XLA:CPU's triangular_solve took 0.9 s for
+    32 x 32 systems over 32 heads, this 7 ms, as accurate in float32.) n is padded to a power of
+    two with an identity block."""
+    n = lower.shape[-1]
+    size = 1 << max(n - 1, 0).bit_length()
+    if size != n:
+        pad = [(0, 0)] * (lower.ndim - 2) + [(0, size - n)] * 2
+        lower = jnp.pad(lower, pad) + jnp.diag((jnp.arange(size) >= n).astype(lower.dtype))
+
+    def inverse(m):
+        if m.shape[-1] == 1:
+            return jnp.ones_like(m)
+        h = m.shape[-1] // 2
+        both = inverse(jnp.stack([m[..., :h, :h], m[..., h:, h:]]))
+        top_left, bottom_right = both[0], both[1]
+        bottom_left = -einsum("...ij,...jk->...ik", bottom_right,
+                              einsum("...ij,...jk->...ik", m[..., h:, :h], top_left))
+        top = jnp.concatenate([top_left, jnp.zeros_like(top_left)], axis=-1)
+        return jnp.concatenate([top, jnp.concatenate([bottom_left, bottom_right], axis=-1)], axis=-2)
+
+    return inverse(lower)[..., :n, :n]
+
+
 def delta_rule_chunk(q, k, v, g, beta, state, visible):
     """One chunk of the gated delta rule under an in-pass mask.
 
@@ -85,8 +111,7 @@ def delta_rule_chunk(q, k, v, g, beta, state, visible):
     strict = seen & ~jnp.eye(t, dtype=bool)
     a = jnp.where(strict, einsum("bhtd,bhjd->bhtj", k, k) * decay, 0.0) * beta[..., None]
     rhs = beta[..., None] * (v - jnp.exp(G)[..., None] * einsum("bhtd,bhdv->bhtv", k, state))
-    system = a + jnp.eye(t, dtype=a.dtype)
-    delta = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    delta = einsum("bhtj,bhjv->bhtv", unit_lower_inverse(a + jnp.eye(t, dtype=a.dtype)), rhs)
     scores = jnp.where(seen, einsum("bhtd,bhjd->bhtj", q, k) * decay, 0.0)
     out = jnp.exp(G)[..., None] * einsum("bhtd,bhdv->bhtv", q, state) + einsum("bhtj,bhjv->bhtv", scores, delta)
     return out, delta, G
