@@ -5,7 +5,7 @@ CPU codegen (these checks compare tokens, not speed), so each loop compiles in s
 1. the doc's example block as written (check_target; every drafter equal to plain decoding at
    batch 4, asserted inside the block);
 2. the same drafters at batch 1;
-3. AR, n-gram and DFlash sharded over data=2, model=4 against unsharded.
+3. AR, n-gram and DFlash sharded over data=2, model=4 against unsharded plain decoding.
 Prints one JSON object (the last stdout line).
 """
 
@@ -53,9 +53,11 @@ def sharded() -> dict[str, bool]:
     mesh = make_mesh("data=2,model=4")
     # weight_specs() is None: the user places the params (replicated here).
     placed = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    # Each sharded run against unsharded plain decoding (greedy speculative output equals it, so
+    # one unsharded loop is the reference for all three).
+    plain = spec_jax.generate((model, params), prompts, max_new_tokens=12)
     equal = {}
     for name, (drafter, drafter_params) in cases.items():
-        plain = spec_jax.generate((model, params), prompts, drafter, drafter_params, max_new_tokens=12)
         on_mesh = spec_jax.generate((model, placed), prompts, drafter, drafter_params, max_new_tokens=12,
                                     mesh=mesh)
         equal[name] = on_mesh.generated_ids == plain.generated_ids
