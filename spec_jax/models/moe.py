@@ -105,37 +105,32 @@ def expert_activation(gate: jax.Array, up: jax.Array, moe: MoeConfig) -> jax.Arr
 
 
 # ----------------------------------------------------------------------------- experts
+def _expert_ffn(x: jax.Array, weight: Any, biases: bool, moe: MoeConfig) -> jax.Array:
+    """x [..., H] through the expert weights `weight(name)` returns for it ([..., H, F] and
+    [..., F, H]; biases [..., F] / [..., H] when `biases`) -> [..., H]."""
+    gate = einsum("...h,...hf->...f", x, weight("experts_w_gate"))
+    up = einsum("...h,...hf->...f", x, weight("experts_w_up"))
+    if biases:
+        gate, up = gate + weight("experts_b_gate"), up + weight("experts_b_up")
+    out = einsum("...f,...fh->...h", expert_activation(gate, up, moe), weight("experts_w_down"))
+    return out + weight("experts_b_down") if biases else out
+
+
 def _routed_loop(lp: Params, x: jax.Array, experts: jax.Array, moe: MoeConfig) -> jax.Array:
-    """x [P, H] (one row per (token, expert) pair), experts [P] -> each pair's expert output [P, H]."""
+    """x [P, H] (one row per (token, expert) pair), experts [P] -> each pair's expert output
+    [P, H], one pair at a time, its expert's slices read in place."""
 
     def one_pair(args):
         x_p, e = args  # [H], []
-
-        def slice_of(name):
-            return jax.lax.dynamic_index_in_dim(lp[name], e, keepdims=False)
-
-        gate = einsum("h,hf->f", x_p, slice_of("experts_w_gate"))
-        up = einsum("h,hf->f", x_p, slice_of("experts_w_up"))
-        if "experts_b_gate" in lp:
-            gate, up = gate + slice_of("experts_b_gate"), up + slice_of("experts_b_up")
-        out = einsum("f,fh->h", expert_activation(gate, up, moe), slice_of("experts_w_down"))
-        return out + slice_of("experts_b_down") if "experts_b_down" in lp else out
+        return _expert_ffn(x_p, lambda name: jax.lax.dynamic_index_in_dim(lp[name], e, keepdims=False),
+                           "experts_b_gate" in lp, moe)
 
     return jax.lax.map(one_pair, (x, experts))
 
 
 def _routed_gather(lp: Params, x: jax.Array, experts: jax.Array, moe: MoeConfig) -> jax.Array:
     """As `_routed_loop`, with the pairs' expert weights gathered ([P, H, F]) for batched matmuls."""
-
-    def take(name):
-        return jnp.take(lp[name], experts, axis=0)
-
-    gate = einsum("ph,phf->pf", x, take("experts_w_gate"))
-    up = einsum("ph,phf->pf", x, take("experts_w_up"))
-    if "experts_b_gate" in lp:
-        gate, up = gate + take("experts_b_gate"), up + take("experts_b_up")
-    out = einsum("pf,pfh->ph", expert_activation(gate, up, moe), take("experts_w_down"))
-    return out + take("experts_b_down") if "experts_b_down" in lp else out
+    return _expert_ffn(x, lambda name: jnp.take(lp[name], experts, axis=0), "experts_b_gate" in lp, moe)
 
 
 def _routed_ragged(lp: Params, x: jax.Array, experts: jax.Array, moe: MoeConfig) -> jax.Array:
