@@ -2,8 +2,8 @@
 serve`, each started twice in fresh processes on one fresh cache directory (cold, then warm).
 
 - generate: the compile seconds spec_jax counts (its programs, tracing included), the part that
-  is XLA compiling (cold) or loading from the cache (warm), how many came from the cache, and the
-  process's wall time;
+  is XLA compiling (cold) or loading from the cache (warm), how many came from the cache (and how
+  many of those were saved programs, loaded untraced), and the process's wall time;
 - serve: from starting the process to the first token of one streamed chat request (loopback,
   one bounded request, then SIGTERM), and the warm-up's own line.
 
@@ -40,8 +40,9 @@ def run_generate(cache: str, target: list[str], timeout: float) -> dict:
     out = json.loads(proc.stdout)
     c = out["compilation"]
     return {"wall_s": wall, "compile_s": c["seconds"], "trace_s": c["trace_seconds"], "programs": c["programs"],
-            "cache_hits": c["cache_hits"],
-            "drafter": out["drafter"], "tokens": sum(len(r["generated_ids"]) for r in out["results"])}
+            "cache_hits": c["cache_hits"], "saved_hits": c.get("saved_hits", 0),
+            "drafter": out["drafter"], "tokens": sum(len(r["generated_ids"]) for r in out["results"]),
+            "tok_s": out["timing"]["tokens_per_second"]}
 
 
 def first_token_s(port: int) -> float:
@@ -120,12 +121,12 @@ def show(rows: dict[str, list[dict]]) -> None:
         first = rows["generate"][0]
         first_xla = first["compile_s"] - first["trace_s"]
         print("| generate | compile s | vs first | of it tracing s | XLA compile or load s | vs first | "
-              "programs (from cache) | process wall s |\n|---|---|---|---|---|---|---|---|")
+              "programs (from cache, of them untraced) | process wall s | tok/s |\n|---|---|---|---|---|---|---|---|---|")
         for i, r in enumerate(rows["generate"]):
             xla = r["compile_s"] - r["trace_s"]
             print(f"| start {i + 1} ({'cold' if i == 0 else 'warm'}) | {r['compile_s']:.1f} | "
                   f"{r['compile_s'] / first['compile_s']:.0%} | {r['trace_s']:.1f} | {xla:.1f} | {xla / first_xla:.0%} | "
-                  f"{r['programs']} ({r['cache_hits']}) | {r['wall_s']:.1f} |")
+                  f"{r['programs']} ({r['cache_hits']}, {r['saved_hits']}) | {r['wall_s']:.1f} | {r['tok_s']:.1f} |")
     if "serve" in rows:
         first = rows["serve"][0]["first_token_s"]
         print("\n| serve | start to first token s | vs first | listening after s | warm-up |\n|---|---|---|---|---|")

@@ -28,6 +28,11 @@ _CACHE_EVERYTHING = {
     "jax_persistent_cache_min_compile_time_secs": ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.0),
     "jax_persistent_cache_min_entry_size_bytes": ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", -1),
 }
+# XLA:CPU without its YNNPACK fusions (dots): loading a compiled program rebuilds each such fusion
+# with a search over all of the program's instructions, 5.7 of the 8.5 CPU seconds that loading
+# the default model's loop took (928 fusions, 47,000 instructions); without them it loads in 2.5 s
+# and decodes no slower (benchmarks/RESULTS.md, issue 46).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def add_argument(p: argparse.ArgumentParser) -> None:
@@ -66,13 +71,30 @@ def jax_settings(directory: str | None, environ: Mapping[str, str] = os.environ)
 
 
 def configure(flag: str | None) -> str | None:
-    """Set JAX's config for this process (before anything compiles) -> the directory, or None."""
+    """Set JAX's config for this process (before anything compiles), and spec_jax's XLA:CPU
+    options -> the cache directory, or None."""
     import jax
 
-    from spec_jax.decoding import saved_programs
+    from spec_jax.decoding import programs, saved_programs
 
     directory = choose(flag)
     for name, value in jax_settings(directory).items():
         jax.config.update(name, value)
     saved_programs.enable(directory)
+    programs.set_compiler_options("cpu", cpu_compiler_options())
     return directory
+
+
+def cpu_compiler_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """CPU_COMPILER_OPTIONS less those the user's XLA_FLAGS set (theirs win)."""
+    flags = environ.get("XLA_FLAGS", "")
+    return {name: value for name, value in CPU_COMPILER_OPTIONS.items() if name not in flags}
+
+
+def unconfigure() -> None:
+    """Give spec_jax's own settings back to the library's defaults (saved programs off, XLA's
+    options) once a command returns, for a caller that goes on in the same process (tests)."""
+    from spec_jax.decoding import programs, saved_programs
+
+    saved_programs.enable(None)
+    programs.set_compiler_options("cpu", {})

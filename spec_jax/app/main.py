@@ -71,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    finally:
+        compilation_cache.unconfigure()
     compiled = compile_tally()
     compiled = compiled.since(before, compiled.seconds - before.seconds)
     if compiled.programs:

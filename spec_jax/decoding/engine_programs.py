@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.decoding import validation
+from spec_jax.decoding import saved_programs, validation
 from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
 from spec_jax.decoding.generate import stop_id_array
 from spec_jax.decoding.loop import LoopInputs, LoopState, Stats, prefill
@@ -179,8 +179,13 @@ class EnginePrograms:
             config = (key, self.model, drafter, self.capacity, self.slots, self.mesh, str(self.state_shardings),
                       signature(args, self.mesh))
             kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
+            # What `fn` closes over (chunk_job / admit_job), so a saved program is found only by its
+            # own configuration.
+            closed_over = (self.model, drafter, self.capacity, self.batch_axes if key[0] == "admit" else None)
             exe, _ = _SHARED_PROGRAMS.get_or_compile(
-                config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh, tally=self.tally)
+                config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh, tally=self.tally,
+                saved_as=lambda: saved_programs.key_for(f"engine.{fn.__name__}", (key, *closed_over), args,
+                                                        mesh=self.mesh))
             self.exes[key] = exe
         return exe
 

@@ -99,6 +99,22 @@ def compile_tally() -> CompileTally:
         return dataclasses.replace(_TOTAL)
 
 
+# XLA options for the programs compiled here, per platform (the command line sets them; the
+# library leaves XLA's defaults).
+_COMPILER_OPTIONS: dict[str, dict[str, Any]] = {}
+
+
+def set_compiler_options(platform: str, options: dict[str, Any]) -> None:
+    """XLA compiler options for the programs compiled from now on when JAX's default backend is
+    `platform` ("cpu", "gpu", "tpu"): `lowered.compile(compiler_options=options)`."""
+    _COMPILER_OPTIONS[platform] = dict(options)
+
+
+def compiler_options() -> dict[str, Any]:
+    """The options for JAX's default backend (initialises it)."""
+    return dict(_COMPILER_OPTIONS.get(jax.default_backend(), {}))
+
+
 def _compile_counted(lower: Callable[[], Any], mesh: Any,
                      saved_as: Callable[[], saved_programs.ProgramKey | None] | None) -> tuple[Any, CompileTally]:
     """The program saved under `saved_as()`, else `lower().compile()` (then saved there) ->
@@ -114,7 +130,7 @@ def _compile_counted(lower: Callable[[], Any], mesh: Any,
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         lowered = lower()
         traced = time.perf_counter()
-        exe = lowered.compile()
+        exe = lowered.compile(compiler_options=compiler_options() or None)
     lookups, hits = _cache_events()
     hit = hits > hits0
     missed = lookups > lookups0 and not hit

@@ -4,9 +4,10 @@ XLA's compile: the command line's second `spec-jax generate` loads its loop and 
 JAX's persistent compilation cache is keyed by the lowered program, so every start still traces
 and lowers each program before the cache can answer (1.3-2.3 s of a warm 4-5 s `generate` with the
 default model). Here a program is found by what produces it instead: a digest of spec_jax's own
-source files, the jax / jaxlib / numpy versions, the backend and its devices, XLA_FLAGS and JAX's
-config, the program's name, its static arguments and every argument's shape, dtype and placement.
-Editing any spec_jax source, or changing any of those, misses, and the program compiles as before.
+source files, the jax / jaxlib / numpy versions, the backend and its devices, XLA_FLAGS, the
+compiler options and JAX's config, the program's name, its static arguments and every argument's
+shape, dtype and placement. Editing any spec_jax source, or changing any of those, misses, and the
+program compiles as before.
 
 Only what can be described exactly is saved: static arguments made of spec_jax dataclasses,
 numbers, strings, tuples, numpy arrays, spec_jax functions; a user's own model class (its code is
@@ -122,12 +123,15 @@ def _environment() -> str:
     """Everything besides the program that changes what XLA would build for it."""
     import jaxlib
 
+    from spec_jax.decoding.programs import compiler_options
+
     device = jax.devices()[0]
     config = {name: value for name, value in jax.config.values.items() if "cache" not in name and "log" not in name}
     return repr((
         source_digest(), jax.__version__, jaxlib.__version__, np.__version__, sys.version_info[:2],
         device.platform, device.client.platform_version, device.device_kind, jax.device_count(),
         jax.process_count(), os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+        sorted(compiler_options().items()),
         sorted((name, repr(value)) for name, value in config.items()),
     ))
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.decoding import validation
+from spec_jax.decoding import saved_programs, validation
 from spec_jax.decoding.chunked import chunk_jit, prefill_jit
 from spec_jax.decoding.generate import GenerationResult, prepare_inputs, result_of
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, GenerateOutput, LoopState
@@ -41,7 +41,9 @@ def compiled(jitted: Any, args: tuple, static: dict[str, Any], mesh: Any = None,
     compiling now). `sig` skips recomputing `signature(args, mesh)` when the caller holds it."""
     key = (jitted, tuple(sorted(static.items(), key=lambda kv: kv[0])),
            sig if sig is not None else signature(args, mesh), mesh)
-    return _COMPILED.get_or_compile(key, lambda: jitted.lower(*args, **static), mesh)
+    return _COMPILED.get_or_compile(
+        key, lambda: jitted.lower(*args, **static), mesh,
+        saved_as=lambda: saved_programs.key_for(jitted.__name__, key[1], args, mesh=mesh))
 
 
 @dataclasses.dataclass
