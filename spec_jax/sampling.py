@@ -159,3 +159,19 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
 
     deterministic = jnp.all(jnp.sum(probs > 0, axis=-1) == 1)
     return jax.lax.cond(deterministic, only_entry, draw, None)
+
+
+def sample_chain(run_chain, k: int, key: jax.Array, sampling: SamplingParams):
+    """Sample a chain drafter's K drafts. `run_chain(choose)` runs the chain, calling
+    choose(step, logits [B, V]) -> draft [B] once per step; each draft is drawn from the warped
+    logits (the argmax under greedy). -> (what run_chain returned, the draws' probabilities
+    [B, K, V], which exact acceptance needs)."""
+    keys = jax.random.split(key, k)
+    chosen_probs = []
+
+    def choose(step, logits):
+        probs = warp(logits, sampling)  # one-hot argmax under greedy
+        chosen_probs.append(probs)
+        return sample(keys[step], probs)
+
+    return run_chain(choose), jnp.stack(chosen_probs, 1)

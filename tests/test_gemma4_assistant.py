@@ -148,7 +148,6 @@ from spec_jax.checkpoints import load_target  # noqa: E402
 from spec_jax.checkpoints.shipped import load_drafter  # noqa: E402
 from spec_jax.decoding import generate  # noqa: E402
 from spec_jax.drafters.gemma4_assistant import Gemma4AssistantConfig, init_assistant_params  # noqa: E402
-from spec_jax.drafters.lookup import LookupFirstDrafter  # noqa: E402
 from spec_jax.models import Decoder, init_params  # noqa: E402
 from spec_jax.models.decoder import forward_hidden, init_cache  # noqa: E402
 

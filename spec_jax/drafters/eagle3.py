@@ -56,7 +56,7 @@ from spec_jax.drafters.tree import (
 )
 from spec_jax.models.interface import Target, TargetModel, ancestor_mask
 from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
-from spec_jax.sampling import SamplingParams, sample, warp
+from spec_jax.sampling import SamplingParams, sample_chain
 
 Params = Any
 
@@ -483,13 +483,6 @@ class Eagle3Drafter:
         if not self.sample_drafts:
             logits, drafts, state = self.draft_logits(params, target, state, tokens, lengths)
             return drafts, None, state
-        keys = jax.random.split(key, self.k)
-        chosen_probs = []
-
-        def choose(step, logits):
-            probs = warp(logits, sampling)  # one-hot argmax under greedy
-            chosen_probs.append(probs)
-            return sample(keys[step], probs)
-
-        _, drafts, state = self.draft_logits(params, target, state, tokens, lengths, choose)
-        return drafts, jnp.stack(chosen_probs, 1), state
+        (_, drafts, state), probs = sample_chain(
+            lambda choose: self.draft_logits(params, target, state, tokens, lengths, choose), self.k, key, sampling)
+        return drafts, probs, state

@@ -33,7 +33,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from spec_jax.drafters.tree import check_tree_setting, expand_tree
 from spec_jax.models.attention import attend_cache_and_pass, einsum
@@ -41,14 +40,13 @@ from spec_jax.models.config import FULL_ATTENTION, GLOBAL_WINDOW, SLIDING_ATTENT
 from spec_jax.models.decoder import LayerStyle, decoder_layer, rms_norm, rope_inv_freq
 from spec_jax.models.interface import (
     FINAL_HIDDEN,
-    CacheReader,
     Target,
     TargetModel,
     last_layer_of_type,
     require_cache_reader,
 )
 from spec_jax.models.weights import WeightSpec, init_from_specs
-from spec_jax.sampling import SamplingParams, sample, warp
+from spec_jax.sampling import SamplingParams, sample_chain
 
 Params = Any
 NAME = "Gemma 4 assistant (--drafter mtp)"
@@ -326,16 +324,9 @@ class Gemma4AssistantDrafter:
         if not self.sample_drafts:
             _, drafts = self.draft_logits(params, target, state, tokens, lengths)
             return drafts, None, state
-        keys = jax.random.split(key, self.k)
-        chosen_probs = []
-
-        def choose(step, logits):
-            probs = warp(logits, sampling)  # one-hot argmax under greedy
-            chosen_probs.append(probs)
-            return sample(keys[step], probs)
-
-        _, drafts = self.draft_logits(params, target, state, tokens, lengths, choose)
-        return drafts, jnp.stack(chosen_probs, 1), state
+        (_, drafts), probs = sample_chain(
+            lambda choose: self.draft_logits(params, target, state, tokens, lengths, choose), self.k, key, sampling)
+        return drafts, probs, state
 
     def propose_tree(self, params, target: Target, state, tokens, lengths, key, sampling):
         """EAGLE-2-style: the root's top children, then level by level the best children of the
