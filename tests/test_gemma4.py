@@ -166,10 +166,11 @@ def test_refused_configs_name_the_reason():
     base = tiny_gemma4_config().to_dict()
     with pytest.raises(ValueError, match="MoE variant"):
         ModelConfig.from_hf_config({**base, "enable_moe_block": True})
-    with pytest.raises(ValueError, match="rope_type 'linear'"):
-        ModelConfig.from_hf_config({**base, "rope_parameters": {
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    for rope_type in ("linear", "yarn"):  # yarn stays gpt-oss's alone
+        with pytest.raises(ValueError, match=f"rope_type '{rope_type}'"):
+            ModelConfig.from_hf_config({**base, "rope_parameters": {
+                "full_attention": {"rope_type": rope_type, "factor": 2.0, "rope_theta": 1e4},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
     # The families refused before stay refused, each with its reason.
     gemma2 = {**base, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
     with pytest.raises(ValueError, match="Unsupported architecture"):
