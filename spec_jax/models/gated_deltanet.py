@@ -19,8 +19,9 @@ Rollback (the pass record, `spec_jax.models.recurrent`): the pass keeps k, delta
 token and the state at each chunk's start, so commit rebuilds the state after any committed
 token with the sum above (one weighted [T, dk] x [T, dv] contraction per head), and the
 convolution's state from the pass's inputs along the token's branch. Per row and layer that is
-T * Hv * (dk + dv + 1) + T * conv_channels floats, plus one state per chunk
-(`rollback_bytes_per_row`).
+T * Hv * (dk + dv + 1) + T * conv_channels numbers beyond the state itself (a pass of up to
+CHUNK tokens starts from the cache's state; a longer one keeps one state per chunk):
+`rollback_bytes_per_row`.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class DeltaNetDims:
 
 
 def rollback_bytes_per_row(dims: DeltaNetDims, pass_len: int, dtype_bytes: int = 4) -> int:
-    """Bytes one row's pass record takes in one Gated DeltaNet layer (float32 state parts)."""
-    chunks = -(-pass_len // CHUNK)
+    """Bytes one row's pass record takes in one Gated DeltaNet layer beyond its state: per token
+    k, delta and the summed decay (float32) and the convolution's input (model dtype); a pass
+    longer than CHUNK tokens also keeps each chunk's start state."""
+    chunks = -(-pass_len // CHUNK) if pass_len > CHUNK else 0
     per_token = 4 * dims.value_heads * (dims.key_dim + dims.value_dim + 1) + dtype_bytes * dims.conv_channels
     return pass_len * per_token + 4 * chunks * dims.value_heads * dims.key_dim * dims.value_dim
 
@@ -122,13 +125,14 @@ def gated_delta_rule(q, k, v, g, beta, state, mask):
     a long chain (prefill) -> chunks of CHUNK, each from the state the previous one left.
 
     -> (out [B, H, T, dv], record): record holds per token k [B, H, T', dk], delta [B, H, T', dv],
-    G [B, H, T'] (the log-decay summed since its chunk's start) and each chunk's start state
-    [B, C, H, dk, dv] (T' = T rounded up to whole chunks)."""
+    G [B, H, T'] (the log-decay summed since its chunk's start) and, for a chunked pass, each
+    chunk's start state [B, C, H, dk, dv] (T' = T rounded up to whole chunks)."""
     b, h, t, _ = q.shape
     if mask is not None or t <= CHUNK:
         visible = jnp.tril(jnp.ones((t, t), bool))[None] if mask is None else mask.astype(bool)
         out, delta, G = delta_rule_chunk(q, k, v, g, beta, state, visible)
-        return out, {"keys": k, "deltas": delta, "decays": G, "chunk_states": state[:, None]}
+        # One chunk starts from the state before the pass, which the cache still holds.
+        return out, {"keys": k, "deltas": delta, "decays": G}
     chunks = -(-t // CHUNK)
     pad = chunks * CHUNK - t
 
@@ -210,9 +214,12 @@ def commit_delta_net(conv_state: jax.Array, state: jax.Array, record: dict,
     rows = jnp.arange(b)
     keys, deltas, G = record["keys"], record["deltas"], record["decays"]
     padded = keys.shape[2]
-    chunk = padded // record["chunk_states"].shape[1]
     i = jnp.maximum(last, 0)
-    start = record["chunk_states"][rows, i // chunk]  # [B, H, dk, dv]
+    if "chunk_states" in record:  # a chunked (long) pass
+        chunk = padded // record["chunk_states"].shape[1]
+        start = record["chunk_states"][rows, i // chunk]  # [B, H, dk, dv]
+    else:
+        chunk, start = padded, state
     j = jnp.arange(padded)
     if record["visible"] is None:
         member = (j[None] <= i[:, None]) & (j[None] // chunk == (i // chunk)[:, None])  # [B, T']
