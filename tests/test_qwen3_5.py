@@ -2,9 +2,11 @@
 transformers on tiny random checkpoints (float32).
 
 - parity (max |logit diff| <= 1e-4) for a prefill, one-token decode steps and a mixed pass (3 tokens
-  of which 2 are committed, then steps), for both families (Qwen3-Next with a dense MLP: the MoE
-  block is issue 43's), the prefill longer than one chunk of the gated delta rule;
-- the text decoder of a multimodal Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration) loads;
+  of which 2 are committed, then steps), for dense Qwen3.5 and Qwen3-Next (its MoE block, issue
+  43's, on the Gated DeltaNet and attention layers alike), the prefill longer than one chunk of the
+  gated delta rule;
+- the text decoders of a multimodal Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration) and of
+  Qwen3.5-MoE load and match;
 - 64 greedy tokens equal transformers' `generate`, and greedy DFlash tree decoding (the Gated
   DeltaNet states follow the accepted path) equals plain decoding at batch 4.
 """
@@ -42,10 +44,18 @@ def randomised(model, seed: int):
     return model.float().eval()
 
 
+# The mixture-of-experts block of Qwen3-Next and Qwen3.5-MoE: softmax top-2 of 4 experts,
+# renormalised, plus a sigmoid-gated shared expert (spec_jax.models.moe).
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
 def hf_model(family: str):
     if family == "qwen3_5":
         return randomised(transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT)), 0)
-    cfg = transformers.Qwen3NextConfig(**TEXT, num_experts=0)  # a dense MLP on every layer
+    if family == "qwen3_5_moe":
+        cfg = transformers.Qwen3_5MoeTextConfig(**TEXT, **EXPERTS)
+        return randomised(transformers.Qwen3_5MoeForCausalLM(cfg), 2)
+    cfg = transformers.Qwen3NextConfig(**TEXT, **EXPERTS, norm_topk_prob=True)
     return randomised(transformers.Qwen3NextForCausalLM(cfg), 1)
 
 
@@ -101,21 +111,21 @@ def test_prefill_steps_and_a_mixed_pass_match_transformers(checkpoints):
             cache = decoder.commit(out.cache, jnp.asarray(pos))
 
 
-def test_the_text_decoder_of_a_multimodal_checkpoint_loads(checkpoints, tmp_path):
+def test_multimodal_and_moe_qwen3_5_checkpoints_load(tmp_path):
     """Qwen3_5ForConditionalGeneration: `model.language_model.*` is the text decoder, `model.visual.*`
-    is skipped; its text logits match."""
+    is skipped; Qwen3_5MoeForCausalLM: the experts on every layer. Their text logits match."""
     cfg = transformers.Qwen3_5Config(
         text_config=TEXT,
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
     )
-    model = randomised(transformers.Qwen3_5ForConditionalGeneration(cfg), 2)
-    model.save_pretrained(tmp_path)
-    loaded, params = load_hf_dir(tmp_path)
-    assert loaded.architecture == "qwen3_5" and loaded.num_layers == 2
     tokens = np.random.RandomState(2).randint(0, VOCAB, (1, 6))
-    decoder = Decoder(loaded)
-    out = decoder.forward(params, jnp.asarray(tokens), jnp.arange(6)[None], decoder.init_cache(1, 8))
-    assert np.abs(np.asarray(decoder.logits(params, out.hidden)) - hf_logits(model, tokens)).max() <= 1e-4
+    for i, model in enumerate([randomised(transformers.Qwen3_5ForConditionalGeneration(cfg), 2), hf_model("qwen3_5_moe")]):
+        model.save_pretrained(tmp_path / str(i))
+        loaded, params = load_hf_dir(tmp_path / str(i))
+        assert loaded.architecture == "qwen3_5" and loaded.num_layers == 2
+        decoder = Decoder(loaded)
+        out = decoder.forward(params, jnp.asarray(tokens), jnp.arange(6)[None], decoder.init_cache(1, 8))
+        assert np.abs(np.asarray(decoder.logits(params, out.hidden)) - hf_logits(model, tokens)).max() <= 1e-4
 
 
 def test_greedy_64_tokens_equal_transformers_generate_and_dflash_trees_stay_exact(checkpoints):

@@ -150,8 +150,8 @@ _LAYER_TABLES = {
     "qwen2_moe": QWEN2_MOE_LAYER,
     "mixtral": MIXTRAL_LAYER,
     "gemma4": GEMMA4_LAYER,
-    "qwen3_5": QWEN3_5_LAYER,
-    "qwen3_next": QWEN3_5_LAYER,
+    "qwen3_5": QWEN3_5_LAYER + _QWEN_MOE_FFN,  # the MoE names serve Qwen3.5-MoE / Qwen3-Next
+    "qwen3_next": QWEN3_5_LAYER + _QWEN_MOE_FFN,
     "gpt_oss": GPT_OSS_LAYER,
 }
 

@@ -40,12 +40,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
 }
 # model_type -> family, for configs without `architectures`.
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
                 "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4",
-                "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next"}
+                "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next",
+                "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
 # What each family writes back to config.json.
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
              "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
@@ -974,12 +977,19 @@ def _qwen3_5_from_hf(cls, hf: Mapping[str, Any], arch: str, dtype: str) -> Model
     if "text_config" in hf:
         outer = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf}
         hf = {**outer, **hf["text_config"]}
-    if hf.get("num_experts") and arch == "qwen3_next":
-        raise ValueError(
-            "this Qwen3-Next config has a mixture-of-experts MLP (num_experts > 0); spec_jax runs the "
-            "dense-MLP Qwen3-Next/Qwen3.5 layers only so far. Use a dense config."
-        )
     num_layers = int(hf["num_hidden_layers"])
+    moe = None
+    if hf.get("num_experts"):  # Qwen3-Next, Qwen3.5-MoE: softmax top-k experts + a gated shared expert
+        only = set(int(i) for i in hf.get("mlp_only_layers") or ())
+        step = int(hf.get("decoder_sparse_step", 1))
+        moe = MoeConfig(
+            num_experts=int(hf["num_experts"]), top_k=int(hf["num_experts_per_tok"]),
+            expert_intermediate_size=int(hf["moe_intermediate_size"]),
+            normalize_top_k=bool(hf.get("norm_topk_prob", True)),
+            dense_layers=tuple(i for i in range(num_layers) if i in only or (i + 1) % step),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+            shared_expert_gate=True,
+        )
     layer_types = hf.get("layer_types")
     if layer_types is None:  # as transformers derives them: every full_attention_interval-th is full
         interval = int(hf.get("full_attention_interval", 4))
@@ -1017,6 +1027,7 @@ def _qwen3_5_from_hf(cls, hf: Mapping[str, Any], arch: str, dtype: str) -> Model
         linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)),
         attn_output_gate=True,
         partial_rotary_factor=float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+        moe=moe,
     )
 
 

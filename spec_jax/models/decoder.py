@@ -441,7 +441,9 @@ def delta_net_layer_pass(lp: Params, x: jax.Array, conv_state: jax.Array, state:
                                 state, mask, dims)
         x = x + out.astype(x.dtype)
     with jax.named_scope("mlp"):
-        x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], eps, style.norm_offset), style.activation).astype(x.dtype)
+        h = rms_norm(x, lp["mlp_norm"], eps, style.norm_offset)
+        out = moe_block(lp, h, style.moe) if "router" in lp else mlp(lp, h, style.activation)
+        x = x + out.astype(x.dtype)
     return x, record
 
 
