@@ -136,6 +136,12 @@ PRESETS: dict[str, ModelConfig] = {
     # curve on a CPU (benchmarks/RESULTS.md, "Issue 44").
     "qwen3.5-9b-scaled": _qwen3_5(8, vocab_size=16384, hidden_size=1024, intermediate_size=3072,
                                   eos_token_ids=(1,)),
+    # Qwen/Qwen3-Next-80B-A3B: 36 Gated DeltaNet + 12 gated attention layers (16 query / 2 KV heads),
+    # 512 experts of width 512, 10 per token, a gated shared expert (80B parameters, 3B active).
+    "qwen3-next-80b-a3b": _qwen3_5(48, vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_kv_heads=2,
+                                   architecture="qwen3_next", eos_token_ids=(151645,), bos_token_id=151643,
+                                   moe=MoeConfig(512, 10, 512, normalize_top_k=True,
+                                                 shared_expert_intermediate_size=512, shared_expert_gate=True)),
     # mistralai/Mistral-7B-v0.1 (a 4096-token sliding window on every layer).
     "mistral-7b": ModelConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
