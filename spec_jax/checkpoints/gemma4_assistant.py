@@ -28,7 +28,7 @@ from spec_jax.checkpoints.hf import (
     check_hf_tensors,
     from_hf,
     hf_shape,
-    refuse_to_clobber,
+    save_dir,
     to_hf,
     write_checkpoint_dir,
 )
@@ -212,9 +212,7 @@ def save_gemma4_assistant(
     path: str | os.PathLike, cfg: Gemma4AssistantConfig, params: Mapping[str, Any], overwrite: bool = False
 ) -> Path:
     """config.json + model.safetensors (+ generation_config.json with the default K), atomically."""
-    check_params_match_specs(params, assistant_weight_specs(cfg), what="Gemma 4 assistant params")
-    path = Path(path).expanduser().absolute()
-    refuse_to_clobber(path, overwrite)
+    path = save_dir(path, params, assistant_weight_specs(cfg), "Gemma 4 assistant params", overwrite)
     tensors = {}
     for (layer, key), name, _, in_axes in _names(cfg):
         value = (params if layer is None else params["layers"][layer])[key]

@@ -496,6 +496,15 @@ def refuse_to_clobber(path: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or a new path.")
 
 
+def save_dir(path: str | os.PathLike, params: Any, specs: Any, what: str, overwrite: bool) -> Path:
+    """Where a drafter's save goes: `params` checked against its weight `specs`, and an existing
+    non-empty `path` refused unless `overwrite`, before anything is written."""
+    check_params_match_specs(params, specs, what=what)
+    path = Path(path).expanduser().absolute()
+    refuse_to_clobber(path, overwrite)
+    return path
+
+
 def write_checkpoint_dir(
     path: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], tokenizer: Any = None
 ) -> Path:

@@ -27,7 +27,7 @@ from spec_jax.checkpoints.hf import (
     check_hf_tensors,
     from_hf,
     hf_shape,
-    refuse_to_clobber,
+    save_dir,
     to_hf,
     write_checkpoint_dir,
 )
@@ -141,9 +141,7 @@ def save_medusa(
     path: str | os.PathLike, cfg: MedusaConfig, params: Mapping[str, Any], overwrite: bool = False
 ) -> Path:
     """Write config.json + model.safetensors atomically (see hf.write_checkpoint_dir)."""
-    check_params_match_specs(params, medusa_weight_specs(cfg), what="Medusa params")
-    path = Path(path).expanduser().absolute()
-    refuse_to_clobber(path, overwrite)
+    path = save_dir(path, params, medusa_weight_specs(cfg), "Medusa params", overwrite)
     tensors = {}
     for (i, j, key), name, _, in_axes in _names(cfg):
         head = params["heads"][i]
