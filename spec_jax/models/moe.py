@@ -105,14 +105,16 @@ def expert_activation(gate: jax.Array, up: jax.Array, moe: MoeConfig) -> jax.Arr
 
 
 # ----------------------------------------------------------------------------- experts
-def _expert_ffn(x: jax.Array, weight: Any, biases: bool, moe: MoeConfig) -> jax.Array:
+def _expert_ffn(x: jax.Array, weight: Any, biases: bool, moe: MoeConfig | None) -> jax.Array:
     """x [..., H] through the expert weights `weight(name)` returns for it ([..., H, F] and
-    [..., F, H]; biases [..., F] / [..., H] when `biases`) -> [..., H]."""
+    [..., F, H]; biases [..., F] / [..., H] when `biases`) -> [..., H]. `moe` None: SwiGLU (the
+    shared expert), else the family's expert activation."""
     gate = einsum("...h,...hf->...f", x, weight("experts_w_gate"))
     up = einsum("...h,...hf->...f", x, weight("experts_w_up"))
     if biases:
         gate, up = gate + weight("experts_b_gate"), up + weight("experts_b_up")
-    out = einsum("...f,...fh->...h", expert_activation(gate, up, moe), weight("experts_w_down"))
+    act = jax.nn.silu(gate) * up if moe is None else expert_activation(gate, up, moe)
+    out = einsum("...f,...fh->...h", act, weight("experts_w_down"))
     return out + weight("experts_b_down") if biases else out
 
 
@@ -184,8 +186,6 @@ def routed_experts(
 
 def moe_block(lp: Params, x: jax.Array, moe: MoeConfig, path: str | None = None) -> jax.Array:
     """The MoE feed-forward of one layer: x [B, T, H] (normed) -> [B, T, H]."""
-    from spec_jax.models.decoder import mlp  # the shared expert is the dense MLP
-
     b, t, h = x.shape
     tokens = x.reshape(b * t, h)
     with jax.named_scope("router"):
@@ -194,8 +194,9 @@ def moe_block(lp: Params, x: jax.Array, moe: MoeConfig, path: str | None = None)
         out = routed_experts(lp, tokens, weights, experts, moe, path).reshape(b, t, h)
     if "shared_w_gate" in lp:
         with jax.named_scope("shared_expert"):
-            shared = mlp({"w_gate": lp["shared_w_gate"], "w_up": lp["shared_w_up"],
-                          "w_down": lp["shared_w_down"]}, x).astype(jnp.float32)
+            # A dense SwiGLU expert every token runs: shared_w_* in the experts' places.
+            shared = _expert_ffn(x, lambda name: lp[name.replace("experts_", "shared_")], False, None)
+            shared = shared.astype(jnp.float32)
             if "shared_gate" in lp:
                 shared = shared * jax.nn.sigmoid(einsum("bth,ho->bto", x, lp["shared_gate"]).astype(jnp.float32))
             out = out + shared
