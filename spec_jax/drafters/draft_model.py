@@ -60,6 +60,13 @@ class DraftModelDrafter:
     def validate(self, target: TargetModel, capacity: int) -> None:
         if self.k < 1:
             raise ValueError(f"K must be >= 1 for a draft model, got {self.k}.")
+        cfg = getattr(self.model, "cfg", None)
+        if isinstance(cfg, ModelConfig) and any(map(cfg.is_linear_attention, range(cfg.num_layers))):
+            raise ValueError(
+                "the draft model has Gated DeltaNet (linear_attention) layers: the draft-model drafter "
+                "rewinds its cache to re-feed tokens, which a recurrent state cannot do. Use an "
+                "attention-only draft model (a recurrent model is fine as the target)."
+            )
         small, large = sorted((self.model.vocab_size, target.vocab_size))
         # Checkpoints pad vocabularies to multiples of 64/128; a bigger gap is another tokenizer.
         if large - small > 256:
