@@ -183,8 +183,7 @@ def run_roofline(
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
     # The loop's attention reads the whole cache buffer (masked), keys and values of every layer.
     cache_bytes = cfg.kv_bytes_per_token * batch * capacity
-    bandwidth = copy["bytes_per_s"]
-    step_bytes = weight_bytes_read(cfg, weight_bytes, batch)
+    bandwidth, step_bytes = copy["bytes_per_s"], weight_bytes_read(cfg, weight_bytes, batch)
     floor_s = step_bytes / bandwidth
     device = jax.devices()[0]
     base = verify[1]
@@ -206,11 +205,9 @@ def run_roofline(
         "ar_prefill_ms": 1e3 * ar["prefill_s"],
         "forward_1_token_ms": 1e3 * base,
         "ar_step_over_floor": ar["step_s"] / floor_s,
-        "verify": [
-            {"tokens": t, "ms": 1e3 * s, "relative": s / base, "ms_per_token": 1e3 * s / t,
-             "floor_ms": 1e3 * weight_bytes_read(cfg, weight_bytes, batch * t) / bandwidth}
-            for t, s in verify.items()
-        ],
+        "verify": [{"tokens": t, "ms": 1e3 * s, "relative": s / base, "ms_per_token": 1e3 * s / t,
+                    "floor_ms": 1e3 * weight_bytes_read(cfg, weight_bytes, batch * t) / bandwidth}
+                   for t, s in verify.items()],
         "repeats": repeats,
         "device": f"{device.platform}:{getattr(device, 'device_kind', '')} x{jax.device_count()}",
         "jax": jax.__version__,
