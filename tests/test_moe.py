@@ -95,10 +95,9 @@ def test_routing_is_per_token(monkeypatch):
     # The last 8 after a prefill, next to a different row.
     other = rng.randint(0, 97, 64)
     _, _, cache = run(stack(target[:56], other[:56]), init_cache(cfg, 2, 64), 0)
-    logits_8, experts_8, _ = run(stack(target[56:], other[56:]), cache, 56)
-    # The last one alone.
-    _, _, cache = run(target[None, :63], init_cache(cfg, 1, 64), 0)
-    logits_1, experts_1, _ = run(target[None, 63:], cache, 63)
+    logits_8, experts_8, cache = run(stack(target[56:], other[56:]), cache, 56)
+    # The last one in a pass of its own (7 of the 8 committed), next to a third row's token.
+    logits_1, experts_1, _ = run(stack(target[63:], [5]), cache.with_lengths(cache.lengths - 1), 63)
 
     assert len(experts_64) == len(experts_8) == len(experts_1) == 2  # both layers route
     for layer in range(2):
