@@ -533,8 +533,7 @@ def forward_hidden(
     positions = positions.astype(jnp.int32)
     head_dims = [cfg.layer_head_dim(i) for i in range(cfg.num_layers)]
     styles = {d: layer_style(cfg, d) for d in dict.fromkeys(head_dims)}
-    # One per distinct (head size, base, scaling): Gemma 3's sliding and full layers differ.
-    # (Qwen3.5 / Qwen3-Next turn only the first partial_rotary_factor of each head.)
+    # One per distinct (rotated dims, base, scaling): Gemma 3's sliding and full layers differ.
     layer_ropes = [(int(head_dims[i] * cfg.partial_rotary_factor), *cfg.layer_rope(i)) for i in range(cfg.num_layers)]
     inv_freqs = {r: rope_inv_freq(*r) for r in dict.fromkeys(layer_ropes)}
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] where the pass goes
@@ -546,25 +545,20 @@ def forward_hidden(
     shared_kv = {}  # Gemma 4: layer -> (k cache, v cache, k pass, v pass) that later layers read
     captured: dict[int, jax.Array] = {}
     new_k, new_v = [], []
-    # Each attention layer's index into cache.k / cache.v (the layer's own index unless Gated
-    # DeltaNet layers, which keep no keys/values, come before it).
+    # Attention layer i's index into cache.k / cache.v (Gated DeltaNet layers keep none).
     kv_slot = {i: i - sum(map(cfg.is_linear_attention, range(i))) for i in range(cfg.num_layers)}
     records: list[dict] = []  # the Gated DeltaNet layers' pass records
     for i, lp in enumerate(params["layers"]):
-
         window = cfg.layer_windows[i]
         if window not in pass_masks:
             pass_masks[window] = pass_mask & window_mask(positions, positions, window)
         extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, i]}
         static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]])
         inv_freq = inv_freqs[layer_ropes[i]]
-
         with jax.named_scope(f"layer_{i}"):
             if cfg.is_linear_attention(i):  # Gated DeltaNet: a recurrent state, no keys/values
-                j = len(records)
-                x, record = cached_delta_net_layer_pass(
-                    lp, x, cache.conv[j], cache.recurrent[j], mask, eps=cfg.rms_norm_eps,
-                    style=styles[head_dims[i]], dims=delta_net_dims(cfg))
+                x, record = cached_delta_net_layer_pass(lp, x, cache.conv[len(records)], cache.recurrent[len(records)],
+                                                        mask, eps=cfg.rms_norm_eps, style=static["style"], dims=delta_net_dims(cfg))
                 records.append(record)
             elif kv_sources[i] != i:
                 x = cached_shared_kv_layer_pass(
@@ -588,9 +582,7 @@ def forward_hidden(
         if i in capture:
             captured[i] = x
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
-    if records:
-        new_cache = new_cache.replace(record=tuple(records))
+    new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), record=tuple(records) or None)
     if not capture:
         return ForwardOutput(x, None, new_cache)
     # [B, T, n * H], layer order as requested.
