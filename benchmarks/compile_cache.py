@@ -42,25 +42,26 @@ def run_generate(cache: str, target: list[str], timeout: float) -> dict:
     return {"wall_s": wall, "compile_s": c["seconds"], "trace_s": c["trace_seconds"], "programs": c["programs"],
             "cache_hits": c["cache_hits"], "saved_hits": c.get("saved_hits", 0),
             "drafter": out["drafter"], "tokens": sum(len(r["generated_ids"]) for r in out["results"]),
-            "tok_s": out["timing"]["tokens_per_second"]}
+            "tok_s": out["timing"]["tokens_per_second"], "ids": [r["generated_ids"] for r in out["results"]]}
 
 
-def first_token_s(port: int) -> float:
-    """Send one streamed chat request -> seconds until its first content event arrived."""
+def first_token_s(port: int) -> tuple[float, str]:
+    """Send one streamed chat request -> (seconds until its first content event arrived, the text)."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0, "stream": True}
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
-    first = None
+    first, text = None, ""
     for line in resp:  # read to the end: the request finishes before the server is stopped
         line = line.decode().strip()
-        if first is None and line.startswith("data: {"):
+        if line.startswith("data: {"):
             choices = json.loads(line[6:])["choices"]
             if choices and choices[0]["delta"].get("content"):
-                first = time.perf_counter() - t0
+                first = first if first is not None else time.perf_counter() - t0
+                text += choices[0]["delta"]["content"]
     conn.close()
-    return first
+    return first, text
 
 
 def run_serve(cache: str, target: list[str], timeout: float) -> dict:
@@ -78,11 +79,13 @@ def run_serve(cache: str, target: list[str], timeout: float) -> dict:
 
     threading.Thread(target=read_log, daemon=True).start()
     try:
-        if not ready.wait(timeout):
-            raise SystemExit("serve did not start in time:\n" + "".join(lines[-20:]))
+        deadline = time.perf_counter() + timeout
+        while not ready.wait(1.0):
+            if proc.poll() is not None or time.perf_counter() > deadline:
+                raise SystemExit("serve did not start (exited or timed out):\n" + "".join(lines[-20:]))
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)", "".join(lines)).group(1))
         ready_s = time.perf_counter() - t0
-        request_s = first_token_s(port)
+        request_s, text = first_token_s(port)
         total = ready_s + request_s
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -92,7 +95,7 @@ def run_serve(cache: str, target: list[str], timeout: float) -> dict:
             proc.kill()
             proc.wait()
     warm = next((line.split("warm-up ", 1)[1].strip() for line in lines if "warm-up " in line), "?")
-    return {"first_token_s": total, "listening_s": ready_s, "request_s": request_s, "warmup": warm}
+    return {"first_token_s": total, "listening_s": ready_s, "request_s": request_s, "warmup": warm, "text": text}
 
 
 def main() -> None:
@@ -121,18 +124,22 @@ def show(rows: dict[str, list[dict]]) -> None:
         first = rows["generate"][0]
         first_xla = first["compile_s"] - first["trace_s"]
         print("| generate | compile s | vs first | of it tracing s | XLA compile or load s | vs first | "
-              "programs (from cache, of them untraced) | process wall s | tok/s |\n|---|---|---|---|---|---|---|---|---|")
+              "programs (from cache, of them untraced) | process wall s | tok/s | same tokens as first |"
+              "\n|---|---|---|---|---|---|---|---|---|---|")
         for i, r in enumerate(rows["generate"]):
             xla = r["compile_s"] - r["trace_s"]
             print(f"| start {i + 1} ({'cold' if i == 0 else 'warm'}) | {r['compile_s']:.1f} | "
                   f"{r['compile_s'] / first['compile_s']:.0%} | {r['trace_s']:.1f} | {xla:.1f} | {xla / first_xla:.0%} | "
-                  f"{r['programs']} ({r['cache_hits']}, {r['saved_hits']}) | {r['wall_s']:.1f} | {r['tok_s']:.1f} |")
+                  f"{r['programs']} ({r['cache_hits']}, {r['saved_hits']}) | {r['wall_s']:.1f} | {r['tok_s']:.1f} | "
+                  f"{r['ids'] == first['ids']} |")
     if "serve" in rows:
         first = rows["serve"][0]["first_token_s"]
-        print("\n| serve | start to first token s | vs first | listening after s | warm-up |\n|---|---|---|---|---|")
+        print("\n| serve | start to first token s | vs first | listening after s | warm-up | same text as first |"
+              "\n|---|---|---|---|---|---|")
         for i, r in enumerate(rows["serve"]):
             print(f"| start {i + 1} ({'cold' if i == 0 else 'warm'}) | {r['first_token_s']:.1f} | "
-                  f"{r['first_token_s'] / first:.0%} | {r['listening_s']:.1f} | {r['warmup']} |")
+                  f"{r['first_token_s'] / first:.0%} | {r['listening_s']:.1f} | {r['warmup']} | "
+                  f"{r['text'] == rows['serve'][0]['text']} |")
 
 
 if __name__ == "__main__":
