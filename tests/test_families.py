@@ -81,8 +81,20 @@ def _mixtral():
         head_dim=16, sliding_window=WINDOW, num_local_experts=8, num_experts_per_tok=2)))
 
 
+def _gpt_oss():
+    # Attention sinks, q/k/v/o biases, a sliding then a full layer, YaRN RoPE, and top-2 of 4
+    # clamped-SwiGLU experts with biases (a limit of 0.5 clamps a good share of the activations).
+    yarn = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False}
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(**_common(
+        head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, swiglu_limit=0.5,
+        attention_bias=True, rope_parameters=yarn)))
+
+
 HF_MODELS = {"gemma3": _gemma3, "qwen2": _qwen2, "mistral": _mistral}
 HF_MODELS.update(qwen3_moe=_qwen3_moe, mixtral=_mixtral)  # mixture-of-experts (spec_jax.models.moe)
+HF_MODELS.update(gpt_oss=_gpt_oss)
 FAMILIES = sorted(HF_MODELS)
 
 
@@ -136,7 +148,7 @@ def test_logits_and_captured_layers_match_transformers(family_models, family):
     assert cfg.architecture == family
     expected_windows = {"gemma3": (WINDOW, GLOBAL_WINDOW), "qwen2": (GLOBAL_WINDOW, WINDOW),
                         "mistral": (WINDOW, WINDOW), "qwen3_moe": (GLOBAL_WINDOW,) * 2,
-                        "mixtral": (WINDOW, WINDOW)}[family]
+                        "mixtral": (WINDOW, WINDOW), "gpt_oss": (WINDOW, GLOBAL_WINDOW)}[family]
     assert cfg.layer_windows == expected_windows
     if family == "gemma3":
         assert cfg.rope_scaling == LinearRopeScaling(4.0) and cfg.sliding_rope_theta == 1000.0
@@ -258,6 +270,8 @@ SPEC_CASES = [
     # family at batch 1 and batch 4.
     ("qwen3_moe", "ngram", 4), ("qwen3_moe", "dflash_tree", 1), ("qwen3_moe", "eagle3", 4),
     ("mixtral", "draft", 1), ("mixtral", "dflash", 4),
+    # gpt-oss: its sinks in the chain verify pass and in the tree pass.
+    ("gpt_oss", "ngram", 1), ("gpt_oss", "dflash_tree", 4),
 ]
 
 

@@ -133,3 +133,45 @@ def test_zlab_gpt_oss_dflash_config_loads():
     params = jax.eval_shape(lambda key: init_dflash_params(dcfg, key), jax.random.key(0))
     assert abs(sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)) * 2 / 2**30 - 1.46) < 0.01
     assert dflash_config_from_hf(dflash_config_to_hf(dcfg), "bfloat16") == dcfg
+
+
+def test_gpt_oss_presets_and_the_zlab_dflash_drafter_by_eval_shape():
+    """random:gpt-oss-20b / -120b have the published parameter counts (20.91B / 116.83B; active
+    per token without the input embedding 3.61B / 5.13B); z-lab's gpt-oss-20b DFlash drafter fits
+    the 20b target and a draft block runs on the target's captured layers (shapes only: nothing
+    is allocated)."""
+    from spec_jax.checkpoints.dflash import dflash_config_from_hf
+    from spec_jax.drafters.dflash import check_compatible, context_kv, dflash_hidden, init_dflash_params
+    from spec_jax.models.decoder import forward_hidden, init_cache, init_params, lm_head
+    from spec_jax.models.moe import param_counts
+    from spec_jax.models.presets import preset_config
+
+    def count(tree):
+        return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+    for name, total, active in (("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)):
+        cfg = preset_config(name, "bfloat16")
+        shapes = jax.eval_shape(lambda key, cfg=cfg: init_params(cfg, key), jax.random.key(0))
+        assert abs(count(shapes) - total) / total < 0.001, (name, count(shapes))
+        embedding = cfg.vocab_size * cfg.hidden_size
+        assert abs(param_counts(cfg)["active"] - embedding - active) / active < 0.005
+    target = preset_config("gpt-oss-20b", "bfloat16")
+    target_params = jax.eval_shape(lambda key: init_params(target, key), jax.random.key(0))
+
+    dcfg = dflash_config_from_hf(ZLAB_GPT_OSS_20B_DFLASH, "bfloat16")
+    check_compatible(dcfg, target)
+    params = jax.eval_shape(lambda key: init_dflash_params(dcfg, key), jax.random.key(0))
+
+    def draft_block(target_params, params):
+        tokens = jnp.zeros((1, 16), jnp.int32)
+        positions = jnp.arange(16)[None]
+        out = forward_hidden(target_params, target, tokens, positions, init_cache(target, 1, 64),
+                             capture=dcfg.target_layer_ids)
+        ctx_k, ctx_v = context_kv(dcfg, params, out.captured, positions)
+        block_positions = 16 + jnp.arange(dcfg.block_size)[None]
+        visible = jnp.ones((1, dcfg.block_size, 16), bool)
+        hidden = dflash_hidden(dcfg, params, jnp.zeros((1, dcfg.block_size, 2880), jnp.bfloat16), block_positions,
+                               ctx_k, ctx_v, positions, visible, jnp.ones((1, dcfg.block_size, dcfg.block_size), bool))
+        return lm_head(target_params, target, hidden[:, 1:])
+
+    assert jax.eval_shape(draft_block, target_params, params).shape == (1, 7, 201088)

@@ -107,7 +107,10 @@ def expected_hf_layer_shapes(
         for name, spec in specs.items():
             w = _layer_weight(name, table)
             for hf_name, expert in expert_parts(w, spec.shape):
-                out[name_of(i) + hf_name] = hf_shape(spec.shape[expert is not None:], w.in_axes)
+                shape = hf_shape(spec.shape[expert is not None:], w.in_axes)
+                if w.interleaved is not None:  # one of two arrays side by side in the HF tensor
+                    shape = (*shape[:-1], 2 * shape[-1])
+                out[name_of(i) + hf_name] = shape
     return out
 
 
@@ -136,7 +139,11 @@ def layers_from_hf(
 
 def _read_layer_weight(get_tensor: GetTensor, prefix: str, w: HFWeight, shape: tuple[int, ...]) -> np.ndarray:
     """One weight in our layout `shape` from its HF tensor, or a per-expert weight's E tensors stacked."""
-    parts = [from_hf(get_tensor(prefix + hf_name), shape[expert is not None:], w.in_axes)
+    def read(hf_name: str) -> np.ndarray:
+        tensor = get_tensor(prefix + hf_name)
+        return tensor if w.interleaved is None else tensor[..., w.interleaved::2]
+
+    parts = [from_hf(read(hf_name), shape[expert is not None:], w.in_axes)
              for hf_name, expert in expert_parts(w, shape)]
     return np.stack(parts) if "{e}" in w.hf_name else parts[0]
 
@@ -151,8 +158,13 @@ def layers_to_hf(
         for name, value in layer.items():
             w = _layer_weight(name, table)
             for hf_name, expert in expert_parts(w, np.shape(value)):
-                part = np.asarray(value if expert is None else value[expert])
-                out[name_of(i) + hf_name] = np.ascontiguousarray(to_hf(part, w.in_axes))
+                part = to_hf(np.asarray(value if expert is None else value[expert]), w.in_axes)
+                if w.interleaved is not None:  # fill its half of the tensor it shares
+                    shared = out.setdefault(name_of(i) + hf_name,
+                                            np.empty((*part.shape[:-1], 2 * part.shape[-1]), part.dtype))
+                    shared[..., w.interleaved::2] = part
+                    continue
+                out[name_of(i) + hf_name] = np.ascontiguousarray(part)
     return out
 
 

@@ -92,21 +92,6 @@ QWEN3_5_LAYER: tuple[HFWeight, ...] = DECODER_LAYER + (
     HFWeight("linear_out", "linear_attn.out_proj.weight", 1),  # [H, Hv*dv] -> [Hv*dv, H]
 )
 
-# Decoder layers with every attention bias (q/k/v/o: `attention_bias` in a Qwen3 / gpt-oss
-# config): the DFlash drafters' layers (z-lab's gpt-oss drafters have them).
-BIASED_DECODER_LAYER: tuple[HFWeight, ...] = QWEN2_LAYER + (HFWeight("bo", "self_attn.o_proj.bias", 0),)
-GPT_OSS_LAYER: tuple[HFWeight, ...] = tuple(w for w in BIASED_DECODER_LAYER if not w.name.startswith("w_")) + (
-    HFWeight("sinks", "self_attn.sinks", 0),
-    HFWeight("router", "mlp.router.weight", 1),  # [E, H] -> [H, E]
-    HFWeight("router_bias", "mlp.router.bias", 0),
-    HFWeight("experts_w_gate", "mlp.experts.gate_up_proj", 0, interleaved=0),  # [E, H, 2F] -> [E, H, F]
-    HFWeight("experts_w_up", "mlp.experts.gate_up_proj", 0, interleaved=1),
-    HFWeight("experts_b_gate", "mlp.experts.gate_up_proj_bias", 0, interleaved=0),  # [E, 2F] -> [E, F]
-    HFWeight("experts_b_up", "mlp.experts.gate_up_proj_bias", 0, interleaved=1),
-    HFWeight("experts_w_down", "mlp.experts.down_proj", 0),  # [E, F, H] both sides
-    HFWeight("experts_b_down", "mlp.experts.down_proj_bias", 0),
-)
-
 # Mixture-of-experts layers (spec_jax.models.moe): the dense family's table plus the router and one
 # HF tensor per expert, as hub checkpoints and transformers' save_pretrained write them (5.x
 # fuses them into 3-D `experts.gate_up_proj` / `experts.down_proj` in memory only). A dense layer
@@ -128,6 +113,25 @@ MIXTRAL_LAYER: tuple[HFWeight, ...] = DECODER_LAYER + (
     HFWeight("experts_w_gate", "block_sparse_moe.experts.{e}.w1.weight", 1),
     HFWeight("experts_w_up", "block_sparse_moe.experts.{e}.w3.weight", 1),
     HFWeight("experts_w_down", "block_sparse_moe.experts.{e}.w2.weight", 1),
+)
+
+# gpt-oss: Qwen2's q/k/v biases plus the output projection's, the attention sinks, and the MoE
+# block (spec_jax.models.moe) with its router bias and expert biases. The experts are stored
+# [E, in, out] as we hold them, gate and up interleaved in one tensor (MXFP4-packed in the
+# published checkpoints: checkpoints/mxfp4.py reads them as these float tensors).
+# Decoder layers with every attention bias (q/k/v/o: `attention_bias` in a Qwen3 / gpt-oss
+# config): the DFlash drafters' layers (z-lab's gpt-oss drafters have them).
+BIASED_DECODER_LAYER: tuple[HFWeight, ...] = QWEN2_LAYER + (HFWeight("bo", "self_attn.o_proj.bias", 0),)
+GPT_OSS_LAYER: tuple[HFWeight, ...] = tuple(w for w in BIASED_DECODER_LAYER if not w.name.startswith("w_")) + (
+    HFWeight("sinks", "self_attn.sinks", 0),
+    HFWeight("router", "mlp.router.weight", 1),  # [E, H] -> [H, E]
+    HFWeight("router_bias", "mlp.router.bias", 0),
+    HFWeight("experts_w_gate", "mlp.experts.gate_up_proj", 0, interleaved=0),  # [E, H, 2F] -> [E, H, F]
+    HFWeight("experts_w_up", "mlp.experts.gate_up_proj", 0, interleaved=1),
+    HFWeight("experts_b_gate", "mlp.experts.gate_up_proj_bias", 0, interleaved=0),  # [E, 2F] -> [E, F]
+    HFWeight("experts_b_up", "mlp.experts.gate_up_proj_bias", 0, interleaved=1),
+    HFWeight("experts_w_down", "mlp.experts.down_proj", 0),  # [E, F, H] both sides
+    HFWeight("experts_b_down", "mlp.experts.down_proj_bias", 0),
 )
 
 MODEL_WEIGHTS: tuple[HFWeight, ...] = (

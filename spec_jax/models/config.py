@@ -42,19 +42,22 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # model_type -> family, for configs without `architectures`.
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
                 "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4",
                 "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next",
-                "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
+                "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5",
+                "gpt_oss": "gpt_oss"}
 # What each family writes back to config.json.
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
              "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
              "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
              "mixtral": ("MixtralForCausalLM", "mixtral"),
-             "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "gemma4": ("Gemma4ForCausalLM", "gemma4_text")}
+             "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "gemma4": ("Gemma4ForCausalLM", "gemma4_text"),
+             "gpt_oss": ("GptOssForCausalLM", "gpt_oss")}
 
 # Gemma3TextConfig's defaults: hub configs (notably the `text_config` of the multimodal
 # checkpoints) leave out every field equal to them.
@@ -83,7 +86,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 # The experts' gated activations `spec_jax.models.moe.expert_activation` implements.
-EXPERT_ACTIVATIONS = ("silu",)
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 # How the router turns logits into top-k weights (see MoeConfig.router_scoring).
 ROUTER_SCORINGS = ("softmax", "topk_softmax")
 
@@ -102,7 +105,9 @@ class MoeConfig:
     router_scoring:   "softmax": a softmax over every expert, then the top k; "topk_softmax": the
                       top k logits, then a softmax over them (gpt-oss)
     router_bias, expert_bias: the router and the experts' projections carry biases (gpt-oss)
-    expert_activation: the experts' gated activation (one of EXPERT_ACTIVATIONS)
+    expert_activation: the experts' gated activation (one of EXPERT_ACTIVATIONS); gpt-oss's
+                      "clamped_swiglu" is (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+                      with g = min(gate, limit), `swiglu_alpha` and `swiglu_limit`
     """
 
     num_experts: int
@@ -116,6 +121,8 @@ class MoeConfig:
     router_bias: bool = False
     expert_bias: bool = False
     expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -358,7 +365,6 @@ class ModelConfig:
         """A Gated DeltaNet layer (a recurrent state, no keys/values)."""
         return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
 
-
     @property
     def kv_bytes_per_token(self) -> int:
         return sum(kv_bytes_per_token(1, kv, d, self.dtype) for kv, d in self.kv_cache_shapes)
@@ -377,9 +383,9 @@ class ModelConfig:
             sliding_rope_scaling=None, global_head_dim=None, num_global_kv_heads=None,
             attention_k_eq_v=False, num_kv_shared_layers=0, double_wide_mlp=False,
             value_norm=False, layer_scalar=False, per_layer_input_size=0, per_layer_vocab_size=0,
+            o_bias=False, attention_sinks=False,
             linear_num_key_heads=0, linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0,
             attn_output_gate=False, partial_rotary_factor=1.0,
-            o_bias=False, attention_sinks=False,
         )
 
     def layer_rope(self, layer: int) -> tuple[float, AnyRopeScaling | None]:
@@ -412,6 +418,8 @@ class ModelConfig:
             return _moe_from_hf(cls, hf, dtype, arch)
         if arch == "gemma4":
             return _gemma4_from_hf(cls, hf, dtype)
+        if arch == "gpt_oss":
+            return _gpt_oss_from_hf(cls, hf, dtype)
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         head_dim = hf.get("head_dim") or hidden // num_heads
@@ -453,7 +461,7 @@ class ModelConfig:
         )
 
     def to_hf_config(self) -> dict[str, Any]:
-        if self.moe is not None:
+        if self.moe is not None and self.architecture in MOE_FAMILIES:
             return _moe_to_hf(self)
         arch_name, model_type = _HF_NAMES[self.architecture]
         hf: dict[str, Any] = {
@@ -487,6 +495,8 @@ class ModelConfig:
             return _gemma3_to_hf(self, hf)
         if self.architecture == "gemma4":
             return _gemma4_to_hf(self, hf)
+        if self.architecture == "gpt_oss":
+            return _gpt_oss_to_hf(self, hf)
         if self.architecture == "mistral":
             hf["sliding_window"] = sliding[0] if sliding else None
         elif sliding:
@@ -1054,3 +1064,68 @@ def gpt_oss_defaults(hf: Mapping[str, Any]) -> dict[str, Any]:
         hf["layer_types"] = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION
                              for i in range(int(hf["num_hidden_layers"]))]
     return hf
+
+
+def _gpt_oss_from_hf(cls, hf: Mapping[str, Any], dtype: str) -> ModelConfig:
+    """gpt-oss: attention sinks, q/k/v/o biases (`attention_bias`), sliding/full layers, YaRN
+    RoPE, and a MoE feed-forward of clamped-SwiGLU experts with biases."""
+    hf = gpt_oss_defaults(hf)
+    num_layers = int(hf["num_hidden_layers"])
+    rope_theta, rope_scaling = rope_from_hf(hf)
+    layer_types, window = layer_types_from_hf(hf, num_layers, "gpt_oss")
+    bias = bool(hf["attention_bias"])
+    return cls(
+        **_shape_fields(hf),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        layer_types=layer_types,
+        sliding_window=window,
+        architecture="gpt_oss",
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+        dtype=dtype,
+        qkv_bias=bias,
+        o_bias=bias,
+        attention_sinks=True,
+        **_gpt_oss_moe_from_hf(hf),
+    )
+
+
+def _gpt_oss_to_hf(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
+    hf.pop("rope_theta")
+    hf.pop("rope_scaling", None)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope.update(rope_scaling_to_hf(cfg.rope_scaling))
+    sliding = [w for w in cfg.layer_windows if w != GLOBAL_WINDOW]
+    hf.update(
+        attention_bias=cfg.qkv_bias,
+        rope_parameters=rope,
+        sliding_window=sliding[0] if sliding else None,
+        layer_types=[FULL_ATTENTION if w == GLOBAL_WINDOW else SLIDING_ATTENTION for w in cfg.layer_windows],
+        **_gpt_oss_moe_to_hf(cfg),
+    )
+    return hf
+
+
+def _gpt_oss_moe_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss's MoE block: every layer, the top k router logits (router with a bias) softmaxed,
+    clamped-SwiGLU experts with biases."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r}: gpt-oss's experts are a clamped SwiGLU (silu).")
+    return {"moe": MoeConfig(
+        num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
+        expert_intermediate_size=int(hf["intermediate_size"]), router_scoring="topk_softmax",
+        router_bias=True, expert_bias=True, expert_activation="clamped_swiglu",
+        swiglu_alpha=float(hf["swiglu_alpha"]), swiglu_limit=float(hf["swiglu_limit"]),
+    )}
+
+
+def _gpt_oss_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    if moe is None or moe.dense_layers or moe.shared_expert_intermediate_size or moe.router_scoring != "topk_softmax":
+        raise ValueError("gpt-oss has experts on every layer, no shared expert and top-k-then-softmax routing.")
+    return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "intermediate_size": moe.expert_intermediate_size, "swiglu_alpha": moe.swiglu_alpha,
+            "swiglu_limit": moe.swiglu_limit}
+

@@ -36,6 +36,15 @@ def _gemma3(num_layers: int, window: int, **fields) -> ModelConfig:
     )
 
 
+def _gpt_oss(num_layers: int, num_experts: int) -> ModelConfig:
+    """A gpt-oss model from its published config.json's values (the rest are GptOssConfig's
+    defaults, which those files share)."""
+    return ModelConfig.from_hf_config({
+        "architectures": ["GptOssForCausalLM"], "num_hidden_layers": num_layers, "num_local_experts": num_experts,
+        "bos_token_id": 199998, "eos_token_id": 200002,
+    })
+
+
 def _gemma4(num_layers: int, full_every: int, window: int, **fields) -> ModelConfig:
     """A dense Gemma 4 text decoder: `full_every - 1` sliding layers (head 256, RoPE base 10k)
     then one full layer (head 512, proportional RoPE on a quarter of it, base 1M); the last
@@ -149,6 +158,10 @@ PRESETS: dict[str, ModelConfig] = {
         architecture="mistral",
         max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
     ),
+    # openai/gpt-oss-20b and -120b: sinks, alternating sliding (128) / full layers, YaRN, top-4
+    # clamped-SwiGLU experts (32 / 128 of them); 20.9B / 116.8B parameters.
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
     # Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised (30.5B parameters,
     # 3.3B active per token).
     "qwen3-30b-a3b": ModelConfig(
