@@ -31,6 +31,7 @@ from spec_jax.models.recurrent import last_committed_index, pass_parents, select
 from spec_jax.sampling import SamplingParams
 from spec_jax.testing import check_target
 from conftest import make_prompts
+from test_trees import OracleTreeDrafter as TreesOracle
 from tiny_configs import TINY_DFLASH, TINY_DRAFT, VOCAB
 
 
@@ -184,26 +185,17 @@ def _wrong(token):
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleTreeDrafter:
+class DepthOracleDrafter(TreesOracle):
     """Knows the greedy continuation (its params: the plain run's token buffer [B, S]) and hides
     it behind a decoy first sibling at every depth; row b accepts depth (3 * lengths + b) % 4 per
-    step (0 = none, 3 = all), each accepted node a later sibling.
+    step (0 = none, 3 = all), each accepted node a later sibling. (The protocol's other members
+    are test_trees' oracle's.)
 
     nodes 1..6: decoy(t1) <- root, t1 <- root, decoy(t2) <- 2, t2 <- 2, decoy(t3) <- 4, t3 <- 4
     (a token past the forced depth is replaced by a wrong one)."""
 
     k: int = 3
     tree: int = 6
-    capture_layers: tuple[int, ...] = ()
-
-    def weight_specs(self):
-        return None
-
-    def validate(self, target, capacity):
-        pass
-
-    def init(self, params, target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
-        return ()
 
     def propose_tree(self, params, target, state, tokens, lengths, key, sampling):
         batch, size = params.shape
@@ -214,10 +206,6 @@ class OracleTreeDrafter:
         nodes = jnp.stack([_decoy(truth), true_or_wrong], axis=2).reshape(batch, 6)
         parents = jnp.broadcast_to(jnp.asarray([0, 0, 2, 2, 4, 4], jnp.int32), (batch, 6))
         return TreeDraft(tokens=nodes.astype(jnp.int32), parents=parents), state
-
-    def commit(self, params, target, state, start, num_accepted, verify_captured):
-        return state
-
 
 def test_oracle_tree_states_equal_plain_decoding_after_every_commit(recurrent_target):
     """Rows accept at depths 0..3 in the same step, through later siblings; after every step each
@@ -231,7 +219,7 @@ def test_oracle_tree_states_equal_plain_decoding_after_every_commit(recurrent_ta
     for b, (p, g) in enumerate(zip(prompts, plain)):
         truth[b, : len(p) + len(g)] = p + g
     prompt_tokens, prompt_lengths = spec_jax.decoding.pad_prompts(prompts, 16)
-    drafter, target = OracleTreeDrafter(), Target(params, model)
+    drafter, target = DepthOracleDrafter(), Target(params, model)
     stop_ids = jnp.asarray(spec_jax.decoding.stop_id_array([]))
     limit = jnp.int32(new_tokens)
     sampling = SamplingParams.create()
