@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.decoding import saved_programs
+from spec_jax.decoding.compiler_options import compiler_options, set_compiler_options  # noqa: F401  (public here)
 
 # Every cache made, so clear_compiled reaches them all.
 _ALL_CACHES: list[ProgramCache] = []
@@ -97,22 +98,6 @@ def compile_tally() -> CompileTally:
     """Every program spec_jax compiled in this process so far (a copy)."""
     with _TOTAL_LOCK:
         return dataclasses.replace(_TOTAL)
-
-
-# XLA options for the programs compiled here, per platform (the command line sets them; the
-# library leaves XLA's defaults).
-_COMPILER_OPTIONS: dict[str, dict[str, Any]] = {}
-
-
-def set_compiler_options(platform: str, options: dict[str, Any]) -> None:
-    """XLA compiler options for the programs compiled from now on when JAX's default backend is
-    `platform` ("cpu", "gpu", "tpu"): `lowered.compile(compiler_options=options)`."""
-    _COMPILER_OPTIONS[platform] = dict(options)
-
-
-def compiler_options() -> dict[str, Any]:
-    """The options for JAX's default backend (initialises it)."""
-    return dict(_COMPILER_OPTIONS.get(jax.default_backend(), {}))
 
 
 def _compile_counted(lower: Callable[[], Any], mesh: Any,

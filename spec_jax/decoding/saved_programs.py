@@ -123,7 +123,7 @@ def _environment() -> str:
     """Everything besides the program that changes what XLA would build for it."""
     import jaxlib
 
-    from spec_jax.decoding.programs import compiler_options
+    from spec_jax.decoding.compiler_options import compiler_options
 
     device = jax.devices()[0]
     config = {name: value for name, value in jax.config.values.items() if "cache" not in name and "log" not in name}

@@ -30,14 +30,23 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
     float32_precision,
     window_mask,
 )
-from spec_jax.models.config import LinearRopeScaling, ModelConfig, MoeConfig, ProportionalRope, RopeScaling, YarnRopeScaling
-from spec_jax.models.interface import ForwardOutput, chain_mask
-from spec_jax.models.moe import moe_block
-from spec_jax.models.weights import init_from_specs, model_weight_specs
-from spec_jax.models.config import FULL_ATTENTION, GLOBAL_WINDOW, LINEAR_ATTENTION, SLIDING_ATTENTION
-from spec_jax.models.interface import LayerKV
+from spec_jax.models.config import (
+    FULL_ATTENTION,
+    GLOBAL_WINDOW,
+    LINEAR_ATTENTION,
+    SLIDING_ATTENTION,
+    LinearRopeScaling,
+    ModelConfig,
+    MoeConfig,
+    ProportionalRope,
+    RopeScaling,
+    YarnRopeScaling,
+)
 from spec_jax.models.gated_deltanet import DeltaNetDims, commit_delta_net, delta_net
+from spec_jax.models.interface import ForwardOutput, LayerKV, chain_mask
+from spec_jax.models.moe import moe_block
 from spec_jax.models.recurrent import last_committed_index
+from spec_jax.models.weights import init_from_specs, model_weight_specs
 
 Params = Any
 
@@ -244,7 +253,6 @@ def project_qkv(lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array | None, 
     q = einsum("bth,hnd->btnd", x, lp["wq"])
     k = einsum("bth,hkd->btkd", x, lp["wk"]) if "wk" in lp else None
     v = einsum("bth,hkd->btkd", x, lp["wv"]) if "wv" in lp else k
-
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     return q, k, v
@@ -419,7 +427,6 @@ def shared_kv_layer_pass(
 
     x, _ = decoder_layer(lp, x, positions, inv_freq, eps, attend_shared, style=style, per_layer_input=per_layer_input)
     return x
-
 
 
 # Layers of equal shapes and switches share one trace: JAX caches a jitted function's jaxpr by its
