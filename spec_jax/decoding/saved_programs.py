@@ -21,6 +21,7 @@ entry of JAX's own cache: keep the directory private to its user.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -198,7 +199,8 @@ def load(key: ProgramKey) -> Any | None:
     except Exception:  # noqa: BLE001 - any unusable file is a miss: compile as if it were absent
         path.unlink(missing_ok=True)
         return None
-    os.utime(path)  # recently used: pruned last
+    with contextlib.suppress(OSError):  # another process may have pruned it meanwhile
+        os.utime(path)  # recently used: pruned last
     return compiled
 
 
