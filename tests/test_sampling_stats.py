@@ -28,6 +28,7 @@ from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_pa
 from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import ModelConfig, forward, init_cache, init_params
+from spec_jax.models.config import MoeConfig
 
 P_FAIL = 1e-4
 SAMPLING = [  # (temperature, top_k, top_p)
@@ -189,19 +190,23 @@ E2E_EAGLE3_TARGET_IDS = np.array([0, 1, 2, 4, 5, 7])
 PROMPT = [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def e2e():
-    params = init_params(E2E_CFG, jax.random.key(10), scale=1.5)
-    draft_params = init_params(E2E_DRAFT_CFG, jax.random.key(11), scale=1.5)
-    # Logits for every 3-token continuation prefix: [V^2, P+2] sequences, one full forward.
+def prefix_logits(params, cfg: ModelConfig) -> np.ndarray:
+    """Logits for every 3-token continuation prefix: [V^2, P+2] sequences, one full forward."""
     prefixes = np.asarray(list(itertools.product(range(V_E2E), repeat=2)))  # [V^2, 2]
     seqs = np.concatenate([np.tile(PROMPT, (len(prefixes), 1)), prefixes], axis=1)
     b, t = seqs.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     logits, _, _ = jax.jit(forward, static_argnums=1)(
-        params, E2E_CFG, jnp.asarray(seqs), positions, init_cache(E2E_CFG, b, t)
+        params, cfg, jnp.asarray(seqs), positions, init_cache(cfg, b, t)
     )
-    return params, draft_params, np.asarray(logits)
+    return np.asarray(logits)
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    params = init_params(E2E_CFG, jax.random.key(10), scale=1.5)
+    draft_params = init_params(E2E_DRAFT_CFG, jax.random.key(11), scale=1.5)
+    return params, draft_params, prefix_logits(params, E2E_CFG)
 
 
 def exact_joint(logits, temperature, top_k, top_p):
@@ -245,19 +250,41 @@ def test_generate_reproduces_target_joint_distribution(e2e, drafter_kind, temper
         dparams["d2t"] = jnp.asarray(E2E_EAGLE3_TARGET_IDS - np.arange(6), jnp.int32)
     else:
         drafter, dparams = DraftModelDrafter(E2E_DRAFT_CFG, K_E2E), draft_params
+    counts, accepted = sampled_joint_counts((E2E_CFG, params), drafter, dparams, temperature, top_k, top_p)
+    assert accepted > 0  # the acceptance path was exercised, not only corrections
+    chi_square_ok(counts, exact_joint(logits, temperature, top_k, top_p), "joint of 3 tokens")
+
+
+def sampled_joint_counts(target, drafter, drafter_params, temperature, top_k, top_p):
+    """[V, V, V] counts of the first 3 generated tokens over SEEDS x ROWS rows, and the drafts accepted."""
     counts = np.zeros((V_E2E,) * HORIZON)
     accepted = 0
     for seed in range(SEEDS):
         r = generate(
-            (E2E_CFG, params), [PROMPT] * ROWS, drafter, dparams, max_new_tokens=HORIZON,
+            target, [PROMPT] * ROWS, drafter, drafter_params, max_new_tokens=HORIZON,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, capacity=32,
         )
         ids = np.asarray(r.generated_ids)
         assert ids.shape == (ROWS, HORIZON)
         np.add.at(counts, tuple(ids.T), 1)
         accepted += r.stats.accepted
-    assert accepted > 0  # the acceptance path was exercised, not only corrections
-    chi_square_ok(counts, exact_joint(logits, temperature, top_k, top_p), "joint of 3 tokens")
+    return counts, accepted
+
+
+# A mixture-of-experts target: each token through 2 of 4 experts, its own routing in every pass.
+E2E_MOE_CFG = E2E_CFG.replace(moe=MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=32,
+                                            normalize_top_k=True))
+
+
+def test_sampled_speculation_on_a_mixture_of_experts_target(e2e):
+    """The MoE target's warped joint of 3 tokens, reproduced with a (dense) draft model in front."""
+    params = init_params(E2E_MOE_CFG, jax.random.key(15), scale=1.5)
+    temperature, top_k, top_p = SAMPLING[0]
+    counts, accepted = sampled_joint_counts((E2E_MOE_CFG, params), DraftModelDrafter(E2E_DRAFT_CFG, K_E2E),
+                                            e2e[1], temperature, top_k, top_p)
+    assert accepted > 0
+    chi_square_ok(counts, exact_joint(prefix_logits(params, E2E_MOE_CFG), temperature, top_k, top_p),
+                  "joint of 3 tokens, MoE target")
 
 
 def test_generate_same_seed_same_samples_different_seed_differs(e2e):
