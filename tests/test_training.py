@@ -246,7 +246,8 @@ def test_trained_eagle3_multi_step_stays_exact_and_drafts_better(setup):
 def cli_run(tmp_path_factory, setup):
     """kind -> (the `spec-jax train KIND` arguments without --out/--steps, the out dir of a 6-step
     run with them, the target dir): each kind trains once, shared by the tests that load it and
-    continue from it."""
+    continue from it. No held-out tau (--eval-prompts 0: each would compile a decoding loop; the
+    tests decode the exports themselves, and test_medusa / test_registry run the CLI's tau)."""
     from spec_jax.app.main import main
     from spec_jax.checkpoints import save_hf_dir
 
@@ -260,7 +261,7 @@ def cli_run(tmp_path_factory, setup):
         if kind not in runs:
             common = ["train", kind, "--target", str(root / "target"), "--data", str(root / "data.npz"),
                       "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--block-size", "4", "--layers", "1",
-                      "--hidden", "64", "--eval-every", "0", "--no-progress"]
+                      "--hidden", "64", "--eval-every", "0", "--eval-prompts", "0", "--no-progress"]
             assert main(common + ["--out", str(root / kind), "--steps", "6"]) == 0
             runs[kind] = (common, root / kind, root / "target")
         return runs[kind]
@@ -302,9 +303,6 @@ def test_cli_init_from_continues_from_an_exported_drafter(tmp_path, setup, capsy
     data = setup[1]
     common, first, _ = cli_run(kind)
     second = tmp_path / "second"
-    # The continuations skip held-out tau (--eval-prompts 0): only their weights are checked, and
-    # each tau would compile a decoding loop.
-    common = common + ["--eval-prompts", "0"]
     assert main(common + ["--out", str(second), "--steps", "1", "--init-from", str(first / "drafter"),
                           "--data-sequences", "20"]) == 0
 
@@ -361,7 +359,6 @@ def test_cli_dflash_draft_vocab_from_a_full_vocabulary_drafter(tmp_path, setup, 
 
     target_params, data, _, prompts = setup
     common, full, _ = cli_run("dflash")  # 6 steps of the full-vocabulary drafter
-    common = common + ["--eval-prompts", "0"]  # decoded below instead
     reduced, again = tmp_path / "reduced", tmp_path / "again"
     assert main(common + ["--out", str(reduced), "--steps", "1", "--draft-vocab", "40",
                           "--init-from", str(full / "drafter")]) == 0
