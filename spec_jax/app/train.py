@@ -1,7 +1,7 @@
 """`spec-jax train data|text|KIND`: resumable; re-run the same command to continue.
 
 `data` and `text` build datasets; KIND is any drafter kind with a training recipe in
-`spec_jax.drafters.registry` (dflash, draft-model, eagle3, medusa, and any kind registered since).
+`spec_jax.drafters.registry` (dflash, draft-model, eagle3, medusa, mtp, and any kind registered since).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dflash/draft-model/eagle3: train on N sequences drawn (seeded) from --data instead of all "
                    "(bounds host memory for precomputed features; tau against data amount)")
     p.add_argument("--init-from", metavar="DIR", default=None,
-                   help="dflash/draft-model/eagle3: continue from an exported drafter dir (same shape), e.g. "
-                   "an earlier run's drafter/ or the shipped one, instead of a fresh init; with a larger "
-                   "--layers (dflash/draft-model) the extra layers start as the identity")
+                   help="dflash/draft-model/eagle3/mtp: continue from an exported drafter dir (same shape), e.g. "
+                   "an earlier run's drafter/ or the shipped one (mtp: the model's released assistant), "
+                   "instead of a fresh init; with a larger --layers (dflash/draft-model) the extra layers "
+                   "start as the identity")
     p.add_argument("--shard-prompts", type=int, default=256, help="data: prompts per shard")
     p.add_argument("--out", metavar="DIR", help="run dir: checkpoints, log, curve, drafter/")
     p.add_argument("--num-prompts", type=int, default=384, help="data: prompts to answer")
@@ -49,16 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--block-size", type=int, default=8, help="dflash: block size (K = block - 1)")
     p.add_argument("--layers", type=int, default=None, help="drafter layers (default: eagle3 1, others 2; medusa: residual blocks per "
-                   "head, default 1)")
+                   "head, default 1; mtp: a fresh assistant's, the last full attention)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="eagle3/dflash: draft vocabulary size, the data's most frequent answer tokens "
                         "(default: eagle3 8192; dflash the target's whole vocabulary through its LM head)")
     p.add_argument("--ttt-steps", type=int, default=3,
                    help="eagle3: training steps per pair fed the drafter's own features")
-    p.add_argument("--k", type=int, default=4, help="eagle3: drafts per verify step (eval and export); medusa: heads "
-                   "(drafts per step)")
-    p.add_argument("--hidden", type=int, default=256, help="draft-model: width")
-    p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
+    p.add_argument("--k", type=int, default=4, help="eagle3/mtp: drafts per verify step (mtp: the chained drafts the loss scores; eval and "
+                   "export); medusa: heads (drafts per step)")
+    p.add_argument("--hidden", type=int, default=256, help="draft-model, mtp (a fresh assistant): width")
+    p.add_argument("--anchors", type=int, default=8,
+                   help="dflash: blocks per sequence per step; mtp: draft chains per sequence per step")
     p.add_argument("--answer-positions", type=int, default=64,
                    help="draft-model/medusa: answer positions per sequence that get the losses")
     p.add_argument("--kl-weight", type=float, default=None,

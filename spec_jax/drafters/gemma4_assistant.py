@@ -40,6 +40,7 @@ from spec_jax.models.config import FULL_ATTENTION, GLOBAL_WINDOW, SLIDING_ATTENT
 from spec_jax.models.decoder import LayerStyle, decoder_layer, rms_norm, rope_inv_freq
 from spec_jax.models.interface import (
     FINAL_HIDDEN,
+    LayerKV,
     Target,
     TargetModel,
     last_layer_of_type,
@@ -137,6 +138,28 @@ class Gemma4AssistantConfig:
     def layer_style(self, layer: int) -> LayerStyle:
         # Gemma 4 scores are q.k unscaled: undo attention's 1 / sqrt(head_dim).
         return LayerStyle(activation="gelu_tanh", query_multiplier=math.sqrt(self.layer_head_dim(layer)))
+
+
+def assistant_config_for_target(
+    target_cfg: Any, hidden_size: int = 256, num_layers: int = 2, k: int = 4, dtype: str = "float32"
+) -> Gemma4AssistantConfig:
+    """A fresh assistant for a built-in Gemma 4 target (`spec-jax train mtp` from scratch): its
+    layers sliding, the last full (all full without sliding target layers), reading the target's
+    KV heads and head sizes with the target's query heads, RoPE and window; a dense tied head."""
+    sliding = SLIDING_ATTENTION in target_cfg.layer_types
+    types = (SLIDING_ATTENTION,) * (num_layers - 1) + (FULL_ATTENTION,) if sliding else (FULL_ATTENTION,) * num_layers
+    rope = target_cfg.rope_scaling
+    return Gemma4AssistantConfig(
+        vocab_size=target_cfg.vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_heads=target_cfg.num_heads, layer_types=types, head_dim=target_cfg.head_dim,
+        num_kv_heads=target_cfg.num_kv_heads, backbone_hidden_size=target_cfg.hidden_size,
+        global_head_dim=target_cfg.global_head_dim, num_global_kv_heads=target_cfg.num_global_kv_heads,
+        sliding_window=target_cfg.sliding_window if sliding else None,
+        sliding_rope_theta=target_cfg.sliding_rope_theta or target_cfg.rope_theta,
+        full_rope_theta=target_cfg.rope_theta,
+        full_partial_rotary_factor=rope.partial_rotary_factor if isinstance(rope, ProportionalRope) else 1.0,
+        rms_norm_eps=target_cfg.rms_norm_eps, num_assistant_tokens=k, dtype=dtype,
+    )
 
 
 def assistant_weight_specs(cfg: Gemma4AssistantConfig) -> dict[str, Any]:
@@ -259,6 +282,23 @@ def assistant_logits(cfg: Gemma4AssistantConfig, params: Params, out: jax.Array)
 
 # ----------------------------------------------------------------------------- the drafter
 @dataclasses.dataclass(frozen=True)
+class AnchoredCache:
+    """A target whose cache is {layer: LayerKV}: the views `training_logits` cut per anchor."""
+
+    model: Any
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return self.model.layer_types
+
+    def embed(self, params, tokens):
+        return self.model.embed(params, tokens)
+
+    def cache_view(self, cache, layer: int) -> LayerKV:
+        return cache[layer]
+
+
+@dataclasses.dataclass(frozen=True)
 class Gemma4AssistantDrafter:
     """Gemma 4's assistant as a drafter (see the module docstring). Hashable.
 
@@ -319,6 +359,33 @@ class Gemma4AssistantDrafter:
             drafts.append(draft)
             token = draft[:, None]
         return jnp.stack(logits_out, 1), jnp.stack(drafts, 1)
+
+    def training_logits(self, params, target: Target, tokens, captured, anchors):
+        """The K chained drafts at each anchor, as `propose` makes them there (`spec-jax train mtp`).
+
+        target: the frozen target with its cache after one pass over `tokens` [B, T] (every
+        position's keys/values written); captured [B, T, Hb]: its final hidden states; anchors
+        [B, A]: positions p >= 1 of a last committed token. -> float32 logits [B, A, K, V], draft j
+        (0-based) scoring token p + j + 1. Each anchor is a row of its own that sees the target's
+        cache committed up to p (slots < p, as `propose` sees it after a verify step), starts from
+        the token at p and the hidden state at p - 1, and chains its own states; the token each
+        later draft reads is the data's next one (what it drafted, whenever the drafts before it
+        were accepted: those are the only drafts that count)."""
+        batch, num_anchors = anchors.shape
+        rows = jnp.repeat(jnp.arange(batch), num_anchors)  # [B * A]: each anchor's sequence
+        position = anchors.reshape(-1)
+        views = {}
+        for kind in set(self.cfg.layer_types):
+            layer = last_layer_of_type(target.model, kind)
+            view = target.cache_view(layer)
+            views[layer] = LayerKV(view.k[rows], view.v[rows], position, view.window)
+        anchored = Target(target.params, AnchoredCache(target.model), views)
+        row_tokens = tokens[rows]
+        last = tokens.shape[1] - 1
+        data_next = lambda step, logits: row_tokens[jnp.arange(rows.shape[0]), jnp.minimum(position + step + 1, last)]  # noqa: E731
+        logits, _ = self.draft_logits(params, anchored, captured[rows, position - 1], row_tokens, position + 1,
+                                      data_next)
+        return logits.reshape(batch, num_anchors, self.k, -1)
 
     def propose(self, params, target: Target, state, tokens, lengths, key, sampling: SamplingParams):
         if not self.sample_drafts:

@@ -25,7 +25,7 @@ from spec_jax.drafters.medusa import MedusaConfig, head_hidden
 from spec_jax.models.interface import TargetModel
 from spec_jax.training.draft_model import sample_positions
 from spec_jax.training.run import Recipe, train_drafter
-from spec_jax.training.trainer import TargetModelLoss, TrainConfig, TrainResult, cross_entropy, masked_mean
+from spec_jax.training.trainer import TargetModelLoss, TrainConfig, TrainResult, chained_draft_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,25 +57,7 @@ class MedusaLoss(TargetModelLoss):
         logits = self.target_model.logits(target_params, head_hidden(cfg, params, hidden))  # [B, P, K, V]
 
         # Step 3: head i (1-based) learns token idx + i + 1.
-        total, weight_sum, metrics, leading = 0.0, 0.0, {}, None
-        for i in range(1, cfg.num_heads + 1):
-            label_pos = idx + i + 1
-            labels = tokens[rows, jnp.minimum(label_pos, t - 1)]
-            valid = picked & (label_pos < lengths[:, None])
-            head_logits = logits[:, :, i - 1]
-            ce = masked_mean(cross_entropy(head_logits, labels), valid)
-            weight = self.head_decay ** (i - 1)
-            total, weight_sum = total + weight * ce, weight_sum + weight
-            correct = (jnp.argmax(head_logits, -1) == labels) & valid
-            metrics[f"acc_{i}"] = masked_mean(correct, valid)
-            leading = correct if leading is None else leading & correct
-            metrics[f"run_{i}"] = masked_mean(leading, picked)
-        loss = total / weight_sum
-        metrics["ce"] = loss
-        metrics["accuracy"] = metrics["acc_1"]
-        # Expected accepted drafts per step under greedy verification (leading correct heads).
-        metrics["accept_run"] = sum(metrics[f"run_{i}"] for i in range(1, cfg.num_heads + 1))
-        return loss, metrics
+        return chained_draft_loss(logits, tokens, idx + 2, lengths, picked, self.head_decay)
 
 
 @dataclasses.dataclass(frozen=True)

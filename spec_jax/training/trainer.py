@@ -367,6 +367,39 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
 
 
+def chained_draft_loss(
+    logits: jax.Array, tokens: jax.Array, first_label: jax.Array, lengths: jax.Array, picked: jax.Array,
+    decay: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Cross-entropy of K drafts per picked position against the data's tokens (Medusa heads,
+    MTP chains): logits [B, P, K, V]; draft j (0-based) of position i is scored against
+    tokens[b, first_label[b, i] + j] (masked past the sequence's length), weighted decay ** j
+    (a draft counts only when all before it were accepted). picked [B, P]: positions that count.
+    -> (loss, metrics: ce, acc_j and run_j per draft (1-based: its accuracy, and that of it and
+    every draft before it), accuracy (the first draft's), accept_run (expected accepted drafts
+    per step under greedy verification))."""
+    b, t = tokens.shape
+    rows = jnp.arange(b)[:, None]
+    num_drafts = logits.shape[2]
+    total, weight_sum, metrics, leading = 0.0, 0.0, {}, None
+    for j in range(num_drafts):
+        label_pos = first_label + j
+        labels = tokens[rows, jnp.minimum(label_pos, t - 1)]
+        valid = picked & (label_pos < lengths[:, None])
+        ce = masked_mean(cross_entropy(logits[:, :, j], labels), valid)
+        weight = decay**j
+        total, weight_sum = total + weight * ce, weight_sum + weight
+        correct = (jnp.argmax(logits[:, :, j], -1) == labels) & valid
+        metrics[f"acc_{j + 1}"] = masked_mean(correct, valid)
+        leading = correct if leading is None else leading & correct
+        metrics[f"run_{j + 1}"] = masked_mean(leading, picked)
+    loss = total / weight_sum
+    metrics["ce"] = loss
+    metrics["accuracy"] = metrics["acc_1"]
+    metrics["accept_run"] = sum(metrics[f"run_{j}"] for j in range(1, num_drafts + 1))
+    return loss, metrics
+
+
 def kl_to_teacher(student_logits: jax.Array, teacher_logits: jax.Array) -> jax.Array:
     """Per-position KL(teacher || student), both [..., V]."""
     t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
