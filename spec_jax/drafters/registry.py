@@ -159,7 +159,7 @@ for _kind in (
                 "--out runs/medusa` and pass --drafter medusa=runs/medusa/drafter."),
     DrafterKind("mtp", "a model's own multi-token-prediction drafter (Gemma 4's assistant), reading the "
                 "target's cache", "spec_jax.checkpoints.mtp:load_mtp_drafter", takes_path=True,
-                drafts_trees=True, lookup_first=True,
+                drafts_trees=True, recipe="spec_jax.training.mtp:MtpRecipe", lookup_first=True,
                 not_shipped="MTP drafters come with their model: pass the model's assistant checkpoint, "
                 "e.g. --drafter mtp=PATH/gemma-4-e2b-it-assistant for a Gemma 4 E2B target."),
 ):
