@@ -24,8 +24,9 @@ VOCAB = 48
 
 def test_the_built_in_kinds():
     assert registry.names() == (
-        "none", "ngram", "self", "draft-model", "dflash", "eagle3", "medusa", "mtp",
-        "draft-model+ngram", "dflash+ngram", "eagle3+ngram", "medusa+ngram", "mtp+ngram")
+        "none", "ngram", "suffix", "self", "draft-model", "dflash", "eagle3", "medusa", "mtp",
+        "draft-model+ngram", "dflash+ngram", "eagle3+ngram", "medusa+ngram", "mtp+ngram",
+        "draft-model+suffix", "dflash+suffix", "eagle3+suffix", "medusa+suffix", "mtp+suffix")
     assert [k.name for k in registry.trainable()] == ["draft-model", "dflash", "eagle3", "medusa"]
     assert all(k.help for k in registry.kinds())
     assert "eagle3=PATH" in registry.synopsis() and "dflash[=PATH]" in registry.synopsis()
@@ -37,6 +38,9 @@ def test_the_built_in_kinds():
         registry.register(registry.get("ngram"))
     with pytest.raises(ValueError, match="may not contain"):
         registry.register(registry.DrafterKind("a+ngram", "", "x:y"))
+    with pytest.raises(ValueError, match="unknown drafter 'suffix\\+suffix'"):
+        registry.parse("suffix+suffix")
+    assert registry.parse("dflash+suffix") == (registry.get("dflash"), registry.SUFFIX)
 
 
 def test_reading_the_registry_imports_no_training_code():

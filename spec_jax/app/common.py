@@ -117,7 +117,8 @@ def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
         default=None,
         metavar="KIND[=PATH]",
         help=f"{registry.synopsis()}, or a model drafter with prompt lookup in front: "
-        f"{' | '.join(registry.lookup_names())}[=PATH] (one word; a checkpoint follows '='). "
+        f"{' | '.join(registry.lookup_names())}[=PATH] (one word; a checkpoint follows '='), or the "
+        f"suffix lookup across requests in front: {' | '.join(registry.lookup_names(registry.SUFFIX))}. "
         f"{default_help} Kinds: {registry.described()}.",
     )
     p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")

@@ -175,11 +175,12 @@ def parse_drafter_spec(text: str, k: int | None = None) -> DrafterSpec:
 
 
 def make_drafter_spec(kind: str, path: str | None, k: int | None) -> DrafterSpec:
-    if kind.endswith(registry.LOOKUP) and kind not in registry.names():
-        raise UsageError(
-            f"drafter {kind!r}: prompt lookup ({registry.LOOKUP}) goes in front of a model drafter: "
-            f"{', '.join(registry.lookup_names())}; plain n-gram drafting is 'ngram'."
-        )
+    for front, alone in ((registry.LOOKUP, "ngram"), (registry.SUFFIX, "suffix")):
+        if kind.endswith(front) and kind not in registry.names():
+            raise UsageError(
+                f"drafter {kind!r}: a lookup ({front}) goes in front of a model drafter: "
+                f"{', '.join(registry.lookup_names(front))}; the lookup alone is {alone!r}."
+            )
     if kind not in registry.names():
         raise UsageError(f"unknown drafter {kind!r}; choose one of {', '.join(registry.names())}.")
     if not registry.get(kind).takes_path and path:

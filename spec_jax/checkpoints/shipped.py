@@ -54,17 +54,23 @@ def shipped_drafter_path(kind: str, target: LoadedModel) -> Path:
 
 def load_drafter(kind: str, target: LoadedModel, path: str | None = None, k: int | None = None) -> tuple[Any, Any]:
     """(drafter, drafter_params) for `generate` by kind (a `spec_jax.drafters.registry` name, or
-    "KIND+ngram" for prompt lookup in front); (None, None) for "none", the AR baseline. Without a
+    "KIND+ngram" for prompt lookup in front, "KIND+suffix" for the suffix lookup across requests,
+    with an empty store); (None, None) for "none", the AR baseline. Without a
     path, a kind that loads a checkpoint uses the one shipped for the default model. k=None keeps
     the kind's default K (a checkpoint's own for DFlash, EAGLE-3, Medusa)."""
-    entry, lookup_first = registry.parse(kind)
+    entry, front = registry.parse(kind)
     if entry.takes_path and path is None:
         path = str(shipped_drafter_path(entry.name, target))
     drafter, params = entry.loader()(target, path, entry.default_k if k is None else k)
-    if lookup_first:
+    if front == registry.LOOKUP:
         from spec_jax.drafters.lookup import LookupFirstDrafter
 
         drafter = LookupFirstDrafter(drafter)
+    elif front == registry.SUFFIX:
+        from spec_jax.drafters.suffix import SuffixFirstDrafter, with_store
+
+        drafter = SuffixFirstDrafter(drafter)
+        params = with_store(drafter, params)
     return drafter, params
 
 
@@ -77,6 +83,13 @@ def load_ngram(target: LoadedModel, path: str | None, k: int) -> tuple[Any, None
     from spec_jax.drafters.ngram import NGramDrafter
 
     return NGramDrafter(k=k), None
+
+
+def load_suffix(target: LoadedModel, path: str | None, k: int) -> tuple[Any, Any]:
+    from spec_jax.drafters.suffix import SuffixDrafter, with_store
+
+    drafter = SuffixDrafter(k=k)
+    return drafter, with_store(drafter, None)
 
 
 def load_self(target: LoadedModel, path: str | None, k: int) -> tuple[Any, Any]:

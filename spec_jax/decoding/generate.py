@@ -26,6 +26,7 @@ from spec_jax.decoding.loop import (
 from spec_jax.decoding.loop import tree_budget
 from spec_jax.decoding.programs import ProgramCache
 from spec_jax.drafters.base import Drafter
+from spec_jax.drafters.suffix import with_store
 from spec_jax.drafters.tree import tree_budget as tree_budget_of
 from spec_jax.models.interface import Target, TargetModel
 from spec_jax.models.resolve import as_target_model, resolve_target
@@ -232,6 +233,7 @@ def prepare_inputs(
     k: int | None = None,
     capacity: int | None = None,
     tree: Any = None,
+    suffix_store: Sequence[Sequence[int]] | None = None,
     **request_values: Any,
 ) -> PreparedCall:
     """Check everything a user can get wrong (before any compile), resolve the stop ids, pad the
@@ -249,6 +251,7 @@ def prepare_inputs(
     capacity = check_capacity(longest, values.max_new_tokens, k_eff, capacity, model.max_positions)
     if drafter is not None:
         drafter.validate(model, capacity)
+    drafter_params = with_store(drafter, drafter_params, suffix_store)  # the suffix drafters' store
     validation.check_drafter_params(drafter, drafter_params)
     prompt_tokens, prompt_lengths = pad_prompts(prompts, min(prompt_bucket(longest), capacity))
     inputs = LoopInputs(
@@ -308,6 +311,7 @@ def generate(
     mesh: Any = None,
     sharding_rules: Any = None,
     tree: Any = None,
+    suffix_store: Sequence[Sequence[int]] | None = None,
 ) -> GenerationResult:
     """Generate continuations of token-id prompts (one batch) with an optional drafter.
 
@@ -318,6 +322,9 @@ def generate(
     tree: overrides a tree-capable drafter's tree setting: 0 = a chain of K drafts, N = a tree
       of N draft nodes verified in one pass (K bounds its depth), a tuple of paths = a static
       tree (`spec_jax.drafters.tree`).
+    suffix_store: for a suffix drafter ("suffix", "KIND+suffix"), earlier texts (token lists,
+      oldest first) its lookup searches besides each row's own tokens (`spec_jax.drafters.suffix`);
+      default an empty store, or the one in `drafter_params` when it holds one.
     stop_ids: default `default_stop_ids(target)`: EOS and, for a loaded model with a chat template,
       its end-of-turn token (so a chat prompt stops at the end of the assistant's turn);
       `ignore_eos=True` drops those defaults (ids given in `stop_ids` still stop).
@@ -329,7 +336,7 @@ def generate(
     """
     validation.check_mesh(mesh)
     call = prepare_inputs(
-        target, prompts, drafter, drafter_params, k=k, capacity=capacity, tree=tree,
+        target, prompts, drafter, drafter_params, k=k, capacity=capacity, tree=tree, suffix_store=suffix_store,
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         stop_ids=stop_ids, ignore_eos=ignore_eos,
     )

@@ -282,8 +282,9 @@ def check_drafter_params(drafter: Any, params: Any) -> None:
                 f"found {found if found is not None else type(leaf).__name__}; {fix}"
             )
         dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
-        # The reduced vocabulary's offsets and the Gemma 4 assistant's token ordering are ints.
-        integer = key.endswith(("['d2t']", "['token_ordering']"))
+        # The reduced vocabulary's offsets, the Gemma 4 assistant's token ordering and the suffix
+        # drafter's store are ints.
+        integer = key.endswith(("['d2t']", "['token_ordering']", ".suffix_store"))
         if not (np.issubdtype(dtype, np.integer) if integer else _is_float(dtype)):
             want = "integer" if integer else "floating-point"
             raise ValueError(f"{name} params: weight {key} must be {want}, found {dtype}; {fix}")

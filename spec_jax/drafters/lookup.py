@@ -61,6 +61,15 @@ class LookupFirstDrafter:
     def lookup(self) -> NGramDrafter:
         return NGramDrafter(k=self.k, max_ngram=self.max_ngram, min_ngram=self.min_match)
 
+    # The two hooks a lookup that reads params overrides (`suffix.SuffixFirstDrafter`).
+    def front(self, params, tokens, lengths):
+        """(the lookup's drafts [B, K], the match length found [B], 0 for none)."""
+        return self.lookup.lookup(tokens, lengths)
+
+    def model_params(self, params):
+        """The model drafter's part of this drafter's params."""
+        return params
+
     @property
     def cfg(self) -> Any:  # the model drafter's config (`spec-jax info` reads its cache size)
         return self.model.cfg
@@ -82,10 +91,11 @@ class LookupFirstDrafter:
         self.model.validate(target, capacity)
 
     def init(self, params, target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
-        return self.model.init(params, target, prompt_tokens, prompt_lengths, prefill_captured, capacity)
+        return self.model.init(self.model_params(params), target, prompt_tokens, prompt_lengths,
+                               prefill_captured, capacity)
 
     def propose(self, params, target, state, tokens, lengths, key, sampling):
-        looked_up, matched = self.lookup.lookup(tokens, lengths)
+        looked_up, matched = self.front(params, tokens, lengths)
         use_lookup = matched >= self.min_match  # [B]
 
         def point_mass(probs):  # the lookup's drafts as probabilities shaped like the model's
@@ -93,7 +103,7 @@ class LookupFirstDrafter:
 
         def lookup_and_model():
             drafts, probs, new_state = self.model.propose(
-                params, target, state, tokens, lengths, key, sampling
+                self.model_params(params), target, state, tokens, lengths, key, sampling
             )
             drafts = jnp.where(use_lookup[:, None], looked_up, drafts)
             if probs is not None:
@@ -117,9 +127,10 @@ class LookupFirstDrafter:
         are the root's first child chain and the model's tree keeps its first N - K nodes behind
         it (all N of them where it does not match; a tree budget of K or less takes the lookup's
         first N drafts alone). The choice depends on committed tokens only, so it stays exact."""
-        looked_up, matched = self.lookup.lookup(tokens, lengths)
+        looked_up, matched = self.front(params, tokens, lengths)
         use_lookup = matched >= self.min_match  # [B]
-        tree, state = self.model.propose_tree(params, target, state, tokens, lengths, key, sampling)
+        tree, state = self.model.propose_tree(self.model_params(params), target, state, tokens, lengths,
+                                              key, sampling)
         budget = tree.budget
         if budget > self.k:
             return branch_first(tree, looked_up, use_lookup), state
@@ -129,4 +140,15 @@ class LookupFirstDrafter:
                          parents=jnp.where(use, lookup_chain.parents, tree.parents)), state
 
     def commit(self, params, target, state, start, num_accepted, verify_captured):
-        return self.model.commit(params, target, state, start, num_accepted, verify_captured)
+        return self.model.commit(self.model_params(params), target, state, start, num_accepted,
+                                 verify_captured)
+
+    # The adaptive depth (`spec_jax.decoding.depth`): the model drafter's own hooks when it has them.
+    def at_depth(self, depth: int, max_depth: int) -> "LookupFirstDrafter":
+        at = getattr(self.model, "at_depth", None)
+        model = at(depth, max_depth) if at is not None else dataclasses.replace(self.model, k=depth)
+        return dataclasses.replace(self, model=model, k=depth)
+
+    def keep_current(self, params, target, state, tokens, lengths):
+        keep = getattr(self.model, "keep_current", None)
+        return state if keep is None else keep(self.model_params(params), target, state, tokens, lengths)

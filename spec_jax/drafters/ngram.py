@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from spec_jax.drafters.tree import TreeDraft, check_tree_setting, top_k, tree_budget
@@ -118,18 +119,21 @@ class NGramDrafter:
         follow = jnp.minimum(follow, lengths[:, None, None] - 1)
         follow = jnp.where(found[:, :, None], follow, lengths[:, None, None] - 1)
         conts = tokens[rows[:, None, None], follow].astype(jnp.int32)  # [B, M, K]
-        # The trie: node (m, d) hangs under the first branch m' <= m sharing its prefix to d - 1.
-        same_prefix = jnp.cumprod(conts[:, :, None, :] == conts[:, None, :, :], axis=-1)  # [B, M, M', K]
-        canonical = jnp.argmax(same_prefix.astype(bool), axis=2)  # [B, M, K]: first m' (<= m)
-        node_index = canonical * k + jnp.arange(k)[None, None, :] + 1  # in-pass index of (m', d)
-        parents = jnp.concatenate(
-            [jnp.zeros((batch, branches, 1), jnp.int32), node_index[:, :, :-1]], axis=2
-        )
-        return (
-            TreeDraft(tokens=conts.reshape(batch, -1)[:, :budget],
-                      parents=parents.reshape(batch, -1)[:, :budget].astype(jnp.int32)),
-            state,
-        )
+        return continuations_trie(conts, budget), state
 
     def commit(self, params, target, state, start, num_accepted, verify_captured):
         return state
+
+
+def continuations_trie(conts: jax.Array, budget: int) -> TreeDraft:
+    """Branches conts [B, M, K] (M continuations of K tokens, best first) merged into a trie cut
+    to the first `budget` nodes: node (m, d) hangs under the first branch m' <= m that shares its
+    prefix to depth d - 1 (a repeated node becomes a later duplicate sibling, which the acceptance
+    never reaches). Shared by the lookup drafters (n-gram, suffix)."""
+    batch, branches, k = conts.shape
+    same_prefix = jnp.cumprod(conts[:, :, None, :] == conts[:, None, :, :], axis=-1)  # [B, M, M', K]
+    canonical = jnp.argmax(same_prefix.astype(bool), axis=2)  # [B, M, K]: first m' (<= m)
+    node_index = canonical * k + jnp.arange(k)[None, None, :] + 1  # in-pass index of (m', d)
+    parents = jnp.concatenate([jnp.zeros((batch, branches, 1), jnp.int32), node_index[:, :, :-1]], axis=2)
+    return TreeDraft(tokens=conts.reshape(batch, -1)[:, :budget],
+                     parents=parents.reshape(batch, -1)[:, :budget].astype(jnp.int32))

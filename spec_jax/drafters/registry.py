@@ -2,7 +2,8 @@
 
 `spec_jax.load_drafter`, `spec-jax generate|bench|info --drafter`, `spec-jax train KIND`, their help
 texts and the "KIND+ngram" composition (prompt lookup in front of a model drafter) all read this
-table, so a new kind is one module plus one `register` call:
+table (and "KIND+suffix", the suffix lookup across requests in front), so a new kind is one
+module plus one `register` call:
 
     register(DrafterKind(
         name="bigram", help="a learned next-token table", load=load_bigram,   # (target, path, k)
@@ -23,6 +24,10 @@ from typing import Any, Callable
 
 # "KIND+ngram": prompt lookup in front of a model drafter (spec_jax/drafters/lookup.py).
 LOOKUP = "+ngram"
+# "KIND+suffix": the suffix lookup (the row's tokens and a store of earlier requests) in front
+# (spec_jax/drafters/suffix.py). Both go with every kind that has `lookup_first`.
+SUFFIX = "+suffix"
+FRONTS = (LOOKUP, SUFFIX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +45,7 @@ class DrafterKind:
     default_k: int | None = None  # K when the caller names none; None: the checkpoint's
     drafts_trees: bool = False  # has `propose_tree` (`--tree N`)
     recipe: Any = None  # a `spec_jax.training.run.Recipe` class for `spec-jax train KIND`, or None
-    lookup_first: bool = False  # "KIND+ngram" is accepted
+    lookup_first: bool = False  # "KIND+ngram" and "KIND+suffix" are accepted
 
     def loader(self) -> Callable[..., tuple[Any, Any]]:
         return resolve(self.load)
@@ -56,8 +61,8 @@ _KINDS: dict[str, DrafterKind] = {}
 
 def register(kind: DrafterKind, replace: bool = False) -> DrafterKind:
     """Add a kind (a name already taken is an error unless `replace`)."""
-    if LOOKUP in kind.name or "=" in kind.name or ":" in kind.name or "," in kind.name:
-        raise ValueError(f"drafter name {kind.name!r} may not contain {LOOKUP!r}, '=', ':' or ','.")
+    if any(f in kind.name for f in FRONTS) or "=" in kind.name or ":" in kind.name or "," in kind.name:
+        raise ValueError(f"drafter name {kind.name!r} may not contain {LOOKUP!r}, {SUFFIX!r}, '=', ':' or ','.")
     if kind.name in _KINDS and not replace:
         raise ValueError(f"drafter kind {kind.name!r} is already registered.")
     _KINDS[kind.name] = kind
@@ -74,20 +79,21 @@ def kinds() -> tuple[DrafterKind, ...]:
 
 
 def names() -> tuple[str, ...]:
-    """Every name `--drafter` accepts: the kinds, then their "KIND+ngram" forms."""
-    return (*_KINDS, *(k.name + LOOKUP for k in _KINDS.values() if k.lookup_first))
+    """Every name `--drafter` accepts: the kinds, then their "KIND+ngram" and "KIND+suffix" forms."""
+    return (*_KINDS, *lookup_names(), *lookup_names(SUFFIX))
 
 
-def lookup_names() -> tuple[str, ...]:
-    return tuple(k.name + LOOKUP for k in _KINDS.values() if k.lookup_first)
+def lookup_names(front: str = LOOKUP) -> tuple[str, ...]:
+    return tuple(k.name + front for k in _KINDS.values() if k.lookup_first)
 
 
-def parse(name: str) -> tuple[DrafterKind, bool]:
-    """(kind, with prompt lookup in front) for a `--drafter` name; ValueError naming the choices."""
-    base, lookup = (name[: -len(LOOKUP)], True) if name.endswith(LOOKUP) else (name, False)
-    kind = _KINDS.get(base)
-    if kind is not None and (kind.lookup_first or not lookup):
-        return kind, lookup
+def parse(name: str) -> tuple[DrafterKind, str]:
+    """(kind, the lookup in front: "" for none, LOOKUP or SUFFIX) for a `--drafter` name;
+    ValueError naming the choices."""
+    front = next((f for f in FRONTS if name.endswith(f)), "")
+    kind = _KINDS.get(name[: len(name) - len(front)])
+    if kind is not None and (kind.lookup_first or not front):
+        return kind, front
     raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(names())}.")
 
 
@@ -134,6 +140,9 @@ for _kind in (
     DrafterKind("none", "plain decoding, the AR baseline", f"{_SHIPPED_LOADERS}:load_none"),
     DrafterKind("ngram", "prompt lookup: the tokens that followed the last n-gram's latest earlier "
                 "occurrence", f"{_SHIPPED_LOADERS}:load_ngram", default_k=4, drafts_trees=True),
+    DrafterKind("suffix", "suffix lookup across requests: the longest match of the last tokens in the "
+                "row and in a store of earlier prompts and outputs", f"{_SHIPPED_LOADERS}:load_suffix",
+                default_k=4, drafts_trees=True),
     DrafterKind("self", "the target drafting for itself (a diagnostic: every draft is accepted)",
                 f"{_SHIPPED_LOADERS}:load_self", default_k=4, drafts_trees=True),
     DrafterKind("draft-model", "a small LM with the target's tokenizer (HF dir, hub id or GGUF)",
