@@ -106,6 +106,22 @@ def warp(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     return jax.lax.cond(jnp.all(sampling.greedy), greedy, sampled, None)
 
 
+def split_key(key: jax.Array, num: int = 2) -> jax.Array:
+    """`jax.random.split` for one key ([num] keys), or for per-row keys [B] (the engine's: each
+    request's own) -> [num, B], row b's keys split from row b's key alone."""
+    if jnp.ndim(key) == 0:
+        return jax.random.split(key, num)
+    return jax.vmap(lambda row_key: jax.random.split(row_key, num), out_axes=1)(key)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """U[0, 1) of `shape`. Per-row keys [B] draw row b's numbers (shape[1:]) from row b's key
+    alone, so a row's draws do not depend on which other rows share the batch or where it sits."""
+    if jnp.ndim(key) == 0:
+        return jax.random.uniform(key, shape)
+    return jax.vmap(lambda row_key: jax.random.uniform(row_key, shape[1:]))(key)
+
+
 CDF_BLOCK = 128  # vocabulary entries per block of the two-level CDF in `sample`
 
 
@@ -126,7 +142,7 @@ def _inverse_cdf_draw(key: jax.Array, probs: jax.Array) -> jax.Array:
     within = jnp.cumsum(blocks, axis=-1)  # CDF inside each block
     block_mass = within[..., -1]  # [..., nb]
     block_cdf = jnp.cumsum(block_mass, axis=-1)
-    u = jax.random.uniform(key, probs.shape[:-1]) * block_cdf[..., -1]  # in [0, total mass)
+    u = uniform(key, probs.shape[:-1]) * block_cdf[..., -1]  # in [0, total mass)
 
     def first_above(cdf: jax.Array, mass: jax.Array, threshold: jax.Array) -> jax.Array:
         # The first entry with mass whose CDF passes the threshold (the inverse CDF). XLA's
@@ -166,7 +182,7 @@ def sample_chain(run_chain, k: int, key: jax.Array, sampling: SamplingParams):
     choose(step, logits [B, V]) -> draft [B] once per step; each draft is drawn from the warped
     logits (the argmax under greedy). -> (what run_chain returned, the draws' probabilities
     [B, K, V], which exact acceptance needs)."""
-    keys = jax.random.split(key, k)
+    keys = split_key(key, k)
     chosen_probs = []
 
     def choose(step, logits):

@@ -106,7 +106,7 @@ def test_no_recompile_while_requests_come_and_go(engine, alone):
             (PROMPTS[0], dict(max_new_tokens=14)),
             (PROMPTS[1], dict(max_new_tokens=20, temperature=0.9, top_k=5, seed=3)),
             (PROMPTS[2], dict(max_new_tokens=24, ignore_eos=True)),
-            (PROMPTS[3], dict(max_new_tokens=10, temperature=0.5, top_p=0.8, seed=11)),
+            (PROMPTS[3], dict(max_new_tokens=10, temperature=0.5, top_p=0.8, seed=12)),
             (PROMPTS[4], dict(max_new_tokens=17, stop_ids=[alone[4][0][3]])),
             (PROMPTS[5], dict(max_new_tokens=12)),
         ]

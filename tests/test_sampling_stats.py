@@ -20,6 +20,9 @@ import pytest
 from scipy import stats as scipy_stats
 
 from spec_jax.decoding import generate
+from spec_jax.decoding.engine_programs import request_key
+from spec_jax.decoding.generate import prepare_inputs, unpack
+from spec_jax.decoding.loop import generate_jit
 from spec_jax.sampling import SamplingParams, sample, warp
 from spec_jax.decoding.acceptance import accept
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_layers, init_dflash_params
@@ -285,6 +288,30 @@ def test_sampled_speculation_on_a_mixture_of_experts_target(e2e):
     assert accepted > 0
     chi_square_ok(counts, exact_joint(prefix_logits(params, E2E_MOE_CFG), temperature, top_k, top_p),
                   "joint of 3 tokens, MoE target")
+
+
+PER_ROW_RUNS = 2  # x ROWS rows, each with its own seed
+
+
+def test_per_request_keys_keep_sampling_exact(e2e):
+    """The engine's per-row keys (each row its own request's key, folded with its own length at
+    every draw: `loop.draw_keys`): the loop run with one request key per row (distinct seeds)
+    reproduces the warped joint, with a draft model's sampled drafts in front."""
+    params, draft_params, logits = e2e
+    temperature, top_k, top_p = SAMPLING[1]
+    drafter = DraftModelDrafter(E2E_DRAFT_CFG, K_E2E)
+    call = prepare_inputs((E2E_CFG, params), [PROMPT] * ROWS, drafter, draft_params, max_new_tokens=HORIZON,
+                          temperature=temperature, top_k=top_k, top_p=top_p, capacity=32)
+    counts, accepted = np.zeros((V_E2E,) * HORIZON), 0
+    for run in range(PER_ROW_RUNS):
+        keys = jax.vmap(request_key)(jnp.arange(run * ROWS, (run + 1) * ROWS))
+        out = generate_jit(call.inputs.replace(key=keys), model=call.target.model, drafter=call.drafter,
+                           capacity=call.capacity)
+        ids, *_ = unpack(jax.device_get(out))
+        np.add.at(counts, tuple(np.asarray(ids).T), 1)
+        accepted += int(out.stats.accepted.sum())
+    assert accepted > 0
+    chi_square_ok(counts, exact_joint(logits, temperature, top_k, top_p), "joint of 3 tokens, per-row keys")
 
 
 def test_generate_same_seed_same_samples_different_seed_differs(e2e):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spec_jax.sampling import sample
+from spec_jax.sampling import sample, split_key, uniform
 
 
 def accept(
@@ -24,7 +24,7 @@ def accept(
     """
     batch, k = drafts.shape
     vocab = target_probs.shape[-1]
-    accept_key, token_key = jax.random.split(key)
+    accept_key, token_key = split_key(key)
     # Step 1: p_i(d_i) and q_i(d_i) for every draft.
     p_draft = jnp.take_along_axis(target_probs[:, :k], drafts[..., None], axis=-1)[..., 0]
     if draft_probs is None:
@@ -32,7 +32,7 @@ def accept(
     else:
         q_draft = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
     # Step 2: accept d_i when u_i * q_i(d_i) <= p_i(d_i); u in (0, 1] so p = 0 always rejects.
-    u = 1.0 - jax.random.uniform(accept_key, (batch, k))
+    u = 1.0 - uniform(accept_key, (batch, k))
     accepted = u * q_draft <= p_draft
     # Step 3: n = number of leading accepts (cumulative product of the accept mask).
     num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
@@ -130,7 +130,7 @@ def _walk_drawn(key, target_probs, tokens, parents, max_depth, draft_probs, mode
     same_parent = (parents[:, :, None] == parents[:, None, :]) & is_node[:, :, None] & is_node[:, None, :]
     rank = jnp.sum(same_parent & (node_ids[None, None, :] < node_ids[None, :, None]), axis=-1)
     max_children = nodes - 1
-    keys = jax.random.split(key, max_depth * max_children + 1)
+    keys = split_key(key, max_depth * max_children + 1)
     cur = jnp.zeros((batch,), jnp.int32)
     alive = jnp.ones((batch,), bool)
     residual = target_probs[:, 0]  # p' [B, V]
@@ -149,7 +149,7 @@ def _walk_drawn(key, target_probs, tokens, parents, max_depth, draft_probs, mode
                 q_eff = q_left / jnp.maximum(jnp.sum(q_left, -1, keepdims=True), 1e-30)
             else:
                 q_eff = q
-            u = 1.0 - jax.random.uniform(keys[depth * max_children + r], (batch,))
+            u = 1.0 - uniform(keys[depth * max_children + r], (batch,))
             accepted = exists & (u * q_eff[rows, c] <= residual[rows, c])
             rejected = exists & ~accepted
             chosen = jnp.where(accepted, child, chosen)

@@ -14,8 +14,10 @@ arrays), so requests come and go without recompiling: the programs are one chunk
 and one admit per prompt bucket (`warmup()` compiles them all up front; `compiles` counts them).
 
 Rows are independent in the loop, so a request's greedy output is the same whether it runs alone
-or beside others. Sampled requests are exact in distribution; the request's seed draws its first
-token, and the later draws come from the engine's own key (one key for the batch, as in the loop).
+or beside others. Sampled requests are exact in distribution, and reproducible: each row carries
+its request's own PRNG key (from its seed, or a fresh one drawn by the engine's own generator when
+it has none), folded with the row's committed length at every draw (`loop.draw_keys`); so a seeded
+request gives the same tokens whatever runs beside it and whichever slot it gets.
 
 Adaptive K (`k_choices`): the same drafter compiled at several K (0 = plain decoding when the
 drafter keeps no state of its own); before each chunk `AdaptiveK` picks the K with the most
@@ -32,10 +34,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.engine_programs import EnginePrograms
@@ -57,6 +61,7 @@ CAPACITY_MULTIPLE = 128  # the engine's multiple for round_capacity (its cache i
 # two threads took as long as one (the default model's 8 programs, cold: 181 s alone, 192 s with 2;
 # benchmarks/RESULTS.md, issue 46). A host with idle cores may pass more.
 WARMUP_WORKERS = 1
+MAX_LOGPROBS = 20  # the most top tokens per position a request may ask for (OpenAI's and vLLM's bound)
 
 
 def k_variants(drafter: Drafter | None, k_choices: Sequence[int] | None) -> list[int]:
@@ -101,7 +106,11 @@ class Engine:
     (default min(1024, the model's positions)). max_admits_per_step: prefills between two chunks
     (default: fill every free slot; a bound caps the pause running streams see while new
     requests are admitted, at the cost of their time to first token). mesh / sharding_rules: as
-    `generate`'s; the state's rows are split over `data`. `submit` and `cancel` may be called from other threads.
+    `generate`'s; the state's rows are split over `data`. seed: where the fresh seeds of requests
+    that bring none come from. max_logprobs: None (requests cannot ask for logprobs), or the
+    most top tokens per position a request may ask for (`decoding.logprobs`: the target's
+    log-probabilities, kept by the loop only for rows that ask). `submit` and `cancel` may be
+    called from other threads.
 
     Its parts: `slot_table` (which request holds which row, host side: `live`, `slot_of`),
     `scheduler` (waiting requests, cancellations, admissions, `max_admits_per_step`), `programs`
@@ -123,6 +132,7 @@ class Engine:
         mesh: Any = None,
         sharding_rules: Any = None,
         seed: int = 0,
+        max_logprobs: int | None = None,
     ):
         resolved, _ = resolve_target(target)
         self.model = resolved.model
@@ -131,6 +141,9 @@ class Engine:
         self.chunk_steps = validation.check_int("chunk_steps", chunk_steps, minimum=1)
         if max_admits_per_step is not None:
             max_admits_per_step = validation.check_int("max_admits_per_step", max_admits_per_step, minimum=1)
+        if max_logprobs is not None:
+            max_logprobs = validation.check_int("max_logprobs", max_logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        self.max_logprobs = max_logprobs
         validation.check_mesh(mesh)
         validation.check_drafter_params(drafter, drafter_params)
         self.mesh = mesh
@@ -147,8 +160,12 @@ class Engine:
         self.k = ks[-1] if self.adaptive is None else None  # the fixed K, or None when adaptive
         self.programs = EnginePrograms(self.model, self.drafters, resolved.params, drafter_params,
                                        capacity=self.capacity, slots=self.slots, mesh=mesh,
-                                       sharding_rules=sharding_rules)
-        self.state: LoopState = self.programs.initial_state(seed)
+                                       sharding_rules=sharding_rules, top_logprobs=max_logprobs)
+        self.state: LoopState = self.programs.initial_state()
+        # Seeds for requests that bring none (each gets a fresh one; the engine's seed makes a batch run repeatable).
+        self._fresh_seeds = np.random.default_rng(validation.check_int("seed", seed, minimum=0,
+                                                                       maximum=validation.SEED_MAX))
+        self._seed_lock = threading.Lock()
         self.current_k = ks[-1]  # adaptive K starts at the largest and learns from there
         self.slot_table = SlotTable(self.slots)
         self.scheduler = Scheduler(max_admits_per_step)
@@ -166,15 +183,20 @@ class Engine:
         """A request's values, checked (ArgumentError naming the field) before it is queued.
 
         request_values: max_new_tokens (default 128, or what max_model_len leaves after the
-        prompt when that is less), temperature, top_k, top_p, seed, stop_ids, ignore_eos, as
-        `generate` takes them."""
+        prompt when that is less), temperature, top_k, top_p, seed (None or absent: a fresh
+        one), stop_ids, ignore_eos, as `generate` takes them; logprobs (None, or N: each new
+        token's log-probability and the N most likely there, N <= the engine's max_logprobs)."""
         (prompt,) = validation.check_prompts([prompt_ids], self.model.vocab_size)
+        logprobs = request_values.pop("logprobs", None)
+        logprobs = None if logprobs is None else self._check_logprobs(logprobs)
+        seed = request_values.pop("seed", None)  # None: `submit` gives it a fresh one
         room = self.max_model_len - len(prompt)
         if room < 1:
             raise validation.ArgumentError(
                 "prompts", f"prompts: the prompt's {len(prompt)} tokens leave no room for a new token under the "
                 f"engine's max_model_len {self.max_model_len}; shorten the prompt or raise max_model_len.")
         request_values.setdefault("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, room))
+        request_values["seed"] = 0 if seed is None else seed
         values = validation.check_request_values(self.default_stop_ids, **request_values)
         total = len(prompt) + values.max_new_tokens
         if total > self.max_model_len:
@@ -184,12 +206,23 @@ class Engine:
                 f"{values.max_new_tokens} = {total} exceeds the engine's max_model_len "
                 f"{self.max_model_len}; shorten the prompt or lower max_new_tokens.",
             )
-        return RequestParams.of(prompt, values)
+        params = RequestParams.of(prompt, values, logprobs=logprobs)
+        return params if seed is not None else dataclasses.replace(params, seed=None)
+
+    def _check_logprobs(self, logprobs: Any) -> int:
+        if self.max_logprobs is None:
+            raise validation.ArgumentError(
+                "logprobs", "logprobs: this engine keeps no log-probabilities; build it with "
+                "Engine(max_logprobs=N) (spec-jax serve --max-logprobs N).")
+        return validation.check_int("logprobs", logprobs, minimum=0, maximum=self.max_logprobs)
 
     def submit(self, prompt_ids: Sequence[int], **kwargs: Any) -> int:
         """Queue a request (see `check_request` for the keywords, or pass `params=` already
         checked) -> its id."""
         params = kwargs.pop("params", None) or self.check_request(prompt_ids, **kwargs)
+        if params.seed is None:  # unseeded: a fresh seed, so that two such requests differ
+            with self._seed_lock:
+                params = dataclasses.replace(params, seed=int(self._fresh_seeds.integers(validation.SEED_MAX + 1)))
         return self.scheduler.submit(params, time.perf_counter())
 
     def cancel(self, request_id: int) -> None:
@@ -246,9 +279,9 @@ class Engine:
         if not self.slot_table.running:
             return events
         if admitted:
-            tokens = self._host(self.state.tokens)
+            tokens, logprobs = self._host((self.state.tokens, self._logprobs_wanted(admitted)))
             now = time.perf_counter()
-            events += [self.slot_table.hand_out_first(slot, tokens, now) for slot in admitted]
+            events += [self.slot_table.hand_out_first(slot, tokens, now, logprobs) for slot in admitted]
         return events + self._run_chunk(k)
 
     def _cancel_requests(self) -> list[EngineEvent]:
@@ -276,6 +309,10 @@ class Engine:
             self.slot_table.occupy(slot, rid, params, stop_id_array(params.stop_ids), submitted_at)
         return [slot for slot, *_ in admissions]
 
+    def _logprobs_wanted(self, slots: Any) -> Any:
+        """The state's `TokenLogprobs` when a request in `slots` asked for them (else None: not read)."""
+        return self.state.logprobs if self.slot_table.wanting_logprobs(slots) else None
+
     def _host(self, tree: Any) -> Any:
         return gather_to_host(tree) if self.mesh is not None else jax.device_get(tree)
 
@@ -287,14 +324,15 @@ class Engine:
         t0 = time.perf_counter()
         self.state = exe(*args)
         state = self.state
-        tokens, lengths, finish, done, step, stats = self._host(
-            (state.tokens, state.lengths, state.finish_reason, state.done, state.step, state.stats))
+        tokens, lengths, finish, done, step, stats, logprobs = self._host(
+            (state.tokens, state.lengths, state.finish_reason, state.done, state.step, state.stats,
+             self._logprobs_wanted(self.slot_table.running)))
         seconds = time.perf_counter() - t0
         steps_run, self._host_step = int(step) - self._host_step, int(step)
         self.chunks_run += 1
         self.k_chunks[k] += 1
         events, total = self.slot_table.collect(tokens, lengths, finish, done, Counters.of_rows(stats, k),
-                                                time.perf_counter())
+                                                time.perf_counter(), logprobs)
         if self.adaptive is not None:
             rejecting = total.steps - total.full_steps  # steps that rejected a draft
             self.adaptive.update(k, live, steps_run, seconds, int(total.accepted), int(rejecting))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.decoding import saved_programs, validation
+from spec_jax.decoding import saved_programs
 from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
 from spec_jax.decoding.generate import stop_id_array
 from spec_jax.decoding.loop import LoopInputs, LoopState, Stats, prefill
@@ -35,7 +35,7 @@ _SHARED_PROGRAMS = ProgramCache(max_size=64)
 
 def batch_axes(abstract_one: Any, abstract_two: Any) -> Any:
     """Per leaf, the axis whose size is the batch (found by comparing the state's shapes at batch
-    1 and 2), or NO_BATCH_AXIS for leaves shared by all rows (the PRNG key, the step counter)."""
+    1 and 2), or NO_BATCH_AXIS for leaves shared by all rows (the step counter)."""
 
     def axis(one: Any, two: Any) -> int:
         for i, (a, b) in enumerate(zip(one.shape, two.shape)):
@@ -46,10 +46,22 @@ def batch_axes(abstract_one: Any, abstract_two: Any) -> Any:
     return jax.tree_util.tree_map(axis, abstract_one, abstract_two)
 
 
+def request_key(seed: int, choice: int = 0) -> jax.Array:
+    """A request's own PRNG key: from its seed, folded with its choice index (the n rows of one
+    request sample independently). The loop folds it with the row's length at every draw
+    (`loop.draw_keys`), so a seeded request gives the same tokens whatever runs beside it."""
+    return jax.random.fold_in(jax.random.key(seed), choice)
+
+
+def row_keys(batch: int) -> jax.Array:
+    """[batch] per-row keys (placeholders until each row's request brings its own)."""
+    return jax.random.split(jax.random.key(0), batch)
+
+
 def zeros_like_abstract(abstract: Any) -> Any:
     def zeros(x: Any) -> Any:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.key(0)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a free row's key is never drawn from
+            return row_keys(x.shape[0]) if x.shape else jax.random.key(0)
         return jnp.zeros(x.shape, x.dtype)
 
     return jax.tree_util.tree_map(zeros, abstract)
@@ -59,12 +71,15 @@ class EnginePrograms:
     """The state layout, its placement on a mesh, and the compiled chunk and admit programs.
 
     drafters: the K variants ({K: drafter at K, or None for K = 0}); they share one state (only
-    Stats differ), which is checked here. `tally` (`compiles`, `compile_s`) counts the programs
+    Stats differ), which is checked here. top_logprobs: None, or the state keeps `TokenLogprobs`
+    with this many top tokens per position (for requests that ask for logprobs). `tally` (`compiles`, `compile_s`) counts the programs
     compiled by this object (not ones shared from another engine)."""
 
     def __init__(self, model: Any, drafters: dict[int, Drafter | None], target_params: Any, drafter_params: Any,
-                 *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None):
+                 *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None,
+                 top_logprobs: int | None = None):
         self.model, self.drafters, self.capacity, self.slots, self.mesh = model, drafters, capacity, slots, mesh
+        self.top_logprobs = top_logprobs
         self.target_params, self.drafter_params = target_params, drafter_params
         self.widest = drafters[max(drafters)]  # the drafter at the largest K: admits use its layout
         abstract_one = self._abstract_prefill(1, self.widest)
@@ -90,8 +105,9 @@ class EnginePrograms:
         def fn(params, drafter_params):
             return prefill(
                 Target(params, self.model), drafter, drafter_params,
-                jnp.zeros((batch, 16), jnp.int32), jnp.ones((batch,), jnp.int32), jax.random.key(0),
+                jnp.zeros((batch, 16), jnp.int32), jnp.ones((batch,), jnp.int32), row_keys(batch),
                 SamplingParams.create(), jnp.int32(1), jnp.asarray(stop_id_array(())), self.capacity,
+                self.top_logprobs,
             )
 
         return jax.eval_shape(fn, self.target_params, self.drafter_params)
@@ -129,12 +145,12 @@ class EnginePrograms:
         )
         self.target_params, self.drafter_params = placed.target_params, placed.drafter_params
 
-    def initial_state(self, seed: int) -> LoopState:
-        """Every row free: done, one committed token whose cache holds nothing (lengths - 1 = 0)."""
+    def initial_state(self) -> LoopState:
+        """Every row free: done, one committed token whose cache holds nothing (lengths - 1 = 0);
+        each admit puts its request's own key in its row."""
         state = zeros_like_abstract(self.abstract).replace(
             done=jnp.ones((self.slots,), bool),
             lengths=jnp.ones((self.slots,), jnp.int32),
-            key=jax.random.key(validation.check_int("seed", seed, minimum=0, maximum=validation.SEED_MAX)),
         )
         if self.state_shardings is not None:
             from spec_jax.sharding.rules import place
@@ -150,8 +166,10 @@ class EnginePrograms:
 
         return place(x, self._replicated)
 
-    def _key(self, seed: int) -> Any:
-        return self.place(jax.random.key(seed)) if self.mesh is not None else jax.random.key(seed)
+    def _key(self, params: RequestParams) -> Any:
+        """The request's own PRNG key [1] (see `request_key`)."""
+        key = request_key(params.seed, params.choice)[None]
+        return self.place(key) if self.mesh is not None else key
 
     def stats_for(self, state: LoopState, k: int) -> tuple[LoopState, bool]:
         """The state with Stats of K's shape -> (state, whether Stats restarted from zero: K
@@ -181,7 +199,8 @@ class EnginePrograms:
             kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
             # What `fn` closes over (chunk_job / admit_job), so a saved program is found only by its
             # own configuration.
-            closed_over = (self.model, drafter, self.capacity, self.batch_axes if key[0] == "admit" else None)
+            closed_over = (self.model, drafter, self.capacity, self.batch_axes if key[0] == "admit" else None,
+                           self.top_logprobs)
             exe, _ = _SHARED_PROGRAMS.get_or_compile(
                 config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh, tally=self.tally,
                 saved_as=lambda: saved_programs.key_for(f"engine.{fn.__name__}", (key, *closed_over), args,
@@ -205,8 +224,8 @@ class EnginePrograms:
         """The chunk's arguments: the state and the slots' per-row request values."""
         sampling = SamplingParams(slot_table.temperature, slot_table.top_k, slot_table.top_p)
         return (
-            state, self.place(slot_table.live), self.target_params, self.drafter_params,
-            jax.tree_util.tree_map(self.place, sampling), self.place(slot_table.max_new),
+            state, self.place(slot_table.live), self.place(slot_table.wants_logprobs), self.target_params,
+            self.drafter_params, jax.tree_util.tree_map(self.place, sampling), self.place(slot_table.max_new),
             self.place(slot_table.stop), self.place(np.int32(chunk_steps)),
         )
 
@@ -218,8 +237,10 @@ class EnginePrograms:
         """(key, function, arguments) of the chunk program at K."""
         model, drafter = self.model, self.drafters[k]
 
-        def chunk(state, live, target_params, drafter_params, sampling, max_new, stop_ids, max_steps):
+        def chunk(state, live, wants_logprobs, target_params, drafter_params, sampling, max_new, stop_ids, max_steps):
             state = state.replace(done=state.done | ~live)  # freed rows stop at once
+            if state.logprobs is not None:  # only rows whose request asks record them
+                state = state.replace(logprobs=state.logprobs.replace(wanted=wants_logprobs))
             return run_chunk(state, target_params, drafter_params, sampling, max_new, stop_ids,
                              max_steps, jnp.int32(NO_STEP_CAP), model=model, drafter=drafter)
 
@@ -233,7 +254,7 @@ class EnginePrograms:
         sampling = SamplingParams.create(params.temperature, params.top_k, params.top_p)
         return (
             state, self.place(np.int32(slot)), self.target_params, self.drafter_params,
-            self.place(tokens), self.place(np.asarray([len(prompt)], np.int32)), self._key(params.seed),
+            self.place(tokens), self.place(np.asarray([len(prompt)], np.int32)), self._key(params),
             jax.tree_util.tree_map(self.place, sampling), self.place(np.int32(params.max_new_tokens)),
             self.place(stop_id_array(params.stop_ids)),
         )
@@ -244,12 +265,12 @@ class EnginePrograms:
 
     def admit_job(self, bucket: int, args: tuple) -> tuple[Any, Any, tuple]:
         """(key, function, arguments) of the admit program for this bucket at the state's Stats K."""
-        model, drafter, capacity, axes = self.model, self.widest, self.capacity, self.batch_axes
+        model, drafter, capacity, axes, top = self.model, self.widest, self.capacity, self.batch_axes, self.top_logprobs
 
         def admit(state, slot, target_params, drafter_params, prompt, prompt_length, key, sampling,
                   max_new, stop_ids):
             row = prefill(Target(target_params, model), drafter, drafter_params, prompt, prompt_length,
-                          key, sampling, max_new, stop_ids, capacity)
+                          key, sampling, max_new, stop_ids, capacity, top)
             row = row.replace(stats=jax.tree_util.tree_map(
                 lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), state.stats))
 
@@ -260,6 +281,6 @@ class EnginePrograms:
 
             stats_axes = jax.tree_util.tree_map(lambda _: 0, state.stats)
             merged = jax.tree_util.tree_map(put, axes.replace(stats=stats_axes), state, row)
-            return merged.replace(key=state.key, step=state.step)
+            return merged.replace(step=state.step)  # the row's key went in with its other leaves
 
         return ("admit", bucket, self.stats_k), admit, args

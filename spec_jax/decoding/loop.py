@@ -13,12 +13,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.decoding.acceptance import accept, accept_tree
+from spec_jax.decoding.logprobs import TokenLogprobs
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.tree import node_depths, tree_budget as _tree_budget, with_root
 from spec_jax.models.interface import FINAL_HIDDEN, ForwardOutput, Target, TargetModel, ancestor_mask
 from spec_jax.models.resolve import as_target_model
 from spec_jax.models.weights import abstract_from_specs
-from spec_jax.sampling import SamplingParams, sample, warp
+from spec_jax.sampling import SamplingParams, sample, split_key, warp
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 FINISH_NAMES = {FINISH_NONE: "none", FINISH_STOP: "stop", FINISH_LENGTH: "length"}
@@ -69,9 +70,10 @@ class LoopState:
     finish_reason:  [B] int32     FINISH_NONE / FINISH_STOP / FINISH_LENGTH
     cache:          the target model's cache, committed for lengths - 1 positions per row
     drafter_state:  the drafter's pytree (caches, context)
-    key:            PRNG key
+    key:            PRNG key, or [B] keys, one per row (the engine's; see `draw_keys`)
     step:           [] int32      verify steps taken
     stats:          Stats
+    logprobs:       `TokenLogprobs` of the committed tokens (None unless prefill was asked for them)
     """
 
     tokens: jax.Array
@@ -84,6 +86,7 @@ class LoopState:
     key: jax.Array
     step: jax.Array
     stats: Stats
+    logprobs: Any = None
 
 
 @struct.dataclass
@@ -171,6 +174,19 @@ def forward_capturing(target: Target, tokens, positions, cache, capture, mask=No
     return ForwardOutput(hidden, jnp.concatenate(parts, axis=-1), cache)
 
 
+def draw_keys(key: jax.Array, lengths: jax.Array, num: int) -> Any:
+    """(the key to carry on, then num - 1 keys for this pass's draws).
+
+    One key for the batch (`generate`): split it, and carry the first on. Per-row keys [B] (the
+    engine's, one per request from its seed): row b's draws come from its own key folded with
+    its own committed length, which grows every step, and its key is carried on unchanged; so a
+    seeded request draws the same numbers whatever runs beside it and wherever it sits."""
+    if jnp.ndim(key) == 0:
+        return jax.random.split(key, num)
+    drawn = split_key(jax.vmap(jax.random.fold_in)(key, lengths), num - 1)
+    return [key, *drawn]
+
+
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
@@ -186,8 +202,10 @@ def prefill(
     max_new_tokens: jax.Array,
     stop_ids: jax.Array,
     capacity: int,
+    top_logprobs: int | None = None,
 ) -> LoopState:
-    """Run the prompt through the target, sample the first token, start the drafter."""
+    """Run the prompt through the target, sample the first token, start the drafter.
+    top_logprobs (static): None, or keep `TokenLogprobs` with this many top tokens per position."""
     batch, prompt_len = prompt_tokens.shape
     k = drafter.k if drafter is not None else 0
     capture = drafter.capture_layers if drafter is not None else ()
@@ -203,7 +221,7 @@ def prefill(
         # The LM head at each row's last prompt position only: [B, P, V] logits would cost P times
         # the head's FLOPs and, at batch 512 x 512 positions, tens of GB.
         logits = target.logits(hidden[rows, prompt_lengths - 1])  # [B, V]
-    key, first_key = jax.random.split(key)
+    key, first_key = draw_keys(key, prompt_lengths, 2)
     first = sample(first_key, warp(logits, sampling))  # [B]
     tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_len].set(prompt_tokens)
     tokens = tokens.at[rows, prompt_lengths].set(first)
@@ -226,6 +244,8 @@ def prefill(
         key=key,
         step=jnp.zeros((), jnp.int32),
         stats=Stats.zeros(batch, k),
+        logprobs=None if top_logprobs is None else TokenLogprobs.empty(batch, capacity, top_logprobs).record(
+            logits[:, None], first[:, None], prompt_lengths[:, None]),
     )
 
 
@@ -242,13 +262,13 @@ def speculative_step(
     batch = state.tokens.shape[0]
     k = drafter.k if drafter is not None else 0
     rows = jnp.arange(batch)
-    key, draft_key, accept_key = jax.random.split(state.key, 3)
+    key, draft_key, accept_key = draw_keys(state.key, state.lengths, 3)
 
     start = state.lengths - 1  # [B] position of the last committed token (the root)
     last = state.tokens[rows, start]
     # Steps 1-3: draft, verify in one target pass, accept a prefix (a chain) or a path (a tree).
     step_fn = _tree_step if tree_budget(drafter) > 0 else _chain_step
-    drafts, num_accepted, next_token, path, cache, captured, drafter_state = step_fn(
+    drafts, num_accepted, next_token, path, cache, captured, drafter_state, logits = step_fn(
         state, target, drafter, drafter_params, sampling, draft_key, accept_key, last
     )
     offsets = jnp.arange(k + 1, dtype=jnp.int32)
@@ -287,6 +307,8 @@ def speculative_step(
         key=key,
         step=state.step + 1,
         stats=_count_step(state.stats, active, drafted, num_accepted, num_new, k),
+        logprobs=None if state.logprobs is None else state.logprobs.record(
+            logits if path is None else jnp.take_along_axis(logits, path[:, :, None], axis=1), out, write_at),
     )
 
 
@@ -322,7 +344,8 @@ def _count_step(stats: Stats, active, drafted: int, num_accepted, num_new, k: in
 def _chain_step(state, target, drafter, drafter_params, sampling, draft_key, accept_key, last):
     """Steps 1-3 for a chain (or, with no drafter, a plain step): draft K tokens, verify [last,
     d_1..d_K] in one pass, accept a prefix. -> (drafts [B, K], num_accepted [B], next_token [B],
-    path None, the target cache, captured hidden states [B, K+1, n*H] (or None), drafter state)."""
+    path None, the target cache, captured hidden states [B, K+1, n*H] (or None), drafter state,
+    the verify pass's logits [B, K+1, V])."""
     batch = last.shape[0]
     k = drafter.k if drafter is not None else 0
     start = state.lengths - 1
@@ -349,7 +372,7 @@ def _chain_step(state, target, drafter, drafter_params, sampling, draft_key, acc
     # Step 3: accept a prefix of the drafts; sample the correction or bonus token.
     with jax.named_scope("accept"):
         num_accepted, next_token = accept(accept_key, warp(logits, sampling), drafts, draft_probs)
-    return drafts, num_accepted, next_token, None, cache, captured, drafter_state
+    return drafts, num_accepted, next_token, None, cache, captured, drafter_state, logits
 
 
 def tree_budget(drafter: Drafter | None) -> int:
@@ -362,7 +385,8 @@ def _tree_step(state, target, drafter, drafter_params, sampling, draft_key, acce
     """Steps 1-3 for a tree: draft N nodes, verify root + N in one pass under the ancestor mask
     (node position = start + depth), accept the longest accepted path. -> (the path's drafts
     [B, K] (0 past it), num_accepted [B], next_token [B], path [B, K+1], the target cache,
-    the captured hidden states along the path [B, K+1, n*H] (or None), drafter state)."""
+    the captured hidden states along the path [B, K+1, n*H] (or None), drafter state, the verify
+    pass's logits [B, N+1, V])."""
     k = drafter.k
     rows = jnp.arange(last.shape[0])
     start = state.lengths - 1
@@ -389,7 +413,7 @@ def _tree_step(state, target, drafter, drafter_params, sampling, draft_key, acce
     drafts = jnp.where(jnp.arange(k)[None, :] < num_accepted[:, None], verify_tokens[rows[:, None], path[:, 1:]], 0)
     if captured is not None:  # drafters read the path's hidden states as if it were a chain
         captured = jnp.take_along_axis(captured, path[:, :, None], axis=1)
-    return drafts, num_accepted, next_token, path, cache, captured, drafter_state
+    return drafts, num_accepted, next_token, path, cache, captured, drafter_state, logits
 
 
 def generate_loop(

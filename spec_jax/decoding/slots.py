@@ -18,19 +18,22 @@ from spec_jax.decoding.validation import RequestValues
 
 @dataclasses.dataclass(frozen=True)
 class RequestParams:
-    """One request's checked values."""
+    """One request's checked values. seed and choice make the row's PRNG key
+    (`engine_programs.request_key`): choice i of a request of n samples independently of the others."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = 0  # None: `Engine.submit` gives it a fresh one
     stop_ids: tuple[int, ...] = ()
+    choice: int = 0
+    logprobs: int | None = None  # None: none; N: each token's log-probability and the N most likely
 
     @classmethod
-    def of(cls, prompt_ids: Any, values: RequestValues) -> RequestParams:
-        return cls(tuple(prompt_ids), **dataclasses.asdict(values))
+    def of(cls, prompt_ids: Any, values: RequestValues, **extra: Any) -> RequestParams:
+        return cls(tuple(prompt_ids), **dataclasses.asdict(values), **extra)
 
 
 class Counters(NamedTuple):
@@ -90,15 +93,26 @@ class RequestStats:
         return dict(dataclasses.asdict(self), tau=self.tau)
 
 
+class TokenLogprob(NamedTuple):
+    """A token the target committed, its log-probability (see `decoding.logprobs`), and the
+    request's `logprobs` most likely tokens there as (id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclasses.dataclass
 class EngineEvent:
-    """What `Engine.step` hands out for one request: its new tokens since the last event, and on
-    the last event its finish reason ("stop", "length" or "cancelled") and stats."""
+    """What `Engine.step` hands out for one request: its new tokens since the last event (with
+    their log-probabilities when the request asked for them), and on the last event its finish
+    reason ("stop", "length" or "cancelled") and stats."""
 
     request_id: int
     new_ids: list[int]
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -128,6 +142,7 @@ class SlotTable:
         self.max_new = np.ones((slots,), np.int32)
         self.stop = np.full((slots, 1, MAX_STOP_IDS), -1, np.int32)  # [slots, 1, MAX_STOP_IDS]
         self.live = np.zeros((slots,), bool)
+        self.wants_logprobs = np.zeros((slots,), bool)
         self.running: dict[int, Running] = {}  # by slot
         self.slot_of: dict[int, int] = {}  # request id -> slot
 
@@ -140,6 +155,7 @@ class SlotTable:
         self.max_new[slot] = params.max_new_tokens
         self.stop[slot, 0] = stop_row
         self.live[slot] = True
+        self.wants_logprobs[slot] = params.logprobs is not None
         prompt_tokens = len(params.prompt_ids)
         self.running[slot] = Running(rid, params, RequestStats(prompt_tokens), prompt_tokens, submitted_at)
         self.slot_of[rid] = slot
@@ -148,6 +164,7 @@ class SlotTable:
         running = self.running.pop(slot)
         self.slot_of.pop(running.rid, None)
         self.live[slot] = False
+        self.wants_logprobs[slot] = False
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = 0.0, 0, 1.0
         return running
 
@@ -156,25 +173,45 @@ class SlotTable:
         for running in self.running.values():
             running.seen = Counters.zero()
 
-    def hand_out_first(self, slot: int, tokens: np.ndarray, now: float) -> EngineEvent:
+    def hand_out_first(self, slot: int, tokens: np.ndarray, now: float, logprobs: Any = None) -> EngineEvent:
         """The token an admitted slot's prefill sampled, handed out before the chunk runs (time
-        to first token is the prefill's time, not prefill + a chunk)."""
+        to first token is the prefill's time, not prefill + a chunk). logprobs: the state's
+        host `TokenLogprobs`, read when some request wants them."""
         running = self.running[slot]
         first = int(tokens[slot, running.emitted_to])
+        event = EngineEvent(running.rid, [first],
+                            logprobs=self._logprobs(slot, running, tokens, logprobs, running.emitted_to + 1))
         running.emitted_to += 1
         running.stats.completion_tokens += 1
         running.first_token_at = now
-        return EngineEvent(running.rid, [first])
+        return event
+
+    def wanting_logprobs(self, slots: Any) -> bool:
+        return any(self.wants_logprobs[slot] for slot in slots)
+
+    @staticmethod
+    def _logprobs(slot: int, running: Running, tokens: np.ndarray, logprobs: Any,
+                  end: int) -> list[TokenLogprob] | None:
+        """Slot's tokens emitted_to .. end - 1 with their log-probabilities (None: not asked)."""
+        top = running.params.logprobs
+        if top is None or logprobs is None:
+            return None
+        span = range(running.emitted_to, end)
+        return [TokenLogprob(int(tokens[slot, s]), float(logprobs.chosen[slot, s]),
+                             [(int(i), float(v)) for i, v in zip(logprobs.top_ids[slot, s, :top],
+                                                                 logprobs.top_values[slot, s, :top])])
+                for s in span]
 
     def collect(self, tokens: np.ndarray, lengths: np.ndarray, finish: np.ndarray, done: np.ndarray,
-                counters: Counters, now: float) -> tuple[list[EngineEvent], Counters]:
+                counters: Counters, now: float, logprobs: Any = None) -> tuple[list[EngineEvent], Counters]:
         """A chunk's host read (tokens [slots, S], lengths / finish / done [slots], per-row
-        counters) -> each running request's event, and the counters all rows added. A finished
-        request frees its slot."""
+        counters, the host `TokenLogprobs` when a request wants them) -> each running request's
+        event, and the counters all rows added. A finished request frees its slot."""
         events, total = [], Counters.zero()
         for slot in list(self.running):
             running = self.running[slot]
             new = tokens[slot, running.emitted_to : lengths[slot]].tolist()
+            new_logprobs = self._logprobs(slot, running, tokens, logprobs, int(lengths[slot]))
             running.emitted_to = int(lengths[slot])
             current = counters.row(slot)
             delta, running.seen = current.minus(running.seen), current
@@ -187,7 +224,7 @@ class SlotTable:
             if done[slot]:
                 reason = FINISH_NAMES[int(finish[slot])] if int(finish[slot]) != FINISH_NONE else "length"
             if new or reason:
-                events.append(EngineEvent(running.rid, new, reason, running.stats if reason else None))
+                events.append(EngineEvent(running.rid, new, reason, running.stats if reason else None, new_logprobs))
             if reason:
                 self.release(slot)
         return events, total

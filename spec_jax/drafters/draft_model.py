@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spec_jax.sampling import SamplingParams, sample, warp
+from spec_jax.sampling import SamplingParams, sample, split_key, warp
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import Decoder
 from spec_jax.drafters.tree import (
@@ -113,7 +113,7 @@ class DraftModelDrafter:
         batch = tokens.shape[0]
         rows = jnp.arange(batch)
         vocab = target.vocab_size
-        keys = jax.random.split(key, self.k)
+        keys = split_key(key, self.k)
         # Draft step 1: re-feed the committed tokens the draft model has not all seen.
         logits, cache = self._refeed(params, state, tokens, lengths)
         probs = self._draft_probs(logits, vocab, sampling)  # [B, V]

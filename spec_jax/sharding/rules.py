@@ -209,6 +209,8 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: ShardingRules = DEFA
             kv = tuple(layer.k[0] for layer in layers)
             return layers[0].replace(k=kv, v=kv)
         shape = tuple(getattr(x, "shape", ()))
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            return replicated_sharding(mesh)  # PRNG keys (the engine's one per row) go whole, as `place` puts them
         if shape and batch is not None and shape[0] == batch:
             axes = ("batch",) + (None,) * (len(shape) - 1)
             return NamedSharding(mesh, logical_to_partition_spec(shape, axes, mesh, rules))
