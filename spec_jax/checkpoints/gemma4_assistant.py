@@ -218,6 +218,5 @@ def save_gemma4_assistant(
         value = (params if layer is None else params["layers"][layer])[key]
         value = np.asarray(value, np.int64 if key == "token_ordering" else np.float32)
         tensors[name] = np.ascontiguousarray(to_hf(value, in_axes))
-    write_checkpoint_dir(path, assistant_config_to_hf(cfg), tensors)
-    (path / "generation_config.json").write_text(json.dumps({"num_assistant_tokens": cfg.num_assistant_tokens}) + "\n")
-    return path
+    return write_checkpoint_dir(path, assistant_config_to_hf(cfg), tensors,
+                                json_files={"generation_config.json": {"num_assistant_tokens": cfg.num_assistant_tokens}})

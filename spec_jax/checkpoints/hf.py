@@ -518,14 +518,17 @@ def save_dir(path: str | os.PathLike, params: Any, specs: Any, what: str, overwr
 
 
 def write_checkpoint_dir(
-    path: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], tokenizer: Any = None
+    path: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], tokenizer: Any = None,
+    json_files: dict[str, Any] | None = None,
 ) -> Path:
-    """Atomically (re)place `path` with config.json + model.safetensors (+ tokenizer files):
-    everything is written to a temporary sibling dir that is renamed into place when complete."""
+    """Atomically (re)place `path` with config.json + model.safetensors (+ tokenizer files, + each
+    `json_files` name's JSON, e.g. generation_config.json): everything is written to a temporary
+    sibling dir that is renamed into place when complete."""
     from safetensors.numpy import save_file
 
     with atomic_path(path, directory=True) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, content in {"config.json": config, **(json_files or {})}.items():
+            (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", 0o644)  # safetensors creates it owner-only
         if tokenizer is not None:
