@@ -3,9 +3,11 @@
 One registry kind for every MTP drafter a model family ships; the loader looks at the checkpoint
 (and may look at the target) and dispatches to the format's own loader. Formats so far:
 
-- the Gemma 4 assistant (`Gemma4AssistantForCausalLM`, `spec_jax.checkpoints.gemma4_assistant`).
+- the Gemma 4 assistant (`Gemma4AssistantForCausalLM`, `spec_jax.checkpoints.gemma4_assistant`);
+- the MTP head inside a Qwen3.5 / Qwen3-Next checkpoint (`mtp.*`, `spec_jax.checkpoints.qwen_mtp`):
+  PATH is the target's own directory.
 
-A new format (e.g. the MTP head a Qwen3.5 checkpoint carries) is one `MtpFormat` entry in
+A new format is one `MtpFormat` entry in
 `MTP_FORMATS`: a name, a test on the config.json dict, and a loader `(target, path, k) ->
 (drafter, host params)`.
 """
@@ -39,7 +41,22 @@ def _is_gemma4_assistant(hf: dict[str, Any]) -> bool:
     return is_gemma4_assistant(hf)
 
 
-MTP_FORMATS: list[MtpFormat] = [MtpFormat("Gemma 4 assistant", _is_gemma4_assistant, _gemma4_assistant)]
+def _qwen_mtp(target: Any, path: str, k: int | None) -> tuple[Any, Any]:
+    from spec_jax.checkpoints.qwen_mtp import load_qwen_mtp
+
+    return load_qwen_mtp(path, dtype=target.cfg.dtype, k=k)
+
+
+def _is_qwen_mtp_family(hf: dict[str, Any]) -> bool:
+    from spec_jax.checkpoints.qwen_mtp import is_qwen_mtp_family
+
+    return is_qwen_mtp_family(hf)
+
+
+MTP_FORMATS: list[MtpFormat] = [
+    MtpFormat("Gemma 4 assistant", _is_gemma4_assistant, _gemma4_assistant),
+    MtpFormat("Qwen3.5 / Qwen3-Next MTP head", _is_qwen_mtp_family, _qwen_mtp),
+]
 
 
 def load_mtp_drafter(target: Any, path: str, k: int | None) -> tuple[Any, Any]:

@@ -15,7 +15,9 @@ predicts token t + 2. Per verify step:
 The drafter keeps a KV cache of the real pairs (those with target features), indexed by pair:
 slot t holds pair t's keys in every draft layer. The features of the last verified inputs wait in
 `pending` until `propose` knows the tokens that complete their pairs (the bonus token is sampled
-after `commit`), so a rejected draft is rolled back by the per-row pair count alone.
+after `commit`), so a rejected draft is rolled back by the per-row pair count alone. That machine
+(init, commit, the chain, the tree) is `spec_jax.drafters.pair_cache`'s, shared with the MTP head
+of Qwen3.5 / Qwen3-Next; this module is EAGLE-3's network.
 
 `aux_layer_ids` follow the speculators / vLLM convention: id i is the input of target layer i
 (HF `hidden_states[i]`), i.e. spec_jax's capture of layer i - 1; id == num_layers is the last
@@ -29,34 +31,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
+from spec_jax.drafters.pair_cache import PairCacheDrafter, PairCacheState
+from spec_jax.drafters.tree import check_tree_setting
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig
-from spec_jax.models.decoder import (
-    KVCache,
-    attend,
-    attend_cache_and_pass,
-    decoder_layer,
-    einsum,
-    embed,
-    empty_cache,
-    rms_norm,
-    rope_inv_freq,
-    window_mask,
-    write_kv,
-)
-from spec_jax.drafters.tree import (
-    check_tree_setting,
-    expand_level,
-    expansion_width,
-    select_best_nodes,
-    top_k,
-    tree_budget,
-)
-from spec_jax.models.interface import Target, TargetModel, ancestor_mask
+from spec_jax.models.decoder import decoder_layer, einsum, embed, empty_cache, rms_norm, rope_inv_freq
+from spec_jax.models.interface import Target, TargetModel
 from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
-from spec_jax.sampling import SamplingParams, sample_chain
 
 Params = Any
 
@@ -131,29 +113,6 @@ class Eagle3Config:
     def kv_bytes_per_token(self) -> int:
         """Pair-cache bytes per committed token (every draft layer caches k and v)."""
         return self.layer.kv_bytes_per_token
-
-
-def _pairs_and_passes(
-    cache: KVCache, pass_k: list[list[jax.Array]], pass_v: list[list[jax.Array]],
-    position: jax.Array, visible: jax.Array,
-):
-    """layer i -> its attend_to for a drafting pass at `position` [B, T]: the pass's keys/values
-    join layer i's earlier passes (pass_k[i], pass_v[i]), and the queries see every real pair in
-    `cache` plus the passes' keys that `visible` [B, T, all so far] allows."""
-
-    def for_layer(i: int):
-        def attend_to(q, k, v):
-            pass_k[i].append(k)
-            pass_v[i].append(v)
-            own = (jnp.concatenate(pass_k[i], axis=2), jnp.concatenate(pass_v[i], axis=2))
-            # cache.lengths = last_pair + 1: every real pair; pair index = position - 1.
-            out = attend_cache_and_pass(
-                q, cache.k[i], cache.v[i], cache.lengths, position - 1, GLOBAL_WINDOW, *own, visible,
-            )
-            return out, None
-        return attend_to
-
-    return for_layer
 
 
 def eagle3_weight_specs(cfg: Eagle3Config) -> dict[str, Any]:
@@ -277,19 +236,13 @@ def eagle3_head(cfg: Eagle3Config, params: Params, out: jax.Array) -> tuple[jax.
 
 
 # ----------------------------------------------------------------------------- the drafter
-@struct.dataclass
-class Eagle3State:
-    """cache: per draft layer k/v [B, Kv, capacity, D] of the real pairs, slot = pair index;
-    `cache.lengths` [B] = pairs in it. pending [B, K+1, n*F]: target features of pairs
-    lengths.. not yet run (their count is the loop's lengths - 1 - cache.lengths)."""
-
-    cache: KVCache
-    pending: jax.Array
+Eagle3State = PairCacheState  # the pair cache and the pending features (`spec_jax.drafters.pair_cache`)
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Drafter(PairCacheDrafter):
     """The EAGLE-3 drafter (see the module docstring). Hashable: a static argument of the loop.
+    The chain, the tree and the pair cache are `PairCacheDrafter`'s; this class is the network.
 
     k: drafts per verify step (default: the checkpoint's speculative_tokens).
     sample_drafts: at temperature > 0, sample each chain draft from the warped draft distribution
@@ -323,166 +276,16 @@ class Eagle3Drafter:
         x = embed(params, tokens) if self.cfg.own_embedding else target.embed(tokens)
         return x.astype(params["fc"].dtype)
 
-    def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
+    def pair_features(self, params, captured):
+        return fuse_features(self.cfg, params, captured)
+
+    def pair_layers(self, params, target, tokens, hidden, positions, attend_to):
+        return eagle3_layers(self.cfg, params, self._embed(params, target, tokens), hidden, positions, attend_to)
+
+    def pair_head(self, params, target, out):
+        logits, hidden = eagle3_head(self.cfg, params, out)
+        return to_target_vocab(logits, params["d2t"], self.cfg.layer.vocab_size), hidden
+
+    def empty_pair_cache(self, params, batch, capacity):
         c = self.cfg.layer
-        batch, prompt_len = prompt_tokens.shape
-        # Behind a barrier, as the target's cache in the loop's prefill (constant folding).
-        cache = jax.lax.optimization_barrier(
-            empty_cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, params["fc"].dtype))
-        if prompt_len > 1:  # pairs 0 .. P-2 are complete: (features of token t, token t + 1)
-            pairs = jnp.broadcast_to(jnp.arange(prompt_len - 1, dtype=jnp.int32), (batch, prompt_len - 1))
-            hidden = fuse_features(self.cfg, params, prefill_captured[:, :-1])
-            token_embeds = self._embed(params, target, prompt_tokens[:, 1:])
-            visible = window_mask(pairs, pairs, GLOBAL_WINDOW)
-
-            def write_and_attend(i):
-                def attend_to(q, k, v):
-                    return attend(q, [(k, v, visible)]), (k, v)
-                return attend_to
-
-            _, kvs = eagle3_layers(self.cfg, params, token_embeds, hidden, pairs + 1, write_and_attend)
-            cache = cache.replace(
-                k=tuple(write_kv(ck, k, pairs) for ck, (k, _) in zip(cache.k, kvs)),
-                v=tuple(write_kv(cv, v, pairs) for cv, (_, v) in zip(cache.v, kvs)),
-            )
-        rows = jnp.arange(batch)
-        # The last prompt token's pair waits for the first sampled token.
-        pending = jnp.zeros((batch, self.k + 1, prefill_captured.shape[-1]), prefill_captured.dtype)
-        pending = pending.at[:, 0].set(prefill_captured[rows, prompt_lengths - 1])
-        return Eagle3State(cache=cache.with_lengths(prompt_lengths - 1), pending=pending)
-
-    def commit(self, params, target: Target, state: Eagle3State, start, num_accepted, verify_captured):
-        # Pairs start .. start + n (their tokens are the accepted drafts and the bonus token) wait
-        # for propose; the cache already holds every pair before `start`.
-        return state.replace(pending=verify_captured.astype(state.pending.dtype))
-
-    def _run_pending(self, params: Params, target: Target, state: Eagle3State, tokens, lengths):
-        """Run the pending pairs (the verified tokens the cache has not seen): they attend to the
-        cached pairs and causally to each other, and their keys are written at their slots
-        (padding writes past the last pair, never visible, later overwritten). -> (the cache
-        holding every real pair, the last pair's draft logits [B, 1, Vd] and hidden [B, 1, H])."""
-        cfg = self.cfg
-        cache: KVCache = state.cache
-        batch, seq = tokens.shape
-        rows = jnp.arange(batch)
-        done = cache.lengths  # [B] pairs in the cache
-        last_pair = lengths - 2  # [B] the newest complete pair: (features of L-2, token L-1)
-        window = self.k + 1
-        pairs = done[:, None] + jnp.arange(window, dtype=jnp.int32)  # [B, K+1]; > last_pair: padding
-
-        hidden = fuse_features(cfg, params, state.pending)
-        token_embeds = self._embed(params, target, tokens[rows[:, None], jnp.minimum(pairs + 1, seq - 1)])
-        own_visible = window_mask(pairs, pairs, GLOBAL_WINDOW)
-
-        def pending_attend(i):
-            def attend_to(q, k, v):  # the cached pairs (< done, the live part only) and their own
-                out = attend_cache_and_pass(
-                    q, cache.k[i], cache.v[i], done, pairs, GLOBAL_WINDOW, k, v, own_visible
-                )
-                return out, (k, v)
-            return attend_to
-
-        out, kvs = eagle3_layers(cfg, params, token_embeds, hidden, pairs + 1, pending_attend)
-        cache = cache.replace(
-            k=tuple(write_kv(ck, k, pairs) for ck, (k, _) in zip(cache.k, kvs)),
-            v=tuple(write_kv(cv, v, pairs) for cv, (_, v) in zip(cache.v, kvs)),
-        ).with_lengths(last_pair + 1)
-        last = jnp.clip(last_pair - done, 0, window - 1)
-        step_logits, step_hidden = eagle3_head(cfg, params, out[rows, last][:, None])  # [B, 1, .]
-
-        return cache, step_logits, step_hidden
-
-    def draft_logits(
-        self,
-        params: Params,
-        target: Target,
-        state: Eagle3State,
-        tokens: jax.Array,
-        lengths: jax.Array,
-        choose: Any = None,
-    ) -> tuple[jax.Array, jax.Array, Eagle3State]:
-        """Run the pending pairs, then the chain. -> (target-vocabulary logits [B, K, V] f32,
-        drafts [B, K], new state). choose(step, logits [B, V]) -> draft [B] picks each chain
-        input (default argmax); tests pass the true tokens to compare with teacher forcing."""
-        choose = choose or (lambda step, logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        cfg = self.cfg
-        batch = tokens.shape[0]
-        last_pair = lengths - 2  # [B] the newest complete pair: (features of L-2, token L-1)
-        cache, step_logits, step_hidden = self._run_pending(params, target, state, tokens, lengths)
-
-        # 2) The chain: each draft becomes the next pair's token, one position further; it sees
-        # every real pair and the chain's own keys.
-        chain_k: list[list[jax.Array]] = [[] for _ in params["layers"]]
-        chain_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
-        logits_out, drafts = [], []
-        for step in range(self.k):
-            logits = to_target_vocab(step_logits[:, 0], params["d2t"], cfg.layer.vocab_size)  # [B, V]
-            draft = choose(step, logits)
-            logits_out.append(logits)
-            drafts.append(draft)
-            if step == self.k - 1:
-                break
-            position = (last_pair + 2 + step)[:, None]  # [B, 1]
-            chain_attend = _pairs_and_passes(cache, chain_k, chain_v, position,
-                                             jnp.ones((batch, 1, step + 1), bool))
-            out, _ = eagle3_layers(cfg, params, self._embed(params, target, draft[:, None]),
-                                   step_hidden, position, chain_attend)
-            step_logits, step_hidden = eagle3_head(cfg, params, out)
-        return jnp.stack(logits_out, 1), jnp.stack(drafts, 1), Eagle3State(cache=cache, pending=state.pending)
-
-    def propose_tree(self, params, target: Target, state: Eagle3State, tokens, lengths, key, sampling):
-        """An EAGLE-2-style tree: the top-W children of the root, then level by level the top-W
-        children of the W frontier nodes, keeping the W best by path log-probability (W from the
-        budget and K); the `tree` budget's best nodes of all levels form the tree (top-k
-        candidates: deterministic). A level's nodes run in one pass: each reads its parent's
-        output hidden state and sees the real pairs plus its own fed ancestors."""
-        cfg, k, budget = self.cfg, self.k, tree_budget(self.tree)
-        width = expansion_width(budget, k)
-        batch = tokens.shape[0]
-        rows = jnp.arange(batch)[:, None]
-        last_pair = lengths - 2
-        cache, step_logits, step_hidden = self._run_pending(params, target, state, tokens, lengths)
-
-        def logprobs(draft_logits):  # [B, T, Vd] -> [B, T, V] over the target vocabulary
-            mapped = to_target_vocab(draft_logits, params["d2t"], cfg.layer.vocab_size)
-            return jax.nn.log_softmax(mapped.astype(jnp.float32), axis=-1)
-
-        lp, tok = top_k(logprobs(step_logits)[:, 0], width)  # the root's children
-        node_tokens, node_scores = tok, lp
-        node_parents = jnp.full((batch, width), -1, jnp.int32)
-        node_depths = jnp.ones((batch, width), jnp.int32)
-        # Hidden state each node's children read: the root's for level 1, then each fed node's.
-        parent_hidden = jnp.broadcast_to(step_hidden, (batch, width, step_hidden.shape[-1]))
-        fed_k: list[list[jax.Array]] = [[] for _ in params["layers"]]
-        fed_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
-        fed_hidden = []
-        for level in range(1, k):
-            frontier = (level - 1) * width + jnp.arange(width)  # this level's nodes
-            fed = level * width  # nodes fed once this pass runs: levels 1..level
-            visible = ancestor_mask(node_parents)[:, frontier, :fed]  # [B, W, fed]
-            position = (last_pair + 1 + level)[:, None] + jnp.zeros((1, width), jnp.int32)
-            level_attend = _pairs_and_passes(cache, fed_k, fed_v, position, visible)
-            level_tokens = node_tokens[:, (level - 1) * width:]
-            out, _ = eagle3_layers(cfg, params, self._embed(params, target, level_tokens),
-                                   parent_hidden, position, level_attend)
-            level_logits, level_hidden = eagle3_head(cfg, params, out)  # [B, W, .]
-            fed_hidden.append(level_hidden)
-            new_tok, new_parent, new_score = expand_level(
-                node_scores, jnp.broadcast_to(frontier, (batch, width)), logprobs(level_logits), width
-            )
-            all_hidden = jnp.concatenate(fed_hidden, axis=1)  # [B, fed, H]
-            parent_hidden = all_hidden[rows, new_parent]
-            node_depths = jnp.concatenate([node_depths, node_depths[rows, new_parent] + 1], axis=1)
-            node_tokens = jnp.concatenate([node_tokens, new_tok], axis=1)
-            node_parents = jnp.concatenate([node_parents, new_parent], axis=1)
-            node_scores = jnp.concatenate([node_scores, new_score], axis=1)
-        tree = select_best_nodes(node_tokens, node_parents, node_scores, node_depths, budget)
-        return tree, Eagle3State(cache=cache, pending=state.pending)
-
-    def propose(self, params, target: Target, state: Eagle3State, tokens, lengths, key, sampling: SamplingParams):
-        if not self.sample_drafts:
-            logits, drafts, state = self.draft_logits(params, target, state, tokens, lengths)
-            return drafts, None, state
-        (_, drafts, state), probs = sample_chain(
-            lambda choose: self.draft_logits(params, target, state, tokens, lengths, choose), self.k, key, sampling)
-        return drafts, probs, state
+        return empty_cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, params["fc"].dtype)
