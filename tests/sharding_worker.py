@@ -8,7 +8,9 @@ usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@M
   MODEL: divisible (8 heads, 4 KV heads) | nondivisible (9 heads, 3 KV heads, like SmolLM2)
          | moe (divisible with a mixture-of-experts layer)
          | default (the real SmolLM2-135M-Instruct)
-  DRAFTER: ar | ngram | draft_model | dflash | dflash_vocab | eagle3 | table (a test-only drafter);  MESH: DxM (data x model), e.g. 2x4
+  DRAFTER: ar | ngram | draft_model | dflash | dflash_vocab | eagle3 | table (a test-only drafter)
+           | gemma4_mtp (a Gemma 4 assistant on the tiny Gemma 4 target, whatever MODEL is: the
+             case's own target and unsharded baseline);  MESH: DxM (data x model), e.g. 2x4
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from spec_jax.models.config import ModelConfig, MoeConfig  # noqa: E402
 from spec_jax.models.decoder import init_params  # noqa: E402
 from spec_jax.models.weights import model_weight_specs  # noqa: E402
 from table_drafter import TableDrafter, table_params  # noqa: E402  (tests/ is sys.path[0])
+from tiny_configs import TINY_GEMMA4  # noqa: E402
 from spec_jax.sharding import (  # noqa: E402
     bytes_per_device,
     kv_cache_shardings,
@@ -78,10 +81,21 @@ def model_cfg(kind: str, layers: int = 2) -> ModelConfig:
     )
 
 
+# Drafters that come with a target of their own (a case of any MODEL's process: one more
+# compile there, not one more process): the tiny Gemma 4 (KV sharing, per-layer embeddings,
+# k_eq_v full layers with their own head size and KV heads) for its assistant.
+OWN_TARGETS = {"gemma4_mtp": TINY_GEMMA4}
+
+
 def make_drafter(name: str, cfg: ModelConfig, baseline=None):
     """-> (drafter, drafter params)."""
     if name == "ar":
         return None, None
+    if name == "gemma4_mtp":  # a random assistant shaped for the target (reads its cache)
+        from spec_jax.drafters import gemma4_assistant as g4
+
+        assistant = g4.assistant_config_for_target(cfg, hidden_size=32, num_layers=2, k=K)
+        return g4.Gemma4AssistantDrafter(assistant), g4.init_assistant_params(assistant, jax.random.key(7))
     if name == "ngram":
         return NGramDrafter(k=K), None
     if name == "table":
@@ -172,6 +186,7 @@ def main() -> None:
     else:
         cfg = model_cfg(kind)
         params = init_params(cfg, jax.random.key(0))
+    process_cfg, process_params = cfg, params
     target = (cfg, params)
     out: dict = {"devices": jax.device_count(), "model": kind, "cases": {}, "shards": {}}
     common = dict(max_new_tokens=MAX_NEW, capacity=CAPACITY, ignore_eos=True)
@@ -180,12 +195,18 @@ def main() -> None:
     t0 = time.perf_counter()
     baseline = generate(target, PROMPTS, **common).generated_ids
     out["baseline_s"] = round(time.perf_counter() - t0, 2)
-    out["baseline"] = baseline
+    out["baseline"] = process_baseline = baseline
     for drafter_name, mesh_name in cases:
+        cfg, params, baseline = process_cfg, process_params, process_baseline
+        if drafter_name in OWN_TARGETS:
+            cfg = OWN_TARGETS[drafter_name]
+            params = init_params(cfg, jax.random.key(0), scale=3.0)
+            baseline = generate((cfg, params), PROMPTS, **common).generated_ids
+        target = (cfg, params)
         drafter, drafter_params = make_drafter(drafter_name, cfg, baseline)
         data, model = (int(x) for x in mesh_name.split("x"))
         mesh = make_mesh(f"data={data},model={model}")
-        if mesh_name not in out["shards"]:
+        if mesh_name not in out["shards"] and drafter_name not in OWN_TARGETS:
             out["shards"][mesh_name] = shard_report(cfg, params, mesh)
         t0 = time.perf_counter()
         result = generate(target, PROMPTS, drafter, drafter_params, mesh=mesh, **common)

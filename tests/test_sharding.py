@@ -124,6 +124,27 @@ def test_param_shardings_replicate_non_dividing_heads_with_one_note(caplog):
     assert "w_up" not in message
 
 
+def test_gemma4_weights_and_its_assistants_follow_the_rules(caplog):
+    """Gemma 4's own weights (per-layer embeddings, k_eq_v full layers with their own head size and
+    KV heads, KV-shared layers without wk/wv) and its assistant's get rules like every other
+    weight: the per-layer table splits by vocabulary, and the KV heads a mesh does not divide are
+    replicated and named in the one note."""
+    from spec_jax.drafters.gemma4_assistant import assistant_config_for_target, assistant_weight_specs
+    from tiny_configs import TINY_GEMMA4
+
+    mesh = abstract_mesh(2, 4)
+    with caplog.at_level(logging.INFO, logger="spec_jax.sharding"):
+        target = param_shardings(model_weight_specs(TINY_GEMMA4), mesh)
+    assert target["per_layer_embed"].spec == P("model") and target["embed"].spec == P("model")
+    assert target["layers"][1]["wq"].spec == P(None, "model") and "wv" not in target["layers"][1]  # k_eq_v
+    assert "wk" not in target["layers"][2] and target["layers"][2]["w_up"].spec == P(None, "model")  # shared KV
+    note = next(r.getMessage() for r in caplog.records if "do not divide" in r.getMessage())
+    assert "['layers'][0]['wk'] (64, 2, 16): dim 1 (kv_heads=2) over model=4" in note
+    assert "['layers'][1]['wk'] (64, 1, 32): dim 1 (kv_heads=1) over model=4" in note
+    assistant = param_shardings(assistant_weight_specs(assistant_config_for_target(TINY_GEMMA4, 32)), mesh)
+    assert assistant["layers"][1]["wq"].spec == P(None, "model") and assistant["embed"].spec == P("model")
+
+
 def test_rules_are_data():
     rules = ShardingRules(mlp=None, vocab=None)
     shardings = param_shardings(model_weight_specs(DIVISIBLE), abstract_mesh(1, 8), rules)
@@ -163,7 +184,7 @@ def test_distributed_single_process(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- sharded generate
-DRAFTERS = ["ar", "ngram", "draft_model", "dflash", "dflash_vocab", "eagle3", "table"]
+DRAFTERS = ["ar", "ngram", "draft_model", "dflash", "dflash_vocab", "eagle3", "table", "gemma4_mtp"]
 MESHES = ["2x4", "4x2", "1x8"]
 
 
@@ -171,7 +192,8 @@ MESHES = ["2x4", "4x2", "1x8"]
 DEFAULT_CASES = {
     "divisible": ["ar@1x8", "ngram@4x2", "dflash_vocab@2x4", "table@2x4", "eagle3@4x2"],
     "nondivisible": ["draft_model@2x4", "ngram@1x8", "dflash@4x2", "eagle3@2x4"],
-    "moe": ["ngram@1x8"],  # one expert per device
+    "moe": ["ngram@1x8",  # one expert per device
+            "gemma4_mtp@2x4"],  # the tiny Gemma 4 (its own target) with its assistant reading the sharded cache
 }
 
 
@@ -221,6 +243,9 @@ def test_sharded_generate_matches_unsharded(worker_results, model):
         drafter_name, mesh_name = name.split("@")
         if drafter_name in ("draft_model", "dflash", "dflash_vocab", "eagle3"):
             assert case["drafter_wq_spec"] == EXPECTED_SHARDS[(model, mesh_name)][0], name
+        if drafter_name == "gemma4_mtp":  # the assistant's 4 query heads split where they divide
+            assert case["drafter_wq_spec"] == ("P(None, 'model')" if 4 % int(mesh_name.split("x")[1]) == 0
+                                               else "P()"), name
         if drafter_name == "table":
             # A drafter the library has never heard of: its own weight_specs() split its
             # [vocab, vocab] table over `model`, and its drafts were accepted.
@@ -236,6 +261,7 @@ def test_sharded_dflash_is_covered(worker_results):
     assert any(n.startswith("dflash_vocab@") for n in names)  # a reduced draft vocabulary too
     assert any(n.startswith("eagle3@") for n in names)
     assert any(n.startswith("table@") for n in names)
+    assert any(n.startswith("gemma4_mtp@") for n in names)  # a drafter reading the target's cache
 
 
 def test_a_drafter_defined_in_a_test_shows_in_info():
