@@ -49,6 +49,7 @@ from spec_jax.decoding.programs import CompileTally
 from spec_jax.decoding.scheduler import AdaptiveK, Scheduler
 from spec_jax.decoding.slots import Counters, EngineEvent, RequestParams, RequestStats, SlotTable
 from spec_jax.drafters.base import Drafter
+from spec_jax.drafters.suffix import host_store, with_store
 from spec_jax.models.resolve import resolve_target
 from spec_jax.sharding.placement import gather_to_host
 
@@ -145,7 +146,10 @@ class Engine:
             max_logprobs = validation.check_int("max_logprobs", max_logprobs, minimum=0, maximum=MAX_LOGPROBS)
         self.max_logprobs = max_logprobs
         validation.check_mesh(mesh)
+        drafter_params = with_store(drafter, drafter_params)
         validation.check_drafter_params(drafter, drafter_params)
+        # A suffix drafter's store of finished requests' text: one per engine, read by every chunk.
+        self.suffix_store = host_store(drafter, drafter_params)
         self.mesh = mesh
         ks = k_variants(drafter, k_choices)
         self.drafters: dict[int, Drafter | None] = {k: with_k(drafter, k) if k else None for k in ks}
@@ -331,12 +335,24 @@ class Engine:
         steps_run, self._host_step = int(step) - self._host_step, int(step)
         self.chunks_run += 1
         self.k_chunks[k] += 1
+        if self.suffix_store is not None:
+            self._feed_suffix_store(tokens, lengths, done)
         events, total = self.slot_table.collect(tokens, lengths, finish, done, Counters.of_rows(stats, k),
                                                 time.perf_counter(), logprobs)
         if self.adaptive is not None:
             rejecting = total.steps - total.full_steps  # steps that rejected a draft
             self.adaptive.update(k, live, steps_run, seconds, int(total.accepted), int(rejecting))
         return events
+
+    def _feed_suffix_store(self, tokens: Any, lengths: Any, done: Any) -> None:
+        """Finished requests' prompt + output go into the suffix drafter's store (a new array of the
+        same shape: the next chunk reads it without recompiling)."""
+        finished = [slot for slot in self.slot_table.running if done[slot]]
+        for slot in finished:
+            self.suffix_store.add(tokens[slot, : lengths[slot]])
+        if finished:
+            store = self.programs.place(self.suffix_store.array())
+            self.programs.drafter_params = self.programs.drafter_params.replace(suffix_store=store)
 
     def run_all(self) -> dict[int, EngineEvent]:
         """Step until every queued request has finished -> each request's tokens and stats as one
