@@ -30,6 +30,7 @@ from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import NGramDrafter
+from spec_jax.drafters.qwen_mtp import QwenMtpConfig, QwenMtpDrafter, init_mtp_params
 from spec_jax.models import ModelConfig, forward, init_cache, init_params
 from spec_jax.models.config import MoeConfig
 
@@ -288,6 +289,28 @@ def test_sampled_speculation_on_a_mixture_of_experts_target(e2e):
     assert accepted > 0
     chi_square_ok(counts, exact_joint(prefix_logits(params, E2E_MOE_CFG), temperature, top_k, top_p),
                   "joint of 3 tokens, MoE target")
+
+
+# A recurrent (Qwen3.5-style) target: a Gated DeltaNet layer, then attention.
+E2E_RECURRENT_CFG = E2E_CFG.replace(
+    layer_types=("linear_attention", "full_attention"), linear_num_key_heads=1, linear_num_value_heads=2,
+    linear_key_head_dim=16, linear_value_head_dim=16,
+)
+
+
+def test_sampled_speculation_on_a_recurrent_target_with_its_mtp_head():
+    """The recurrent target's warped joint of 3 tokens, reproduced with an MTP head (issue 44) in
+    front drafting sampled chains: the target's state rollback and the head's own cache are both
+    under the exact acceptance."""
+    params = init_params(E2E_RECURRENT_CFG, jax.random.key(16), scale=1.5)
+    mtp = QwenMtpConfig.from_target(E2E_RECURRENT_CFG)
+    temperature, top_k, top_p = SAMPLING[2]
+    counts, accepted = sampled_joint_counts((E2E_RECURRENT_CFG, params), QwenMtpDrafter(mtp, k=K_E2E),
+                                            init_mtp_params(mtp, jax.random.key(17), scale=1.5),
+                                            temperature, top_k, top_p)
+    assert accepted > 0
+    chi_square_ok(counts, exact_joint(prefix_logits(params, E2E_RECURRENT_CFG), temperature, top_k, top_p),
+                  "joint of 3 tokens, recurrent target")
 
 
 PER_ROW_RUNS = 2  # x ROWS rows, each with its own seed
