@@ -261,6 +261,16 @@ def with_store(drafter: Any, params: Any, documents: Sequence[Sequence[int]] | N
     return SuffixParams(suffix_store=jnp.asarray(store.array()), model=params)
 
 
+def store_of_size(drafter: Any, params: Any, size: int) -> tuple[Any, Any]:
+    """(the suffix drafter with a store of `size` tokens, its params with an empty store of that
+    size): `spec-jax serve --suffix-store-tokens`. ValueError for a drafter that reads no store."""
+    if not reads_store(drafter):
+        raise ValueError(f"a suffix store size is for the suffix drafters ('suffix', 'KIND+suffix'), not "
+                         f"{type(drafter).__name__}; drop --suffix-store-tokens or use a suffix drafter.")
+    drafter = dataclasses.replace(drafter, store_size=size)
+    return drafter, with_store(drafter, params, [])
+
+
 def host_store(drafter: Any, params: Any) -> SuffixStore | None:
     """The host ring behind a suffix drafter's params (what the engine adds finished requests
     to), None for other drafters."""
