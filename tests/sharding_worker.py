@@ -10,7 +10,8 @@ usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@M
          | default (the real SmolLM2-135M-Instruct)
   DRAFTER: ar | ngram | draft_model | dflash | dflash_vocab | eagle3 | table (a test-only drafter)
            | gemma4_mtp (a Gemma 4 assistant on the tiny Gemma 4 target, whatever MODEL is: the
-             case's own target and unsharded baseline);  MESH: DxM (data x model), e.g. 2x4
+             case's own target and unsharded baseline) | qwen_mtp (an MTP head on a recurrent,
+             Qwen3.5-style target, likewise);  MESH: DxM (data x model), e.g. 2x4
 """
 
 from __future__ import annotations
@@ -81,10 +82,18 @@ def model_cfg(kind: str, layers: int = 2) -> ModelConfig:
     )
 
 
+# A Qwen3.5-style recurrent target: a Gated DeltaNet layer (its state per row, no keys/values),
+# then a gated attention layer with q/k norms and partial RoPE; (1 + w) norms.
+RECURRENT = model_cfg("divisible").replace(
+    architecture="qwen3_5", layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, attn_output_gate=True,
+    qk_norm=True, norm_offset=1.0, partial_rotary_factor=0.5,
+)
 # Drafters that come with a target of their own (a case of any MODEL's process: one more
 # compile there, not one more process): the tiny Gemma 4 (KV sharing, per-layer embeddings,
-# k_eq_v full layers with their own head size and KV heads) for its assistant.
-OWN_TARGETS = {"gemma4_mtp": TINY_GEMMA4}
+# k_eq_v full layers with their own head size and KV heads) for its assistant; the recurrent
+# target for its MTP head (issue 44).
+OWN_TARGETS = {"gemma4_mtp": TINY_GEMMA4, "qwen_mtp": RECURRENT}
 
 
 def make_drafter(name: str, cfg: ModelConfig, baseline=None):
@@ -96,6 +105,11 @@ def make_drafter(name: str, cfg: ModelConfig, baseline=None):
 
         assistant = g4.assistant_config_for_target(cfg, hidden_size=32, num_layers=2, k=K)
         return g4.Gemma4AssistantDrafter(assistant), g4.init_assistant_params(assistant, jax.random.key(7))
+    if name == "qwen_mtp":  # a random MTP head of the recurrent target (a pair cache of its own)
+        from spec_jax.drafters import qwen_mtp
+
+        head = qwen_mtp.QwenMtpConfig.from_target(cfg)
+        return qwen_mtp.QwenMtpDrafter(head, k=K), qwen_mtp.init_mtp_params(head, jax.random.key(7))
     if name == "ngram":
         return NGramDrafter(k=K), None
     if name == "table":

@@ -184,7 +184,7 @@ def test_distributed_single_process(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- sharded generate
-DRAFTERS = ["ar", "ngram", "draft_model", "dflash", "dflash_vocab", "eagle3", "table", "gemma4_mtp"]
+DRAFTERS = ["ar", "ngram", "draft_model", "dflash", "dflash_vocab", "eagle3", "table", "gemma4_mtp", "qwen_mtp"]
 MESHES = ["2x4", "4x2", "1x8"]
 
 
@@ -193,7 +193,8 @@ DEFAULT_CASES = {
     "divisible": ["ar@1x8", "ngram@4x2", "dflash_vocab@2x4", "table@2x4", "eagle3@4x2"],
     "nondivisible": ["draft_model@2x4", "ngram@1x8", "dflash@4x2", "eagle3@2x4"],
     "moe": ["ngram@1x8",  # one expert per device
-            "gemma4_mtp@2x4"],  # the tiny Gemma 4 (its own target) with its assistant reading the sharded cache
+            "gemma4_mtp@2x4",  # the tiny Gemma 4 (its own target) with its assistant reading the sharded cache
+            "qwen_mtp@4x2"],  # a recurrent (Gated DeltaNet) target with its MTP head
 }
 
 
@@ -246,6 +247,8 @@ def test_sharded_generate_matches_unsharded(worker_results, model):
         if drafter_name == "gemma4_mtp":  # the assistant's 4 query heads split where they divide
             assert case["drafter_wq_spec"] == ("P(None, 'model')" if 4 % int(mesh_name.split("x")[1]) == 0
                                                else "P()"), name
+        if drafter_name == "qwen_mtp":  # the MTP layer's 8 query heads ([query, gate] each) split
+            assert case["drafter_wq_spec"] == "P(None, 'model')", name
         if drafter_name == "table":
             # A drafter the library has never heard of: its own weight_specs() split its
             # [vocab, vocab] table over `model`, and its drafts were accepted.
@@ -262,6 +265,7 @@ def test_sharded_dflash_is_covered(worker_results):
     assert any(n.startswith("eagle3@") for n in names)
     assert any(n.startswith("table@") for n in names)
     assert any(n.startswith("gemma4_mtp@") for n in names)  # a drafter reading the target's cache
+    assert any(n.startswith("qwen_mtp@") for n in names)  # a recurrent target
 
 
 def test_a_drafter_defined_in_a_test_shows_in_info():
