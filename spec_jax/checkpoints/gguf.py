@@ -11,6 +11,15 @@ What llama.cpp's converter changed is undone per architecture:
           rules: local RoPE base 10k (or `rope.freq_base_swa`), five sliding layers per full
           one (or `attention.sliding_window_pattern`), attention scale head_dim ** -0.5
           (hidden / heads for the 62-layer 27B).
+  gemma4  norms as they are (no 1 + w). Per layer in the metadata: `attention.sliding_window_pattern`
+          (True = sliding), `attention.head_count_kv` and `feed_forward_length` (arrays when the
+          full layers have their own KV heads, or the KV-shared layers a double-wide MLP);
+          `attention.key_length` is the full layers' head size, `key_length_swa` the sliding
+          ones'; `attention.shared_kv_layers`, `embedding_length_per_layer_input`. Full layers
+          without `attn_v` are attention_k_eq_v; the `rope_freqs` tensor (1 for each rotated
+          pair, 1e30 for the rest) gives the proportional RoPE's partial rotary factor. Its
+          tokenizer model ('gemma4') is not rebuilt here (the load warns; use token ids or the HF
+          checkpoint's tokenizer).
 """
 
 from __future__ import annotations
@@ -22,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from spec_jax.checkpoints.errors import CheckpointError, CheckpointNotFoundError
-from spec_jax.checkpoints.hf import check_hf_tensors, expected_hf_shapes, params_from_hf
-from spec_jax.models.config import FULL_ATTENTION, SLIDING_ATTENTION, LinearRopeScaling, ModelConfig
+from spec_jax.checkpoints.hf import check_hf_tensors, expected_hf_shapes, params_from_hf, unused_shared_kv_names
+from spec_jax.models.config import FULL_ATTENTION, SLIDING_ATTENTION, LinearRopeScaling, ModelConfig, ProportionalRope
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3", "gemma4")
 
 # GGUF tensor name -> HF name; `{i}` is the block index.
 _GGUF_TO_HF_LAYER = {
@@ -48,11 +57,26 @@ _GGUF_TO_HF_GEMMA3_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma 4 adds the per-layer-embedding branch and the layer scalar (gguf's own tensor map).
+_GGUF_TO_HF_GEMMA4_LAYER = {
+    **_GGUF_TO_HF_GEMMA3_LAYER,
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
 _GGUF_TO_HF_MODEL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_GGUF_TO_HF_GEMMA4_MODEL = {
+    **_GGUF_TO_HF_MODEL,
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
+# Read for the config (proportional RoPE's rotated dims), not a weight.
+_GEMMA4_ROPE_FREQS = "rope_freqs.weight"
 
 # gguf token types (llama.cpp `llama_token_type`).
 _TOKEN_CONTROL = 3
@@ -60,10 +84,13 @@ _TOKEN_USER_DEFINED = 4
 
 
 def hf_name_of(gguf_name: str, arch: str = "llama") -> str | None:
-    if gguf_name in _GGUF_TO_HF_MODEL:
-        return _GGUF_TO_HF_MODEL[gguf_name]
-    layer_names = _GGUF_TO_HF_GEMMA3_LAYER if arch == "gemma3" else _GGUF_TO_HF_LAYER
+    model_names = _GGUF_TO_HF_GEMMA4_MODEL if arch == "gemma4" else _GGUF_TO_HF_MODEL
+    if gguf_name in model_names:
+        return model_names[gguf_name]
+    layer_names = {"gemma3": _GGUF_TO_HF_GEMMA3_LAYER, "gemma4": _GGUF_TO_HF_GEMMA4_LAYER}.get(arch, _GGUF_TO_HF_LAYER)
     parts = gguf_name.split(".")  # blk.{i}.{kind}.weight (or .bias: Qwen2's q/k/v)
+    if arch == "gemma4" and parts[2:] == ["layer_output_scale", "weight"]:
+        return f"model.layers.{parts[1]}.layer_scalar"  # HF's name has no ".weight"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
@@ -111,10 +138,13 @@ def _short_float(x: float) -> float:
 
 
 def config_from_gguf(
-    meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], dtype: str = "float32"
+    meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], dtype: str = "float32",
+    rope_freqs: np.ndarray | None = None,
 ) -> ModelConfig:
     """ModelConfig from GGUF metadata; `tensor_shapes` (GGUF name -> [out, in]) fills the gaps:
-    the vocab size when the metadata omits it, tied embeddings when there is no output.weight."""
+    the vocab size when the metadata omits it, tied embeddings when there is no output.weight
+    (Gemma 4: which full layers lack attn_v, the per-layer table's vocabulary; `rope_freqs`, its
+    rope_freqs tensor, the full layers' rotated dims)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise CheckpointError(
@@ -130,7 +160,8 @@ def config_from_gguf(
 
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
-    num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
+    num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
+    num_kv_heads = int(num_kv_heads[0] if isinstance(num_kv_heads, (list, tuple)) else num_kv_heads)
     head_dim = int(
         meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // num_heads
     )
@@ -154,10 +185,14 @@ def config_from_gguf(
         family = dict(architecture="qwen2", qkv_bias=True)
     elif arch == "gemma3":
         family = _gemma3_fields(meta, num_layers, hidden, num_heads, head_dim, rope_scaling)
+    elif arch == "gemma4":
+        family = _gemma4_fields(meta, num_layers, tensor_shapes, rope_freqs)
+        head_dim = int(need("attention.key_length_swa"))
+    intermediate = need("feed_forward_length")
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(intermediate[0] if isinstance(intermediate, (list, tuple)) else intermediate),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -195,6 +230,51 @@ def _gemma3_fields(meta, num_layers, hidden, num_heads, head_dim, rope_scaling) 
     )
 
 
+def _gemma4_fields(meta, num_layers, tensor_shapes, rope_freqs) -> dict[str, Any]:
+    """Gemma 4's config switches from GGUF metadata and tensors (the module doc); what llama.cpp
+    hard-codes for Gemma 4 (scaled embeddings, unscaled q.k, the v-norm, layer scalars, GELU)
+    comes from the architecture, as spec_jax's Gemma 4 presets have it."""
+
+    def need(key: str):
+        if f"gemma4.{key}" not in meta:
+            raise CheckpointError(f"GGUF metadata lacks 'gemma4.{key}'; re-convert the file.")
+        return meta[f"gemma4.{key}"]
+
+    def per_layer(value) -> list[int]:
+        return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * num_layers
+
+    sliding = [bool(s) for s in need("attention.sliding_window_pattern")]
+    if len(sliding) != num_layers:
+        raise CheckpointError(f"GGUF 'gemma4.attention.sliding_window_pattern' has {len(sliding)} entries for "
+                              f"{num_layers} layers; re-convert the file.")
+    full = [i for i, s in enumerate(sliding) if not s]
+    kv_heads = per_layer(need("attention.head_count_kv"))
+    ff = per_layer(need("feed_forward_length"))
+    shared = int(meta.get("gemma4.attention.shared_kv_layers", 0))
+    own_kv = [i for i in full if i < num_layers - shared]
+    k_eq_v = bool(own_kv) and all(f"blk.{i}.attn_v.weight" not in tensor_shapes for i in own_kv)
+    factor = 1.0
+    if rope_freqs is not None:  # 1 per rotated pair, 1e30 for the unrotated ones
+        factor = float(np.sum(np.asarray(rope_freqs) < 1e20)) / len(rope_freqs)
+    full_kv = {kv_heads[i] for i in full}  # the sliding layers' count is the config's num_kv_heads (layer 0's)
+    per_layer_input = int(meta.get("gemma4.embedding_length_per_layer_input", 0) or 0)
+    return dict(
+        architecture="gemma4", qk_norm=True, sandwich_norms=True, mlp_activation="gelu_tanh",
+        scale_embeddings=True, query_pre_attn_scalar=1.0, value_norm=True, layer_scalar=True,
+        final_logit_softcapping=meta.get("gemma4.final_logit_softcapping"),
+        layer_types=tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding),
+        sliding_window=int(need("attention.sliding_window")),
+        sliding_rope_theta=_short_float(meta.get("gemma4.rope.freq_base_swa", 10_000.0)),
+        rope_scaling=ProportionalRope(factor) if factor != 1.0 else None,
+        global_head_dim=int(need("attention.key_length")),
+        num_global_kv_heads=full_kv.pop() if len(full_kv) == 1 and kv_heads[full[0]] != kv_heads[0] else None,
+        attention_k_eq_v=k_eq_v, num_kv_shared_layers=shared,
+        double_wide_mlp=shared > 0 and ff[-1] == 2 * ff[0],
+        per_layer_input_size=per_layer_input,
+        per_layer_vocab_size=tensor_shapes.get("per_layer_token_embd.weight", (0,))[0] if per_layer_input else 0,
+    )
+
+
 # `tokenizer.ggml.pre` values whose split is GPT-2's own (ByteLevel's regex) or GPT-2's with every
 # digit on its own: they need no table from transformers.
 _GPT2_SPLIT_PRE = (None, "gpt2", "gpt-2", "default")
@@ -229,10 +309,16 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]):
 
     Built with `tokenizers` directly: transformers' own GGUF route imports torch.
     """
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "gemma4":
+        import warnings
+
+        warnings.warn("spec_jax: the GGUF's 'gemma4' tokenizer is not rebuilt (the weights and config "
+                      "load); pass token ids (--prompt-ids), or load the model's HF checkpoint for text.")
+        return None
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    kind = meta.get("tokenizer.ggml.model")
     if kind == "llama":
         return _sentencepiece_tokenizer(reader, meta)
     if kind != "gpt2":
@@ -355,7 +441,8 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     tensors = {t.name: t for t in reader.tensors}
     # GGUF shapes are listed fastest-axis first; reversed they are HF's [out, in].
     gguf_shapes = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in tensors.items()}
-    cfg = config_from_gguf(meta, gguf_shapes, dtype)
+    rope_freqs = tensors.pop(_GEMMA4_ROPE_FREQS, None) if meta.get("general.architecture") == "gemma4" else None
+    cfg = config_from_gguf(meta, gguf_shapes, dtype, None if rope_freqs is None else np.asarray(rope_freqs.data))
     arch = meta.get("general.architecture")
 
     unknown = sorted(n for n in tensors if hf_name_of(n, arch) is None)
@@ -365,8 +452,9 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
             f"{arch} decoder."
         )
     by_hf = {hf_name_of(n, arch): t for n, t in tensors.items()}
-    shapes = {hf_name_of(n, arch): s for n, s in gguf_shapes.items()}
-    check_hf_tensors(shapes, expected_hf_shapes(cfg), str(path))
+    shapes = {hf_name_of(n, arch): s for n, s in gguf_shapes.items() if n in tensors}
+    # Gemma 4: k/v of the KV-shared layers may be in the file; nothing reads them.
+    check_hf_tensors(shapes, expected_hf_shapes(cfg), str(path), unused_shared_kv_names(cfg))
 
     np_dtype = jnp.dtype(dtype)
 
