@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spec_jax.decoding.loop import LoopInputs, LoopState, prefill, speculative_step
+from spec_jax.decoding.depth import AdaptiveDepth
+from spec_jax.decoding.loop import LoopInputs, LoopState, adaptive_step, prefill, speculative_step, with_depth_state
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.interface import Target, TargetModel
 from spec_jax.models.resolve import as_target_model
@@ -28,14 +29,16 @@ NO_STEP_CAP = jnp.iinfo(jnp.int32).max  # a chunk's step cap when rows carry the
 
 
 def prefill_state(
-    inputs: LoopInputs, *, model: TargetModel, drafter: Drafter | None, capacity: int
+    inputs: LoopInputs, *, model: TargetModel, drafter: Drafter | None, capacity: int,
+    depth: AdaptiveDepth | None = None,
 ) -> LoopState:
     """`prefill` from the loop's inputs (what `generate_loop` runs before its while loop)."""
     target = Target(inputs.target_params, as_target_model(model))
-    return prefill(
+    state = prefill(
         target, drafter, inputs.drafter_params, inputs.prompt_tokens, inputs.prompt_lengths,
         inputs.key, inputs.sampling, inputs.max_new_tokens, inputs.stop_ids, capacity,
     )
+    return with_depth_state(state, depth, inputs.depth_costs)
 
 
 def run_chunk(
@@ -50,6 +53,7 @@ def run_chunk(
     *,
     model: TargetModel,
     drafter: Drafter | None,
+    depth: AdaptiveDepth | None = None,
 ) -> LoopState:
     """Up to `max_steps` speculative steps, stopping early when every row is done or
     `state.step` reaches `step_cap` (`generate_loop`'s bound: max_new_tokens for one call,
@@ -65,10 +69,12 @@ def run_chunk(
         return (s.step - first_step < max_steps) & (s.step < step_cap) & ~jnp.all(s.done)
 
     def step(s: LoopState) -> LoopState:
+        if depth is not None:  # the adaptive depth (its costs travel in the state)
+            return adaptive_step(s, target, drafter, depth, drafter_params, sampling, max_new_tokens, stop_ids)
         return speculative_step(s, target, drafter, drafter_params, sampling, max_new_tokens, stop_ids)
 
     return jax.lax.while_loop(not_finished, step, state)
 
 
-prefill_jit = jax.jit(prefill_state, static_argnames=("model", "drafter", "capacity"))
-chunk_jit = jax.jit(run_chunk, static_argnames=("model", "drafter"), donate_argnames=("state",))
+prefill_jit = jax.jit(prefill_state, static_argnames=("model", "drafter", "capacity", "depth"))
+chunk_jit = jax.jit(run_chunk, static_argnames=("model", "drafter", "depth"), donate_argnames=("state",))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.decoding import saved_programs, validation
+from spec_jax.decoding.depth import AdaptiveDepth, as_adaptive_depth, check_costs
 from spec_jax.decoding.loop import (
     FINISH_NAMES,
     MAX_STOP_IDS,
@@ -23,7 +24,7 @@ from spec_jax.decoding.loop import (
     generate_jit,
     generate_loop,
 )
-from spec_jax.decoding.loop import tree_budget
+from spec_jax.decoding.loop import check_adaptive, tree_budget
 from spec_jax.decoding.programs import ProgramCache
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.suffix import with_store
@@ -94,6 +95,11 @@ class GenerationResult:
     loop_steps: int
     compile_s: float
     generate_s: float
+    # The adaptive depth only (k="adaptive"): steps taken at each depth, the depth of each step,
+    # and the step costs the choice used.
+    depth_counts: dict[int, int] | None = None
+    depth_trace: list[int] | None = None
+    depth_costs: tuple[float, ...] | None = None
 
     @property
     def num_generated(self) -> int:
@@ -129,9 +135,15 @@ def unpack(out: GenerateOutput) -> tuple[list[list[int]], list[str], list[RowSta
 def result_of(out: GenerateOutput, compile_s: float, generate_s: float) -> GenerationResult:
     """The loop's output (device or host copy) and its timings as the `GenerationResult` users get."""
     generated, reasons, rows, total, steps = unpack(out)
+    depth = {}
+    if out.depth is not None:
+        record = jax.device_get(out.depth)
+        trace = [int(d) for d in record.trace if d >= 0]
+        depth = dict(depth_counts={d: trace.count(d) for d in sorted(set(trace))}, depth_trace=trace,
+                     depth_costs=tuple(float(c) for c in record.costs))
     return GenerationResult(
         generated_ids=generated, finish_reasons=reasons, row_stats=rows, stats=total, loop_steps=steps,
-        compile_s=compile_s, generate_s=generate_s,
+        compile_s=compile_s, generate_s=generate_s, **depth,
     )
 
 
@@ -140,12 +152,16 @@ class PreparedCall:
     """One `generate` call, checked and padded, ready to compile and run.
 
     target: the target (model + params); drafter: with the call's K; capacity: cache slots;
-    inputs: the loop's traced inputs (host arrays until placed)."""
+    inputs: the loop's traced inputs (host arrays until placed); depth: the adaptive depth policy
+    (its static part; None: K is fixed), whose costs are `inputs.depth_costs` unless
+    `measure_costs` (then those are placeholders until `spec_jax.decoding.depth_costs` measures)."""
 
     target: Target
     drafter: Drafter | None
     capacity: int
     inputs: LoopInputs
+    depth: AdaptiveDepth | None = None
+    measure_costs: bool = False
 
 
 def default_stop_ids(target: Any) -> tuple[int, ...]:
@@ -241,8 +257,16 @@ def prepare_inputs(
     max_new_tokens, temperature, top_k, top_p, seed, stop_ids and ignore_eos)."""
     resolved, _ = resolve_target(target)
     model = resolved.model
+    depth = as_adaptive_depth(k)
+    if depth is not None:
+        if drafter is None:
+            raise ValueError("k='adaptive' needs a drafter: plain decoding has no depth to choose.")
+        depth = depth.for_k(drafter.k)
+        k = depth.max_depth
     k, capacity = validation.check_k(k), validation.check_capacity(capacity)
     drafter = with_tree(with_k(drafter, k), tree)
+    if depth is not None:
+        check_adaptive(drafter, depth)
     # Slots a verify pass writes past the last committed token: K, or N for a tree.
     k_eff = max(drafter.k, tree_budget(drafter)) if drafter is not None else 0
     values = validation.check_request_values(default_stop_ids(target), **request_values)
@@ -264,7 +288,11 @@ def prepare_inputs(
         max_new_tokens=jnp.asarray(values.max_new_tokens, jnp.int32),
         stop_ids=jnp.asarray(stop_id_array(values.stop_ids)),
     )
-    return PreparedCall(resolved, drafter, capacity, inputs)
+    if depth is None:
+        return PreparedCall(resolved, drafter, capacity, inputs)
+    costs = depth.costs if depth.costs is not None else (1.0,) * len(depth.depths)
+    inputs = inputs.replace(depth_costs=jnp.asarray(costs, jnp.float32))
+    return PreparedCall(resolved, drafter, capacity, inputs, depth.static(), measure_costs=depth.costs is None)
 
 
 # Compiled loops by static configuration and input shapes.
@@ -272,25 +300,33 @@ _COMPILED = ProgramCache(max_size=16)
 
 
 def compiled_loop(
-    model: TargetModel, drafter: Drafter | None, capacity: int, inputs: LoopInputs, mesh: Any = None
+    model: TargetModel, drafter: Drafter | None, capacity: int, inputs: LoopInputs, mesh: Any = None,
+    depth: AdaptiveDepth | None = None,
 ) -> tuple[Any, float]:
     """The compiled loop for this static configuration and these input shapes (and shardings),
-    compiled on first use -> (executable, seconds spent compiling now)."""
+    compiled on first use -> (executable, seconds spent compiling now). `depth`: the adaptive
+    depth policy's static part (None: K is fixed)."""
     shaped = (inputs.target_params, inputs.drafter_params, inputs.prompt_tokens, inputs.prompt_lengths)
     shapes = jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x)), shaped)
     cache_key = (model, drafter, capacity, str(shapes))
+    if depth is not None:
+        cache_key += (depth,)
     if mesh is not None:
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, inputs)
         cache_key += (mesh, str(shardings))
+    static = dict(model=model, drafter=drafter, capacity=capacity)
+    if depth is not None:
+        static["depth"] = depth
     return _COMPILED.get_or_compile(
-        cache_key, lambda: generate_jit.lower(inputs, model=model, drafter=drafter, capacity=capacity), mesh,
-        saved_as=lambda: saved_loop_key(model, drafter, capacity, inputs, mesh))
+        cache_key, lambda: generate_jit.lower(inputs, **static), mesh,
+        saved_as=lambda: saved_loop_key(model, drafter, capacity, inputs, mesh, depth))
 
 
 def saved_loop_key(model: TargetModel, drafter: Drafter | None, capacity: int, inputs: LoopInputs,
-                   mesh: Any = None) -> saved_programs.ProgramKey | None:
+                   mesh: Any = None, depth: AdaptiveDepth | None = None) -> saved_programs.ProgramKey | None:
     """The loop's key among `saved_programs` (None: not saved)."""
-    return saved_programs.key_for("generate_loop", (model, drafter, capacity), (inputs,), mesh=mesh)
+    static = (model, drafter, capacity) if depth is None else (model, drafter, capacity, depth)
+    return saved_programs.key_for("generate_loop", static, (inputs,), mesh=mesh)
 
 
 def generate(
@@ -318,7 +354,11 @@ def generate(
     target: a loaded model (`spec_jax.load_target`), a `Target(params, model)`, or a `(model,
       params)` tuple whose model implements `spec_jax.models.TargetModel` (or is a built-in
       `ModelConfig`).
-    drafter: None for the autoregressive baseline, else a Drafter; `k` overrides its K.
+    drafter: None for the autoregressive baseline, else a Drafter; `k` overrides its K: an int
+      pins it, "adaptive" lets each step choose its depth among 0 (a plain step), 2, about K / 2
+      and K from the recent acceptance and each depth's measured step time (measured once per
+      device kind, model and batch bucket, cached on disk: `spec_jax.decoding.depth_costs`), an
+      `AdaptiveDepth(depths=..., costs=...)` sets the depths and/or the costs.
     tree: overrides a tree-capable drafter's tree setting: 0 = a chain of K drafts, N = a tree
       of N draft nodes verified in one pass (K bounds its depth), a tuple of paths = a static
       tree (`spec_jax.drafters.tree`).
@@ -342,10 +382,16 @@ def generate(
     )
     model, inputs = call.target.model, call.inputs
     if mesh is not None:
+        if call.depth is not None:
+            raise ValueError("k='adaptive' does not run on a mesh yet; pin K (an int k) with mesh=.")
         from spec_jax.decoding.placement import place_generate_inputs  # only for mesh runs
 
         inputs = place_generate_inputs(inputs, model, call.drafter, mesh, sharding_rules)
-    compiled, compile_s = compiled_loop(model, call.drafter, call.capacity, inputs, mesh)
+    compiled, compile_s = compiled_loop(model, call.drafter, call.capacity, inputs, mesh, call.depth)
+    if call.measure_costs:
+        from spec_jax.decoding.depth_costs import costs_for  # measured once, then read from disk
+
+        inputs = inputs.replace(depth_costs=jnp.asarray(costs_for(compiled, call), jnp.float32))
     t0 = time.perf_counter()
     out = compiled(inputs)
     jax.block_until_ready(out)
@@ -353,7 +399,8 @@ def generate(
     return result_of(gather_to_host(out) if mesh is not None else out, compile_s, generate_s)
 
 
-def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: int):
+def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: int,
+                     depth: AdaptiveDepth | None = None):
     """The pure function behind `generate`, for use inside a user's own `jax.jit`, `shard_map`
     or training step (RL rollouts inside a jitted update, for example):
 
@@ -364,6 +411,9 @@ def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: in
         # out.tokens [B, capacity], out.lengths [B], out.finish_reason [B], out.stats
 
     model: a TargetModel (or a built-in ModelConfig); drafter: None for plain decoding.
+    depth: an `AdaptiveDepth` to choose each step's depth (the drafter's K the largest); then
+    `fn(..., depth_costs=[...])` gives the step time of each depth, traced (no recompile), unless
+    the policy carries `costs` (`spec_jax.decoding.depth_costs.measure_costs` measures them).
     prompt_tokens [B, P] int32 right-padded, prompt_lengths [B]; everything except the shapes is
     traced, so new values never recompile. No host callbacks: the whole loop is one XLA program,
     and its caches live and die inside it. Checks are the caller's: `prepare_inputs` makes
@@ -371,6 +421,13 @@ def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: in
     `check_capacity`, `pad_prompts` and `stop_id_array`.
     """
     model = as_target_model(model)
+    if depth is not None:
+        if drafter is None:
+            raise ValueError("an adaptive depth needs a drafter: plain decoding has no depth to choose.")
+        depth = depth.for_k(drafter.k if drafter is not None else 0)
+        drafter = with_k(drafter, depth.max_depth)
+        check_adaptive(drafter, depth)
+    static_depth = None if depth is None else depth.static()
 
     def generate_fn(
         params: Any,
@@ -382,6 +439,7 @@ def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: in
         sampling: SamplingParams | None = None,
         max_new_tokens: int | jax.Array,
         stop_ids: jax.Array | None = None,
+        depth_costs: Any = None,
     ) -> GenerateOutput:
         inputs = LoopInputs(
             target_params=params,
@@ -393,6 +451,14 @@ def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: in
             max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
             stop_ids=jnp.asarray(stop_ids if stop_ids is not None else stop_id_array(()), jnp.int32),
         )
-        return generate_loop(inputs, model=model, drafter=drafter, capacity=capacity)
+        if depth is not None:
+            costs = depth_costs if depth_costs is not None else depth.costs
+            if costs is None:
+                raise ValueError("pass depth_costs (one step time per depth in depth.depths) or an "
+                                 "AdaptiveDepth with costs; spec_jax.decoding.depth_costs measures them.")
+            if not isinstance(costs, jax.Array):
+                check_costs(costs, depth.depths)
+            inputs = inputs.replace(depth_costs=jnp.asarray(costs, jnp.float32))
+        return generate_loop(inputs, model=model, drafter=drafter, capacity=capacity, depth=static_depth)
 
     return generate_fn

@@ -14,6 +14,8 @@ from flax import struct
 
 from spec_jax.decoding.acceptance import accept, accept_tree
 from spec_jax.decoding.logprobs import TokenLogprobs
+from spec_jax.decoding.depth import AdaptiveDepth, drafter_at_depth
+from spec_jax.decoding.depth import choose as choose_depth, record as record_depth
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.tree import node_depths, tree_budget as _tree_budget, with_root
 from spec_jax.models.interface import FINAL_HIDDEN, ForwardOutput, Target, TargetModel, ancestor_mask
@@ -73,6 +75,7 @@ class LoopState:
     key:            PRNG key, or [B] keys, one per row (the engine's; see `draw_keys`)
     step:           [] int32      verify steps taken
     stats:          Stats
+    depth:          the adaptive depth policy's `DepthState` (None when K is fixed)
     logprobs:       `TokenLogprobs` of the committed tokens (None unless prefill was asked for them)
     """
 
@@ -86,6 +89,7 @@ class LoopState:
     key: jax.Array
     step: jax.Array
     stats: Stats
+    depth: Any = None
     logprobs: Any = None
 
 
@@ -94,7 +98,8 @@ class GenerateOutput:
     """What the jitted loop returns (device arrays; `spec_jax.generate` turns it into lists).
 
     tokens [B, S], prompt_lengths [B], lengths [B] (prompt + generated), finish_reason [B],
-    steps [] (verify steps of the loop), stats (per row).
+    steps [] (verify steps of the loop), stats (per row), depth (the adaptive policy's
+    `DepthState`: steps per depth and the depth of each step; None when K is fixed).
     """
 
     tokens: jax.Array
@@ -103,12 +108,14 @@ class GenerateOutput:
     finish_reason: jax.Array
     steps: jax.Array
     stats: Stats
+    depth: Any = None
 
     @classmethod
     def of(cls, state: LoopState) -> GenerateOutput:
         """What a finished (or paused) loop state hands back."""
         return cls(tokens=state.tokens, prompt_lengths=state.prompt_lengths, lengths=state.lengths,
-                   finish_reason=state.finish_reason, steps=state.step, stats=state.stats)
+                   finish_reason=state.finish_reason, steps=state.step, stats=state.stats,
+                   depth=state.depth)
 
 
 @struct.dataclass
@@ -123,6 +130,7 @@ class LoopInputs:
     sampling:       SamplingParams (traced: new values never recompile)
     max_new_tokens: [] int32
     stop_ids:       [MAX_STOP_IDS] int32, padded with -1
+    depth_costs:    [n] float32, the time of a step at each adaptive depth (None when K is fixed)
     """
 
     target_params: Any
@@ -133,6 +141,7 @@ class LoopInputs:
     sampling: SamplingParams
     max_new_tokens: jax.Array
     stop_ids: jax.Array
+    depth_costs: Any = None
 
 
 def abstract_inputs(
@@ -416,18 +425,93 @@ def _tree_step(state, target, drafter, drafter_params, sampling, draft_key, acce
     return drafts, num_accepted, next_token, path, cache, captured, drafter_state, logits
 
 
+def check_adaptive(drafter: Drafter | None, depth: AdaptiveDepth) -> None:
+    """Host-side checks of an adaptive-depth loop: a chain drafter whose K is the largest depth."""
+    if drafter is None:
+        raise ValueError("the adaptive depth needs a drafter: plain decoding has no depth to choose.")
+    if tree_budget(drafter) > 0:
+        raise ValueError("the adaptive depth chooses among chains; pass tree=0 (or pin K for a tree).")
+    if depth.depths is None or drafter.k != depth.max_depth:
+        raise ValueError(f"the drafter's K ({drafter.k}) must be the adaptive policy's largest depth "
+                         f"({None if depth.depths is None else depth.max_depth}).")
+
+
+def with_depth_state(state: LoopState, depth: AdaptiveDepth | None, costs: Any) -> LoopState:
+    """The prefilled state with the adaptive policy's record (unchanged when K is fixed)."""
+    if depth is None:
+        return state
+    batch, capacity = state.tokens.shape
+    return state.replace(depth=depth.initial_state(batch, capacity, costs))
+
+
+def adaptive_step(
+    state: LoopState,
+    target: Target,
+    drafter: Drafter,
+    depth: AdaptiveDepth,
+    drafter_params: Any,
+    sampling: SamplingParams,
+    max_new_tokens: jax.Array,
+    stop_ids: jax.Array,
+) -> LoopState:
+    """One step at the depth the adaptive policy picks (`spec_jax.decoding.depth`): a
+    `lax.switch` over `speculative_step` at each depth (depth 0: a plain step that keeps the
+    drafter's state current), each counting its Stats at its own K, added into the state's."""
+    check_adaptive(drafter, depth)
+    batch = state.tokens.shape[0]
+    live = ~state.done
+    choice = choose_depth(depth, state.depth, live)
+
+    def at(d: int):
+        step_drafter = drafter_at_depth(drafter, d, depth.max_depth)
+
+        def run(s: LoopState) -> LoopState:
+            inner = s.replace(stats=Stats.zeros(batch, d), depth=None)
+            out = speculative_step(inner, target, step_drafter, drafter_params, sampling, max_new_tokens, stop_ids)
+            return out.replace(stats=_add_stats(s.stats, out.stats), depth=s.depth)
+
+        return run
+
+    try:
+        new = jax.lax.switch(choice, [at(d) for d in depth.depths], state)
+    except TypeError as e:  # the branches' states differ
+        raise ValueError(
+            f"{type(drafter).__name__} cannot switch depth per step: its state's shape depends on K "
+            "(EAGLE-3's pending pairs do). Pin K (an int k) for this drafter.") from e
+    accepted = new.stats.accepted - state.stats.accepted
+    return new.replace(depth=record_depth(depth, state.depth, choice, state.step, live, accepted))
+
+
+def _add_stats(total: Stats, part: Stats) -> Stats:
+    """`total` (at K) plus `part` (counted at a depth <= K; its per-position counts padded)."""
+    def pad(x, width):
+        return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+
+    return Stats(
+        steps=total.steps + part.steps,
+        drafted=total.drafted + part.drafted,
+        accepted=total.accepted + part.accepted,
+        emitted=total.emitted + part.emitted,
+        histogram=total.histogram + pad(part.histogram, total.histogram.shape[1]),
+        position_accepted=total.position_accepted + pad(part.position_accepted, total.position_accepted.shape[1]),
+    )
+
+
 def generate_loop(
     inputs: LoopInputs,
     *,
     model: TargetModel,
     drafter: Drafter | None,
     capacity: int,
+    depth: AdaptiveDepth | None = None,
 ) -> GenerateOutput:
     """Prefill + the whole speculative loop; meant to run under one `jax.jit`.
 
     Static: model (a TargetModel, or a built-in ModelConfig), drafter (hashable, holds K),
-    capacity, and the shapes of the inputs.
-    Traced: everything in `inputs`, so new sampling values, caps or stop ids never recompile.
+    capacity, depth (None: every step drafts K; an `AdaptiveDepth` without costs: each step
+    picks its depth, the drafter's K the largest), and the shapes of the inputs.
+    Traced: everything in `inputs`, so new sampling values, caps, stop ids or depth costs never
+    recompile.
     """
     target = Target(inputs.target_params, as_target_model(model))
     drafter_params, sampling = inputs.drafter_params, inputs.sampling
@@ -436,16 +520,19 @@ def generate_loop(
         target, drafter, drafter_params, inputs.prompt_tokens, inputs.prompt_lengths, inputs.key,
         sampling, max_new_tokens, stop_ids, capacity,
     )
+    state = with_depth_state(state, depth, inputs.depth_costs)
 
     def not_finished(s: LoopState) -> jax.Array:
         # Every live row emits >= 1 token per step, so max_new_tokens steps always suffice.
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
     def step(s: LoopState) -> LoopState:
+        if depth is not None:
+            return adaptive_step(s, target, drafter, depth, drafter_params, sampling, max_new_tokens, stop_ids)
         return speculative_step(s, target, drafter, drafter_params, sampling, max_new_tokens, stop_ids)
 
     state = jax.lax.while_loop(not_finished, step, state)
     return GenerateOutput.of(state)
 
 
-generate_jit = jax.jit(generate_loop, static_argnames=("model", "drafter", "capacity"))
+generate_jit = jax.jit(generate_loop, static_argnames=("model", "drafter", "capacity", "depth"))

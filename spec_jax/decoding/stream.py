@@ -88,15 +88,25 @@ def generate_stream(
     chunk_steps = validation.check_int("chunk_steps", chunk_steps, minimum=1)  # verify steps per chunk
     call = prepare_inputs(target, prompts, drafter, drafter_params, **kwargs)
     inputs = call.inputs
+    if call.depth is not None and mesh is not None:
+        raise ValueError("k='adaptive' does not run on a mesh yet; pin K (an int k) with mesh=.")
+    if call.measure_costs:  # measured on the whole loop once, then read from disk
+        from spec_jax.decoding.depth_costs import costs_for
+        from spec_jax.decoding.generate import compiled_loop
+
+        loop, _ = compiled_loop(call.target.model, call.drafter, call.capacity, inputs, None, call.depth)
+        inputs = inputs.replace(depth_costs=jnp.asarray(costs_for(loop, call), jnp.float32))
     if mesh is not None:
         from spec_jax.decoding.placement import place_generate_inputs  # only for mesh runs
 
         inputs = place_generate_inputs(inputs, call.target.model, call.drafter, mesh, sharding_rules)
-    return _stream(call.target.model, call.drafter, call.capacity, inputs, chunk_steps, mesh)
+    return _stream(call.target.model, call.drafter, call.capacity, inputs, chunk_steps, mesh, call.depth)
 
 
-def _stream(model, drafter, capacity, inputs, chunk_steps, mesh) -> Iterator[StreamUpdate]:
+def _stream(model, drafter, capacity, inputs, chunk_steps, mesh, depth=None) -> Iterator[StreamUpdate]:
     static = dict(model=model, drafter=drafter)
+    if depth is not None:  # the adaptive depth's static part (absent for a fixed K: same keys)
+        static["depth"] = depth
     prefill_exe, compile_s = compiled(prefill_jit, (inputs,), dict(static, capacity=capacity), mesh)
     t0 = time.perf_counter()
     state = prefill_exe(inputs)

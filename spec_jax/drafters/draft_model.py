@@ -39,6 +39,9 @@ class DraftModelDrafter:
     model: Any
     k: int = 4
     tree: Any = 0  # 0: a chain; N: an EAGLE-2-style tree of N nodes (`propose_tree`)
+    # Tokens each propose re-feeds (None: K + 1). A loop whose steps switch depth sets it to its
+    # largest depth + 1, all a step at any depth can add (`at_depth`).
+    refeed: int | None = None
 
     def __post_init__(self):
         if isinstance(self.model, ModelConfig):
@@ -85,15 +88,36 @@ class DraftModelDrafter:
             logits = jnp.pad(logits, ((0, 0), (0, target_vocab - vd)), constant_values=-jnp.inf)
         return warp(logits, sampling)
 
+    @property
+    def refeed_width(self) -> int:
+        return self.k + 1 if self.refeed is None else self.refeed
+
+    def at_depth(self, depth: int, max_depth: int) -> "DraftModelDrafter":
+        """This drafter at K = depth in a loop whose steps draft up to max_depth: it re-feeds
+        max_depth + 1 tokens, since the previous step may have committed that many."""
+        return dataclasses.replace(self, k=depth, refeed=max_depth + 1)
+
+    def keep_current(self, params, target: Target, state, tokens, lengths):
+        """Before a step that drafts nothing (it commits one token): feed the one token that
+        would otherwise fall out of the re-feed window, position L - R (R = `refeed_width`). The
+        cache holds every position below L - R (the last propose re-fed L_then - R .. L_then - 1,
+        and a step adds at most R tokens), so after this it holds those below L + 1 - R."""
+        rows = jnp.arange(tokens.shape[0])
+        position = jnp.maximum(lengths - self.refeed_width, 0)  # [B] (0 re-feeds the first token)
+        out = self.model.forward(params, tokens[rows, position][:, None], position[:, None],
+                                 self.model.commit(state, position))
+        return out.cache
+
     def _refeed(self, params, state, tokens, lengths):
-        """Rewind to L-K-1 (0 for short prompts) and re-feed the committed tokens from there, K+1
-        slots (past L-1 on short prompts: repeats of the last token, written beyond the committed
-        length and never seen). -> (float32 logits at position L-1 [B, V_d], the cache with the
-        first L tokens committed)."""
+        """Rewind to L-R (R = K+1 unless `refeed` says more; 0 for short prompts) and re-feed
+        the committed tokens from there, R slots (past L-1 on short prompts: repeats of the last
+        token, written beyond the committed length and never seen). -> (float32 logits at
+        position L-1 [B, V_d], the cache with the first L tokens committed)."""
         model = self.model
         rows = jnp.arange(tokens.shape[0])
-        start = jnp.maximum(lengths - self.k - 1, 0)  # [B]
-        pos = start[:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)  # [B, K+1]
+        width = self.refeed_width
+        start = jnp.maximum(lengths - (width - 1) - 1, 0)  # [B] (two steps: K = fixed keeps its program)
+        pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, R]
         inputs = tokens[rows[:, None], jnp.minimum(pos, lengths[:, None] - 1)]
         out = model.forward(params, inputs, pos, model.commit(state, start))
         logits = model.logits(params, out.hidden[rows, lengths - 1 - start])  # [B, V_d]

@@ -1,0 +1,222 @@
+"""Speculation depth chosen per step, on device (`generate(..., k="adaptive")`).
+
+Each step of the loop picks its depth K from a small static set (by default 0, 2, about half the
+drafter's K, and its K) with a `lax.switch` over one step function per depth, so a K = 0 step
+really is a one-token plain step and pays only that (a masked draft would still cost its whole
+verify width on CPU). The choice maximises the batch's expected tokens per unit of step time:
+
+    expected_tokens(K, a) = 1 + a + ... + a^K  (= (1 - a^(K+1)) / (1 - a))
+    choice = argmax over K of  sum over live rows of expected_tokens(K, a_row) / cost(K)
+
+where a_row is an exponential moving average of the row's acceptance rate (accepted drafts over
+drafts tried: a step accepting n of K tries n + 1 drafts, or K when all are accepted), carried in
+the loop state, and cost(K) the measured time of a step at depth K (`spec_jax.decoding.depth_costs`
+measures it once per device kind, model and batch bucket, or the caller supplies it). The batch
+shares one depth per step: per-row depths would cost every row the widest row's verify anyway.
+
+Exactness: the depth depends only on the acceptance history (committed tokens), never on the
+current step's drafts, so each step is an ordinary speculative step at a depth fixed before it
+drafts: greedy output is token-identical to plain decoding, sampled output keeps its distribution.
+
+Exploration: after `probe_every` steps in a row at K = 0 (which observe nothing), one step drafts
+at the smallest depth, so a drafter that starts being right again is noticed.
+
+Drafter state across K = 0 steps: kept current, never caught up later (a catch-up would need a
+pass as wide as the longest run of plain steps). A K = 0 step calls the drafter's optional
+`keep_current(params, target, state, tokens, lengths)` before the target's pass (the draft model
+feeds its cache the one token that would otherwise fall out of its re-feed window), then its
+ordinary `commit` of a step that verified one token and accepted no drafts (DFlash writes that
+token's context entry; Medusa and the Gemma 4 assistant take its hidden state). Drafters whose
+state's shape depends on K (EAGLE-3's pending pairs) cannot switch depth and are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+ADAPTIVE = "adaptive"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveDepth:
+    """The per-step depth policy (static: a new value recompiles, except `costs`, which travel
+    in the loop state).
+
+    depths:       the depths to choose from, 0 (a plain step) included; None: `default_depths`
+                  of the drafter's K. The largest is the drafter's K for the call.
+    costs:        the time of one step at each depth (any unit; inf disables a depth); None:
+                  measured at first use (`spec_jax.decoding.depth_costs`).
+    decay:        weight of the acceptance history per step (0.8: about the last 5 steps).
+    prior:        acceptance rate assumed before any step drafted, worth `prior_weight` drafts.
+    probe_every:  after this many K = 0 steps in a row, one step drafts at the smallest depth.
+    """
+
+    depths: tuple[int, ...] | None = None
+    costs: tuple[float, ...] | None = None
+    decay: float = 0.8
+    prior: float = 0.6
+    prior_weight: float = 2.0
+    probe_every: int = 8
+
+    def __post_init__(self):
+        if self.depths is not None:
+            depths = tuple(sorted(set(int(d) for d in self.depths)))
+            if not depths or depths[0] < 0 or depths[-1] < 1:
+                raise ValueError(
+                    f"adaptive depths must be >= 0 with at least one >= 1 (0 is a plain step), got "
+                    f"{self.depths!r}."
+                )
+            object.__setattr__(self, "depths", depths)
+        if self.costs is not None:
+            object.__setattr__(self, "costs", tuple(float(c) for c in self.costs))
+            check_costs(self.costs, self.depths)
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}.")
+        if not 0.0 <= self.prior < 1.0 or self.prior_weight <= 0:
+            raise ValueError(f"need 0 <= prior < 1 and prior_weight > 0, got {self.prior}, {self.prior_weight}.")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}.")
+
+    def for_k(self, k: int) -> "AdaptiveDepth":
+        """This policy with its depths filled in from the drafter's K when it names none."""
+        return self if self.depths is not None else dataclasses.replace(self, depths=default_depths(k))
+
+    def static(self) -> "AdaptiveDepth":
+        """The part the loop compiles against (costs are traced)."""
+        return dataclasses.replace(self, costs=None)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depths[-1]
+
+    def initial_state(self, batch: int, capacity: int, costs: Any) -> "DepthState":
+        """The loop state's depth record before the first step."""
+        n = len(self.depths)
+        return DepthState(
+            accepted_ema=jnp.full((batch,), self.prior * self.prior_weight, jnp.float32),
+            tried_ema=jnp.full((batch,), self.prior_weight, jnp.float32),
+            idle_steps=jnp.zeros((), jnp.int32),
+            costs=jnp.asarray(costs, jnp.float32).reshape(n),
+            counts=jnp.zeros((n,), jnp.int32),
+            trace=jnp.full((capacity,), -1, jnp.int32),
+        )
+
+
+def default_depths(k: int) -> tuple[int, ...]:
+    """0, 2, about K / 2 and K (K = 7: 0, 2, 4, 7; K = 4: 0, 2, 4; K = 1: 0, 1)."""
+    return tuple(sorted({0, min(2, k), (k + 1) // 2, k}))
+
+
+def check_costs(costs: Any, depths: tuple[int, ...] | None) -> None:
+    import math
+
+    costs = [float(c) for c in costs]
+    if depths is not None and len(costs) != len(depths):
+        raise ValueError(f"give one cost per depth: {len(depths)} depths {depths}, {len(costs)} costs.")
+    if any(not c > 0 for c in costs) or not any(math.isfinite(c) for c in costs):
+        raise ValueError(f"depth costs must be > 0 (inf disables a depth), at least one finite; got {costs}.")
+
+
+def as_adaptive_depth(k: Any) -> AdaptiveDepth | None:
+    """`generate`'s `k` when it asks for the adaptive policy ("adaptive" or an AdaptiveDepth),
+    else None (an int or None pins K)."""
+    if isinstance(k, AdaptiveDepth):
+        return k
+    if isinstance(k, str):
+        if k.strip().lower() == ADAPTIVE:
+            return AdaptiveDepth()
+        raise ValueError(f"k must be an int, 'adaptive' or an AdaptiveDepth, got {k!r}.")
+    return None
+
+
+@struct.dataclass
+class DepthState:
+    """The adaptive policy's part of the loop state.
+
+    accepted_ema: [B] float32  discounted drafts accepted per row (prior included)
+    tried_ema:    [B] float32  discounted drafts tried per row; acceptance rate = accepted / tried
+    idle_steps:   []  int32    K = 0 steps in a row just before this one
+    costs:        [n] float32  time of one step at each depth
+    counts:       [n] int32    steps taken at each depth
+    trace:        [S] int32    the depth of step i (-1: no step i)
+    """
+
+    accepted_ema: jax.Array
+    tried_ema: jax.Array
+    idle_steps: jax.Array
+    costs: jax.Array
+    counts: jax.Array
+    trace: jax.Array
+
+
+def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array) -> jax.Array:
+    """The index (into `policy.depths`) of this step's depth; [] int32."""
+    depths = jnp.asarray(policy.depths, jnp.int32)
+    rate = jnp.clip(state.accepted_ema / state.tried_ema, 0.0, 1.0)  # [B]
+    powers = rate[:, None] ** jnp.arange(policy.max_depth + 1, dtype=jnp.float32)  # [B, Kmax+1]
+    expected = jnp.cumsum(powers, axis=1)[:, depths]  # [B, n]: 1 + a + ... + a^K
+    tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)  # [n]
+    usable = jnp.isfinite(state.costs)
+    value = jnp.where(usable, tokens / state.costs, -1.0)
+    best = jnp.argmax(value).astype(jnp.int32)
+    # Probe: after `probe_every` idle steps, the smallest usable depth > 0 drafts once.
+    probe_ok = usable & (depths > 0)
+    probe = jnp.argmax(probe_ok).astype(jnp.int32)
+    should_probe = (depths[best] == 0) & (state.idle_steps >= policy.probe_every) & jnp.any(probe_ok)
+    return jnp.where(should_probe, probe, best)
+
+
+def record(policy: AdaptiveDepth, state: DepthState, choice: jax.Array, step: jax.Array, live: jax.Array,
+           accepted: jax.Array) -> DepthState:
+    """`state` after a step at depth `policy.depths[choice]` in which live rows accepted
+    `accepted` [B] drafts. A K = 0 step observes nothing and leaves the averages as they were."""
+    depth = jnp.asarray(policy.depths, jnp.int32)[choice]
+    tried = jnp.where(accepted < depth, accepted + 1, depth).astype(jnp.float32)
+    observe = live & (depth > 0)
+    decay = policy.decay
+    return state.replace(
+        accepted_ema=jnp.where(observe, decay * state.accepted_ema + accepted, state.accepted_ema),
+        tried_ema=jnp.where(observe, decay * state.tried_ema + tried, state.tried_ema),
+        idle_steps=jnp.where(depth == 0, state.idle_steps + 1, 0).astype(jnp.int32),
+        counts=state.counts.at[choice].add(1),
+        trace=state.trace.at[step].set(depth, mode="drop"),
+    )
+
+
+def drafter_at_depth(drafter: Any, depth: int, max_depth: int) -> Any:
+    """The drafter drafting `depth` tokens per step inside a loop whose steps draft up to
+    `max_depth`: its own `at_depth` when it has one (the draft model re-feeds max_depth + 1
+    tokens whatever its depth), else the drafter with K = depth. Depth 0: `PlainStep`."""
+    top = drafter.at_depth(max_depth, max_depth) if hasattr(drafter, "at_depth") else dataclasses.replace(
+        drafter, k=max_depth)
+    if depth == 0:
+        return PlainStep(top)
+    return top.at_depth(depth, max_depth) if hasattr(top, "at_depth") else dataclasses.replace(top, k=depth)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainStep:
+    """The K = 0 choice: no drafts, so the loop's step verifies the last token alone (a plain
+    step), and the drafter's state is kept current (see the module docstring)."""
+
+    drafter: Any
+    k: int = 0
+    tree: int = 0
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.drafter.capture_layers
+
+    def propose(self, params, target, state, tokens, lengths, key, sampling):
+        keep_current = getattr(self.drafter, "keep_current", None)
+        if keep_current is not None:
+            state = keep_current(params, target, state, tokens, lengths)
+        return jnp.zeros((tokens.shape[0], 0), jnp.int32), None, state
+
+    def commit(self, params, target, state, start, num_accepted, verify_captured):
+        return self.drafter.commit(params, target, state, start, num_accepted, verify_captured)

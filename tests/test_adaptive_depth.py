@@ -1,0 +1,152 @@
+"""The per-step speculation depth (`k="adaptive"`, spec_jax/decoding/depth.py).
+
+Greedy output with the adaptive policy equals plain decoding for the n-gram, draft-model and
+DFlash drafters at batch 1 and 3 (through `generate`, `make_generate_fn` and `generate_stream`),
+with the depth changing mid-run (costs supplied so that it must); a drafter that is never right
+settles on K = 0, an always-right one (the target drafting for itself) on the largest depth; new
+costs, params and prompts never recompile; the draft model's cache stays current across K = 0 steps (the target drafting for
+itself accepts every draft even after runs of plain steps longer than its re-feed window).
+Costs are always supplied, so nothing here measures time or touches the cost cache on disk,
+except the cache test, which times a stand-in function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_prompts
+from test_ar_generate import count_compiles
+from tiny_configs import TINY_DFLASH
+from spec_jax.decoding import generate, make_generate_fn, prepare_inputs
+from spec_jax.decoding.stream import generate_stream
+from spec_jax.decoding.depth import AdaptiveDepth
+from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
+from spec_jax.drafters.draft_model import self_drafter
+from spec_jax.drafters.ngram import NGramDrafter
+
+K = 2
+DEPTHS = (0, K)  # two branches: each depth is a whole step to compile
+# A wider verify costs more (as on CPU) and the prior is optimistic: the first steps draft K, and
+# drafters that miss fall to K = 0, probing K every 4 plain steps.
+SWITCHING = AdaptiveDepth(depths=DEPTHS, costs=(1.0, 1.3), prior=0.9, probe_every=4)
+NEW = 24
+
+
+def _plain(models, prompts):
+    return generate(models.target, prompts, max_new_tokens=NEW, ignore_eos=True).generated_ids
+
+
+def test_adaptive_depth_exact_switching_and_settling(models):
+    """Each drafter kind once and each entry point once, over batch 1 and 3 (a compile each: the
+    full drafter x batch matrix ran once and is recorded in benchmarks/RESULTS.md, issue 41)."""
+    dflash_params = init_dflash_params(TINY_DFLASH, jax.random.key(3), scale=3.0)
+    prompts = {1: make_prompts([9], seed=5), 3: make_prompts([7, 16, 2], seed=1)}
+    plain = {b: _plain(models, p) for b, p in prompts.items()}
+    cases = [  # (name, drafter, params, batch, entry point)
+        ("ngram", NGramDrafter(k=K), None, 1, "make_generate_fn"),
+        ("ngram", NGramDrafter(k=K), None, 3, "generate"),
+        ("draft-model", self_drafter(models.cfg, K), models.near_params, 1, "generate"),
+        ("dflash", DFlashDrafter(TINY_DFLASH, K), dflash_params, 3, "stream"),
+    ]
+    for name, drafter, params, batch, how in cases:
+        ids, trace = _run(models, prompts[batch], drafter, params, SWITCHING, how)
+        assert ids == plain[batch], (name, batch, how)
+        assert len(set(trace)) == 2, (name, batch, trace)  # the depth changed mid-run
+
+    # Never right (a random DFlash drafter): K = 0 except the probes (one step in 5).
+    _, trace = _run(models, prompts[3], DFlashDrafter(TINY_DFLASH, K), dflash_params, SWITCHING, "stream", 64)
+    assert trace.count(0) >= 0.7 * len(trace), trace
+
+    # Always right (the target drafting for itself): the largest depth on every step but the first;
+    # new costs, params and prompts compile nothing.
+    cheaper = dataclasses.replace(SWITCHING, costs=(1.0, 1.2))
+    with count_compiles() as compiles:
+        r = generate(models.target, prompts[1], self_drafter(models.cfg, K), models.params, k=cheaper,
+                     max_new_tokens=NEW, ignore_eos=True)
+    assert compiles == [], "new depth costs or prompts recompiled the adaptive loop"
+    assert r.generated_ids == plain[1] and r.stats.accepted == r.stats.drafted
+    assert r.depth_trace.count(K) >= len(r.depth_trace) - 1, r.depth_trace
+
+
+_FNS = {}
+
+
+def _run(models, prompts, drafter, params, depth, how, new=NEW):
+    """-> (generated ids per row, the depth of each step)."""
+    if how == "generate":
+        r = generate(models.target, prompts, drafter, params, k=depth, max_new_tokens=new, ignore_eos=True)
+        return r.generated_ids, r.depth_trace
+    if how == "stream":
+        *_, last = generate_stream(models.target, prompts, drafter, params, k=depth, max_new_tokens=new,
+                                   ignore_eos=True)
+        return last.result.generated_ids, last.result.depth_trace
+    call = prepare_inputs(models.target, prompts, drafter, params, k=depth, max_new_tokens=new, ignore_eos=True)
+    key = (drafter, call.capacity, depth.static())
+    if key not in _FNS:
+        _FNS[key] = jax.jit(make_generate_fn(models.cfg, drafter, capacity=call.capacity, depth=depth.static()))
+    x = call.inputs
+    out = jax.device_get(_FNS[key](models.params, params, x.prompt_tokens, x.prompt_lengths, x.key,
+                                   max_new_tokens=x.max_new_tokens, stop_ids=x.stop_ids,
+                                   depth_costs=jnp.asarray(depth.costs)))
+    ids = [out.tokens[b, out.prompt_lengths[b]:out.lengths[b]].tolist() for b in range(len(prompts))]
+    return ids, [int(d) for d in out.depth.trace if d >= 0]
+
+
+def test_draft_model_cache_stays_current_across_plain_steps(models):
+    """The target drafting for itself, made to take 4 plain steps between probes at K = 2:
+    without `keep_current` its cache would miss tokens (a probe re-feeds K + 1 = 3 tokens, after
+    a step that committed 3 and 4 plain ones), and drafts would start missing."""
+    forced = dataclasses.replace(SWITCHING, costs=(1.0, 100.0))  # K = 0 but for the probes
+    prompts = make_prompts([9], seed=5)
+    r = generate(models.target, prompts, self_drafter(models.cfg, K), models.params, k=forced,
+                 max_new_tokens=NEW, ignore_eos=True)
+    assert r.depth_trace[:6] == [0, 0, 0, 0, K, 0], r.depth_trace
+    assert r.stats.drafted > 0 and r.stats.accepted == r.stats.drafted, r.stats
+
+
+def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
+    """The choice from given acceptance rates, the checks, and measured costs kept on disk (a
+    stand-in loop: nothing compiles)."""
+    from types import SimpleNamespace
+
+    from spec_jax.decoding.depth import choose, default_depths
+    from spec_jax.decoding.depth_costs import costs_for
+
+    assert default_depths(7) == (0, 2, 4, 7) and default_depths(4) == (0, 2, 4) and default_depths(1) == (0, 1)
+    policy = AdaptiveDepth(depths=(0, 2, 4, 7))
+    costs = jnp.asarray([1.0, 1.3, 1.5, 1.9])
+
+    def picked(rate, live=(True,)):
+        state = policy.initial_state(len(live), 8, costs)
+        state = state.replace(accepted_ema=jnp.full((len(live),), rate), tried_ema=jnp.ones((len(live),)))
+        return policy.depths[int(choose(policy, state, jnp.asarray(live)))]
+
+    assert [picked(a) for a in (0.0, 0.2, 0.6, 0.95)] == [0, 0, 4, 7]
+    with pytest.raises(ValueError, match="one cost per depth"):
+        AdaptiveDepth(depths=(0, 2), costs=(1.0,))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        prepare_inputs(models.target, [[1]], k="adaptive")
+
+    monkeypatch.setenv("SPEC_JAX_DEPTH_COSTS", str(tmp_path / "costs.json"))
+
+    class Inputs(SimpleNamespace):
+        def replace(self, **values):
+            return Inputs(**{**vars(self), **values})
+
+    runs = []
+
+    def loop(inputs):
+        runs.append(inputs)
+        return SimpleNamespace(steps=np.int32(4))
+
+    call = SimpleNamespace(
+        inputs=Inputs(prompt_tokens=np.zeros((1, 16), np.int32), max_new_tokens=jnp.int32(24),
+                      stop_ids=jnp.zeros((8,), jnp.int32)),
+        depth=AdaptiveDepth(depths=(0, 2)), target=SimpleNamespace(model="model"), drafter="drafter", capacity=256)
+    measured = costs_for(loop, call)
+    assert len(measured) == 2 and all(c > 0 for c in measured) and len(runs) == 6  # 3 runs, best of 2
+    assert costs_for(loop, call) == measured and len(runs) == 6  # read back from the file
