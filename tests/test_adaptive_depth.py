@@ -12,7 +12,9 @@ except the cache test, which times a stand-in function.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,11 @@ import pytest
 from conftest import make_prompts
 from test_ar_generate import count_compiles
 from tiny_configs import TINY_DFLASH
+from spec_jax.app.bench import parse_ks
+from spec_jax.app.common import drafter_spec_from_args, k_value
+from spec_jax.app.inputs import UsageError
 from spec_jax.decoding import generate, make_generate_fn, prepare_inputs
+from spec_jax.decoding.loop import generate_jit
 from spec_jax.decoding.stream import generate_stream
 from spec_jax.decoding.depth import AdaptiveDepth
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
@@ -120,16 +126,32 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     policy = AdaptiveDepth(depths=(0, 2, 4, 7))
     costs = jnp.asarray([1.0, 1.3, 1.5, 1.9])
 
-    def picked(rate, live=(True,)):
-        state = policy.initial_state(len(live), 8, costs)
-        state = state.replace(accepted_ema=jnp.full((len(live),), rate), tried_ema=jnp.ones((len(live),)))
-        return policy.depths[int(choose(policy, state, jnp.asarray(live)))]
+    @jax.jit
+    def picked(rates):  # one row per rate -> the depth index chosen for each (one compile)
+        def one(rate):
+            state = policy.initial_state(1, 8, costs).replace(accepted_ema=rate[None], tried_ema=jnp.ones((1,)))
+            return choose(policy, state, jnp.ones((1,), bool))
+        return jax.vmap(one)(rates)
 
-    assert [picked(a) for a in (0.0, 0.2, 0.6, 0.95)] == [0, 0, 4, 7]
+    chosen = picked(jnp.asarray([0.0, 0.2, 0.6, 0.95]))
+    assert [policy.depths[int(i)] for i in chosen] == [0, 0, 4, 7]
     with pytest.raises(ValueError, match="one cost per depth"):
         AdaptiveDepth(depths=(0, 2), costs=(1.0,))
     with pytest.raises(ValueError, match="needs a drafter"):
         prepare_inputs(models.target, [[1]], k="adaptive")
+
+    # The adaptive loop has no host round trip (lowered only: no compile).
+    call = prepare_inputs(models.target, make_prompts([9], seed=5), NGramDrafter(k=K), k=SWITCHING)
+    text = generate_jit.lower(call.inputs, model=call.target.model, drafter=call.drafter,
+                              capacity=call.capacity, depth=call.depth).as_text()
+    assert "stablehlo.case" in text and not re.search(r"callback|infeed|outfeed|\bsend\b|\brecv\b", text)
+
+    # The command line: --k adaptive for generate and bench; serve refuses it.
+    assert parse_ks("4,adaptive") == [4, "adaptive"] and k_value("Adaptive") == "adaptive"
+    args = argparse.Namespace(k="adaptive", drafter="ngram", tree=None, target=None)
+    assert drafter_spec_from_args(args, adaptive_ok=True).adaptive
+    with pytest.raises(UsageError, match="serving engine"):
+        drafter_spec_from_args(args)
 
     monkeypatch.setenv("SPEC_JAX_DEPTH_COSTS", str(tmp_path / "costs.json"))
 

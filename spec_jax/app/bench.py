@@ -50,14 +50,17 @@ def humaneval_prompts(num_prompts: int) -> list[Prompt]:
 
 
 def expand_methods(
-    specs: Sequence[DrafterSpec], ks: Sequence[int | None], trees: Sequence[int | None] = (None,)
+    specs: Sequence[DrafterSpec], ks: Sequence[int | str | None], trees: Sequence[int | None] = (None,)
 ) -> list[DrafterSpec]:
     """AR first, then every drafter at every K and tree budget (duplicates dropped)."""
     methods = [AR]
     for spec in specs:
         for k in ks:
             for tree in trees:
-                method = dataclasses.replace(spec, k=k, tree=tree)
+                if k == "adaptive":  # the drafter's own K the largest depth, a chain
+                    method = dataclasses.replace(spec, k=None, tree=0, adaptive=True)
+                else:
+                    method = dataclasses.replace(spec, k=k, tree=tree)
                 if method not in methods:
                     methods.append(method)
     return methods
@@ -99,13 +102,15 @@ def run_bench(
     bar = tqdm(total=len(methods) * len(batches), desc="bench", file=sys.stderr, disable=not progress)
     names = _method_names([m for m, drafter, _ in built if drafter is not None])
     for method, drafter, drafter_params in built:
-        name = "AR" if drafter is None else names[method]
+        name = "AR" if drafter is None else names[method] + (" adaptive" if method.adaptive else "")
         bar.set_postfix_str(f"{name} warm-up")
-        warm = generate(target, [prompt_ids[i] for i in batches[0]], drafter, drafter_params, **kwargs)
+        depth = {"k": method.generate_k} if method.adaptive else {}
+        warm = generate(target, [prompt_ids[i] for i in batches[0]], drafter, drafter_params, **kwargs, **depth)
         bar.set_postfix_str(name)
         runs = []
         for batch in batches:
-            runs.append(generate(target, [prompt_ids[i] for i in batch], drafter, drafter_params, **kwargs))
+            runs.append(generate(target, [prompt_ids[i] for i in batch], drafter, drafter_params, **kwargs,
+                                 **depth))
             bar.update(1)
         row = _method_row(name, method, drafter, warm, runs)
         if drafter is not None and greedy and rows:  # rows[0] is AR's
@@ -166,7 +171,19 @@ def _method_row(name: str, method: DrafterSpec, drafter: Any, warm: Any, runs: S
         "depth_acceptance": [sum(hist[d:]) / steps if steps else 0.0 for d in range(1, len(hist))],
         "finish_reasons": {r: finish.count(r) for r in sorted(set(finish))},
         "generated_ids": outputs,
+        **_depth_counts(runs),
     }
+
+
+def _depth_counts(runs: Sequence[Any]) -> dict[str, Any]:
+    """--k adaptive: {"depth_counts": steps taken at each depth over the runs}; else {}."""
+    if runs[0].depth_counts is None:
+        return {}
+    counts: dict[int, int] = {}
+    for result in runs:
+        for depth, steps in result.depth_counts.items():
+            counts[depth] = counts.get(depth, 0) + steps
+    return {"depth_counts": dict(sorted(counts.items()))}
 
 
 def _method_names(methods: list[Any]) -> dict[Any, str]:
@@ -220,7 +237,7 @@ def print_table(report: dict[str, Any], file=None) -> None:
             exact = "-" if row["k"] else "ref"
         lines.append([
             row["method"],
-            str(row["k"]),
+            str(row["k"]) if "depth_counts" not in row else f"adaptive<={row['k']}",
             str(row.get("tree", 0) or "-"),
             f"{row['tokens_per_second']:.1f}",
             f"{row['speedup']:.2f}x",
@@ -251,6 +268,11 @@ def print_table(report: dict[str, Any], file=None) -> None:
         Console(file=file, width=max(120, len(title) + 4)).print(table)
     compile_total = sum(r["compile_s"] for r in report["results"])
     print(f"compile (excluded from tok/s): {compile_total:.1f}s total; machine: {report['machine']}", file=file)
+    for row in report["results"]:
+        if "depth_counts" in row:
+            steps = sum(row["depth_counts"].values())
+            shares = ", ".join(f"K={d}: {100 * n / steps:.0f}%" for d, n in row["depth_counts"].items())
+            print(f"{row['method']} adaptive: steps per depth {shares}", file=file)
     for row in report["results"]:
         for m in row.get("mismatches", []):
             print(
@@ -323,7 +345,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma list of drafters: {registry.synopsis()}; KIND+ngram puts prompt lookup in front of a "
         f"model drafter ({', '.join(registry.lookup_names())}) (default ngram)",
     )
-    p.add_argument("--k", default=None, help="comma list of K values to sweep, e.g. 2,4,8")
+    p.add_argument("--k", default=None, help="comma list of K values to sweep, e.g. 2,4,8; 'adaptive' "
+                   "adds the drafter's K with each step picking its depth (0, 2, ~K/2, K), e.g. 4,7,adaptive")
     p.add_argument(
         "--tree", default=None, metavar="N[,N..]",
         help="comma list of tree budgets (draft nodes per step) to sweep; 0 = a chain of K, e.g. 0,16,32 "
@@ -347,6 +370,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_ks(text: str) -> list[int | str]:
+    """--k "4,7,adaptive" -> [4, 7, "adaptive"]."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    adaptive = [w for w in words if w.lower() == "adaptive"]
+    numbers = ",".join(w for w in words if w.lower() != "adaptive")
+    return (parse_positive_ints(numbers, "--k", "2,4,adaptive") if numbers else []) + ["adaptive"] * bool(adaptive)
+
+
 def parse_tree_budgets(text: str) -> list[int]:
     try:
         budgets = [int(x) for x in text.split(",") if x.strip()]
@@ -363,7 +394,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
         return roofline.run_command(args)
     sampling = sampling_kwargs(args)
-    ks = [None] if args.k is None else list(parse_positive_ints(args.k, "--k", "2,4,8"))
+    ks = [None] if args.k is None else parse_ks(args.k)
     trees = [None] if args.tree is None else parse_tree_budgets(args.tree)
     kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
     specs = [inputs.parse_drafter_spec(d) for d in kinds if d != "none"]

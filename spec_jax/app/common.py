@@ -100,6 +100,16 @@ def parse_positive_ints(text: str, flag: str, example: str) -> list[int]:
     return values
 
 
+def k_value(text: str) -> int | str:
+    """--k: drafts per step (an integer), or "adaptive" (each step picks its depth)."""
+    if text.strip().lower() == "adaptive":
+        return "adaptive"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected drafts per step (an integer) or 'adaptive', got {text!r}") from None
+
+
 def emit(args: argparse.Namespace, report: dict[str, Any], write: Any, show: Any) -> dict[str, Any] | None:
     """--out DIR: write the report's files; --json: return it for printing; else print a table."""
     if args.out:
@@ -121,7 +131,10 @@ def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
         f"suffix lookup across requests in front: {' | '.join(registry.lookup_names(registry.SUFFIX))}. "
         f"{default_help} Kinds: {registry.described()}.",
     )
-    p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
+    p.add_argument("--k", type=k_value, default=None, metavar="K|adaptive",
+                   help="drafts per step (default: the drafter's); 'adaptive': each step picks its depth "
+                   "among 0 (a plain step), 2, about K/2 and K (the drafter's K) from recent acceptance "
+                   "and measured step times (a chain: --tree 0)")
     p.add_argument(
         "--tree", type=int, default=None, metavar="N",
         help="verify a token tree of N draft nodes per step (0 = a chain of K, the default; K bounds "
@@ -130,7 +143,7 @@ def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
 
 
 def drafter_spec_from_args(
-    args: argparse.Namespace, prompts: Sequence[str] = (), batch: int = 1
+    args: argparse.Namespace, prompts: Sequence[str] = (), batch: int = 1, adaptive_ok: bool = False
 ) -> DrafterSpec:
     """`--drafter KIND` or `--drafter KIND=PATH`; without --drafter, `default_drafter_spec` for
     `batch` prompts decoded together at the command's --temperature.
@@ -140,11 +153,22 @@ def drafter_spec_from_args(
     tree = getattr(args, "tree", None)
     if tree is not None and tree < 0:
         raise UsageError(f"--tree must be >= 0 draft nodes (0 = a chain), got {tree}.")
+    adaptive = args.k == "adaptive"
+    k = None if adaptive else args.k
+    if adaptive and not adaptive_ok:
+        raise UsageError("--k adaptive is for generate and bench (the serving engine pins K for now); "
+                         "pass a number of drafts per step.")
+    if adaptive:
+        if tree:
+            raise UsageError("--k adaptive chooses the depth of a chain; drop --tree (or pass --tree 0).")
+        tree = 0
     if args.drafter is None:
-        spec = default_drafter_spec(args.target, args.k, batch=batch,
+        spec = default_drafter_spec(args.target, k, batch=batch,
                                     temperature=getattr(args, "temperature", 0.0))
-        return spec if tree is None else dataclasses.replace(spec, tree=tree)
-    spec = dataclasses.replace(parse_drafter_spec(args.drafter, args.k), tree=tree)
+        spec = spec if tree is None else dataclasses.replace(spec, tree=tree)
+        return dataclasses.replace(spec, adaptive=adaptive and spec.kind != "none")
+    spec = parse_drafter_spec(args.drafter, k)
+    spec = dataclasses.replace(spec, tree=tree, adaptive=adaptive and spec.kind != "none")
     if registry.get(spec.kind).takes_path and spec.path is None and prompts:
         if os.path.exists(prompts[0]):
             raise UsageError(

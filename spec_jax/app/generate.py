@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             f"--stream prints one answer as it comes, got {len(prompts)} prompts; pass one prompt "
             "(or drop --stream to generate them all as one batch)."
         )
-    spec = drafter_spec_from_args(args, args.prompts, batch=len(prompts))
+    spec = drafter_spec_from_args(args, args.prompts, batch=len(prompts), adaptive_ok=True)
     sampling = sampling_kwargs(args)
 
     t0 = time.perf_counter()
@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
     log(f"generating: {len(prompt_ids)} prompt(s), drafter {spec.kind}, K={inputs.drafter_k(drafter)}"
         + (f" ({spec.reason})" if spec.reason else ""))
+    if spec.adaptive:  # each step picks its depth, the drafter's K the largest
+        sampling = dict(sampling, k=spec.generate_k)
     if args.stream:
         return _stream(args, target, prompt_ids, drafter, drafter_params, sampling, mesh)
     result = generate(
@@ -108,6 +110,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "drafter_reason": spec.reason or "named by --drafter",
         "k": inputs.drafter_k(drafter),
     }
+    if result.depth_counts is not None:  # --k adaptive: steps taken at each depth
+        payload["depth_counts"] = result.depth_counts
+        payload["depth_costs"] = result.depth_costs
     if args.json:
         return payload
     for i, (ids, text) in enumerate(zip(result.generated_ids, texts)):
@@ -119,6 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         f"{result.num_generated} tokens in {result.generate_s:.2f}s = {result.tokens_per_second:.1f} tok/s"
         f" (compile {result.compile_s:.1f}s); steps {s.steps}, tau {s.tau:.2f}, "
         f"accepted {s.accepted}/{s.drafted} drafts"
+        + (f"; steps per depth {result.depth_counts}" if result.depth_counts is not None else "")
     )
     return None
 

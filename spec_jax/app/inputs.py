@@ -155,11 +155,18 @@ class DrafterSpec:
     k: int | None = None
     reason: str = dataclasses.field(default="", compare=False)  # why it was chosen, when by default
     tree: int | None = None  # draft nodes per step for a tree (0 = a chain; None = the drafter's)
+    adaptive: bool = False  # --k adaptive: each step picks its depth, K (the drafter's) the largest
+
+    @property
+    def generate_k(self) -> str | None:
+        """`generate`'s k for this drafter beyond the K it was built with: "adaptive" or None."""
+        return "adaptive" if self.adaptive else None
 
     @property
     def label(self) -> str:
         name = self.kind if self.path is None else f"{self.kind}:{Path(self.path).name or self.path}"
         name = name if self.k is None else f"{name} k={self.k}"
+        name = f"{name} k=adaptive" if self.adaptive else name
         return name if not self.tree else f"{name} tree={self.tree}"
 
 

@@ -1,0 +1,109 @@
+"""Per-step adaptive depth (`generate(..., k="adaptive")`) against plain decoding and the fixed
+default K, one prompt at a time (batch 1), greedy, on chat prompts and on HumanEval prompts.
+
+Loads the default model and the default drafter for batch 1 (`spec_jax.default_drafter`), a chain
+(--tree 0 for every method, so only the depth policy differs). For each prompt, runs plain
+decoding, the drafter at its fixed K, and the drafter with `k="adaptive"` (costs measured once on
+the first prompt and reused: `spec_jax.decoding.depth_costs`), --repeats times, the order of the
+three reversed on every other pass (the shared machine's load drifts); reports the median
+tokens/s per method and prompt, the speedups over plain, and the adaptive policy's steps per
+depth. Compiles and the one cost measurement are not timed. Every output is checked token-equal
+to plain decoding.
+
+    python benchmarks/adaptive_depth.py --max-new-tokens 64 --repeats 3 --out benchmarks/results/adaptive_depth
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+# Ordinary requests, not code (issue 41 asks for a mixed prompt set; these are the chat half).
+CHAT_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me a simple recipe for pancakes.",
+    "List five tips for staying focused while working from home.",
+    "Write a polite email asking my landlord to fix a leaking tap.",
+    "What are the main causes of the French Revolution?",
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chat", type=int, default=4, help="chat prompts (of the list above)")
+    p.add_argument("--humaneval", type=int, default=4, help="HumanEval prompts (the first N)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    from spec_jax import default_drafter, generate, load_target
+    from spec_jax.checkpoints import apply_chat_template
+    from spec_jax.decoding.generate import with_tree
+    from spec_jax.humaneval import humaneval_problems
+
+    target = load_target(None, dtype="float32")
+    drafter, drafter_params, _ = default_drafter(target, batch_size=1)
+    drafter = with_tree(drafter, 0)
+
+    def chat(text):
+        return apply_chat_template(target.tokenizer, [{"role": "user", "content": text}], target.chat_template)
+
+    prompts = [("chat", t, chat(t)) for t in CHAT_PROMPTS[: args.chat]]
+    prompts += [("humaneval", prob["task_id"], chat("Complete this Python function:\n" + prob["prompt"]))
+                for prob in humaneval_problems()[: args.humaneval]]
+    methods = {
+        "plain": dict(drafter=None, drafter_params=None),
+        f"fixed K={drafter.k}": dict(drafter=drafter, drafter_params=drafter_params),
+        "adaptive": dict(drafter=drafter, drafter_params=drafter_params, k="adaptive"),
+    }
+    common = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    for name, kw in methods.items():  # compile, and measure the depth costs once
+        r = generate(target, [prompts[0][2]], **kw, **common)
+        print(f"warm-up {name}: compile {r.compile_s:.1f}s", flush=True)
+        if r.depth_costs is not None:
+            costs = r.depth_costs
+            print(f"depth costs (s per step at depths 0, 2, ~K/2, K): {costs}", flush=True)
+
+    rows = []
+    for kind, label, ids in prompts:
+        speeds = {name: [] for name in methods}
+        outputs, depth_counts = {}, {}
+        for rep in range(args.repeats):
+            order = list(methods) if rep % 2 == 0 else list(reversed(methods))
+            for name in order:
+                r = generate(target, [ids], **methods[name], **common)
+                speeds[name].append(r.tokens_per_second)
+                outputs[name] = r.generated_ids[0]
+                if r.depth_counts is not None:
+                    depth_counts = r.depth_counts
+                    tau = r.stats.tau
+        medians = {name: statistics.median(v) for name, v in speeds.items()}
+        row = dict(kind=kind, prompt=label[:48], tokens_per_s=medians,
+                   speedup={n: medians[n] / medians["plain"] for n in methods if n != "plain"},
+                   exact={n: outputs[n] == outputs["plain"] for n in methods if n != "plain"},
+                   adaptive_steps_per_depth=depth_counts, adaptive_tau=tau)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    print(f"\n{'kind':10} {'prompt':50} " + " ".join(f"{n:>14}" for n in methods if n != "plain")
+          + "  steps per depth (adaptive)")
+    for row in rows:
+        print(f"{row['kind']:10} {row['prompt']:50} " + " ".join(f"{s:>13.2f}x" for s in row["speedup"].values())
+              + f"  {row['adaptive_steps_per_depth']}")
+    for kind in ("chat", "humaneval"):
+        part = [r for r in rows if r["kind"] == kind]
+        if part:
+            med = {n: statistics.median(r["speedup"][n] for r in part) for n in part[0]["speedup"]}
+            print(f"median over {kind}: " + ", ".join(f"{n} {s:.2f}x" for n, s in med.items()))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"costs": costs, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
