@@ -38,6 +38,7 @@ class FakeEngine:
     """What the API reads of an engine; `check_request` is the real one."""
 
     check_request = Engine.check_request
+    max_logprobs = None  # it keeps no log-probabilities
 
     def __init__(self, vocab_size: int):
         self.model = types.SimpleNamespace(vocab_size=vocab_size)
@@ -86,14 +87,15 @@ def refused(server, body, chat=False):
     ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, False, "max_tokens", 400),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": MAX_MODEL_LEN}, True,
      "max_completion_tokens", 400),
-    ({"prompt": "hi", "n": 2}, False, "n", 400),
+    ({"prompt": "hi", "n": 17}, False, "n", 400),
     ({"prompt": "hi", "stream": "yes"}, False, "stream", 400),
     ({"prompt": "hi", "stream_options": [1]}, False, "stream_options", 400),
     ({"prompt": "hi", "stop": ["a", ""]}, False, "stop", 400),
     ({"prompt": "hi", "stop_token_ids": [1, "2"]}, False, "stop_token_ids", 400),
     ({"prompt": "hi", "stop_token_ids": list(range(1, 10))}, False, "stop_token_ids", 400),
     ({"prompt": "hi", "ignore_eos": 1}, False, "ignore_eos", 400),
-    ({"prompt": "hi", "logprobs": 3}, False, "logprobs", 400),
+    ({"prompt": "hi", "logprobs": 21}, False, "logprobs", 400),
+    ({"prompt": "hi", "logprobs": 3}, False, "logprobs", 400),  # this engine keeps none
     ({"prompt": "hi", "echo": True}, False, "echo", 400),
     ({"prompt": "hi", "model": "gpt-9"}, False, "model", 404),
     ([1, 2], False, None, 400),
@@ -132,8 +134,8 @@ def test_stop_token_ids_follow_the_one_rule(server, ignore_eos, stop_token_ids):
 
 
 def test_health_and_models(server):
-    assert health(server) == (200, {"status": "ok", "slots": 2, "running": 0, "waiting": 0, "model": "tiny",
-                                    "drafter": "ngram"})
+    assert health(server) == (200, {"status": "ok", "slots": 2, "running": 0, "waiting": 0, "max_queued": None,
+                                    "model": "tiny", "drafter": "ngram"})
     server.runner.stopping = True
     assert health(server)[0] == 503 and health(server)[1]["status"] == "draining"
     assert models(server)["data"][0]["id"] == "tiny" and models(server)["data"][0]["max_model_len"] == MAX_MODEL_LEN

@@ -3,7 +3,8 @@ completions and chat, streaming (SSE ending with [DONE]) equal to non-streamed, 
 streams, a client that disconnects mid-stream frees its slot, bad requests get a 4xx naming the
 field while the server stays healthy, the official `openai` client, SIGTERM on the command,
 stop strings cut exactly, an engine failure (503s at once, exit status 1) and the end of requests
-past --drain-timeout (issue 42)."""
+past --drain-timeout (issue 42); n choices, logprobs and seeds, a full queue's 429s and
+/metrics read by prometheus_client's parser (issue 45)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from spec_jax.decoding.generate import generate
 from spec_jax.drafters.ngram import NGramDrafter
 
 MAX_MODEL_LEN = 96
+TOP = 3  # the engine's max_logprobs
 TIMEOUT = 60
 
 
@@ -41,7 +43,7 @@ def tiny_dir(tmp_path_factory):
 
 def tiny_engine(target):
     """The module's engine configuration (engines of one configuration share compiled programs)."""
-    return Engine(target, NGramDrafter(k=3), slots=3, max_model_len=MAX_MODEL_LEN, chunk_steps=2)
+    return Engine(target, NGramDrafter(k=3), slots=3, max_model_len=MAX_MODEL_LEN, chunk_steps=2, max_logprobs=TOP)
 
 
 @contextlib.contextmanager
@@ -70,8 +72,9 @@ def server(tiny_dir):
     target = load_target(str(tiny_dir), dtype="float32")
     engine = tiny_engine(target)
     engine.warmup([16, 32])
-    with serving(ServerState(engine, target.tokenizer, target.chat_template, "tiny", "ngram")) as port:
-        yield {"port": port, "target": target, "engine": engine}
+    state = ServerState(engine, target.tokenizer, target.chat_template, "tiny", "ngram")
+    with serving(state) as port:
+        yield {"port": port, "target": target, "engine": engine, "state": state}
 
 
 def start_serve(tiny_dir, *args, fault=None):
@@ -144,8 +147,8 @@ def completion_text(events, chat):
 
 def test_health_and_models(server):
     status, body = request(server["port"], "GET", "/health")
-    assert status == 200 and body == {"status": "ok", "slots": 3, "running": 0, "waiting": 0, "model": "tiny",
-                                      "drafter": "ngram"}
+    assert status == 200 and body == {"status": "ok", "slots": 3, "running": 0, "waiting": 0, "max_queued": None,
+                                      "model": "tiny", "drafter": "ngram"}
     status, body = request(server["port"], "GET", "/v1/models")
     assert status == 200 and body["data"][0]["id"] == "tiny" and body["data"][0]["max_model_len"] == MAX_MODEL_LEN
 
@@ -285,7 +288,7 @@ def test_stop_strings_cut_exactly_where_the_answer_first_holds_them(server):
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
         ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": TOP + 1}, 400, "logprobs"),  # past --max-logprobs
         ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
         ("/v1/completions", [1, 2], 400, None),
@@ -430,3 +433,113 @@ def test_serve_command_ends_requests_past_the_drain_timeout(tiny_dir):
         assert status == 503 and out["error"]["code"] == "server_shutting_down" and out["error"]["type"] == "server_error"
     finally:
         stop_process(proc)
+
+
+def test_choices_logprobs_and_seeds(server):
+    """n choices (each its own key), logprobs in OpenAI's shapes, and a seed that gives the same
+    answer again; streamed n choices carry their index and equal the non-streamed ones."""
+    body = {"prompt": "The quick", "max_tokens": 8, "temperature": 1.0, "seed": 3, "n": 3, "logprobs": 2,
+            "ignore_eos": True}
+    status, out = request(server["port"], "POST", "/v1/completions", body)
+    assert status == 200, out
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and len({tuple(c["token_ids"]) for c in choices}) > 1
+    assert out["usage"]["completion_tokens"] == 24
+    for c in choices:
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 8
+        assert all(len(top) <= 2 and max(top.values()) >= chosen - 1e-6
+                   for top, chosen in zip(lp["top_logprobs"], lp["token_logprobs"]))
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert request(server["port"], "POST", "/v1/completions", body)[1]["choices"] == choices  # the seed
+    events = stream(server["port"], "/v1/completions", dict(body, logprobs=None))
+    texts = ["", "", ""]
+    for e in events[:-1]:
+        texts[e["choices"][0]["index"]] += e["choices"][0]["text"]
+    assert events[-1] == "[DONE]" and texts == [c["text"] for c in choices]
+    # Chat, greedy: each token is the most likely one, so its logprob tops its top_logprobs.
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": TOP}
+    status, out = request(server["port"], "POST", "/v1/chat/completions", chat)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert status == 200 and len(content) == len(out["choices"][0]["token_ids"])
+    for item in content:
+        top = item["top_logprobs"]
+        assert len(top) == TOP and top[0]["token"] == item["token"] and abs(top[0]["logprob"] - item["logprob"]) < 1e-6
+        assert item["bytes"] == list(item["token"].encode()) and item["logprob"] <= 0
+    streamed = [e for e in stream(server["port"], "/v1/chat/completions", chat)[1:-1] if e["choices"][0]["logprobs"]]
+    assert [i for e in streamed for i in e["choices"][0]["logprobs"]["content"]] == content
+
+
+def scrape(port):
+    """GET /metrics parsed by prometheus_client's own parser -> {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_full_queue_answers_429_and_metrics_count_what_happened(server):
+    """--max-queued-requests 2 with the engine held: of 6 concurrent requests, 2 wait and 4 get
+    429 with Retry-After at once; /health stays 200; released, both waiting ones complete. /metrics,
+    read by prometheus_client's parser, counts exactly that."""
+    engine, runner, port = server["engine"], server["state"].runner, server["port"]
+    before = scrape(port)
+    gate, real_step = threading.Event(), engine.step
+    engine.step = lambda: gate.wait(TIMEOUT) and real_step()
+    runner.max_queued = 2
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    results = []
+
+    def post():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        results.append((resp.status, resp.getheader("retry-after"), json.loads(resp.read())))
+        conn.close()
+
+    threads = [threading.Thread(target=post) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.time() + TIMEOUT
+        while len(results) < 4 and time.time() < deadline:
+            time.sleep(0.02)
+        assert [(status, retry, out["error"]["code"]) for status, retry, out in results] == [(429, "1", "queue_full")] * 4
+        assert len(engine.scheduler.waiting) == 2 and request(port, "GET", "/health")[0] == 200
+        assert scrape(port)[("spec_jax_queue_depth", ())] == 2
+    finally:
+        runner.max_queued = None
+        del engine.step
+        gate.set()
+        for t in threads:
+            t.join(TIMEOUT)
+    done = [out for status, _, out in results if status == 200]
+    assert len(done) == 2 and all(out["usage"]["completion_tokens"] == 6 for out in done)
+    after = scrape(port)
+
+    def added(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert added("spec_jax_requests_rejected_total") == 4
+    assert added("spec_jax_requests_total", finish_reason="length") == 2
+    assert added("spec_jax_prompt_tokens_total") == 6 and added("spec_jax_generation_tokens_total") == 12
+    assert added("spec_jax_time_to_first_token_seconds_count") == 2
+    assert added("spec_jax_inter_token_latency_seconds_count") == 10  # 5 gaps after each first token
+    drafted = sum(out["speculative"]["drafted"] for out in done)
+    accepted = sum(out["speculative"]["accepted"] for out in done)
+    assert added("spec_jax_draft_tokens_total", drafter="ngram") == drafted
+    assert added("spec_jax_accepted_draft_tokens_total", drafter="ngram") == accepted
+    assert added("spec_jax_position_drafted_total", drafter="ngram", position="1") == drafted // 3
+    assert sum(added("spec_jax_position_accepted_total", drafter="ngram", position=str(i)) for i in (1, 2, 3)) \
+        == accepted
+    assert added("spec_jax_chunks_total", k="3") >= 1
+    assert after[("spec_jax_queue_depth", ())] == 0 and after[("spec_jax_slots_in_use", ())] == 0
+    assert after[("spec_jax_slots", ())] == 3

@@ -39,6 +39,7 @@ class ScriptedEngine:
     real one."""
 
     check_request = Engine.check_request
+    max_logprobs = None  # it keeps no log-probabilities
 
     def __init__(self, tokenizer):
         self.model = types.SimpleNamespace(vocab_size=len(tokenizer))

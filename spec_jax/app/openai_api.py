@@ -38,15 +38,20 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
 MAX_JSON_DEPTH = 64
 DISCONNECT_POLL_S = 0.25
+RETRY_AFTER_S = 1  # a 429's Retry-After: a queued request waits about one request's time; clients back off from here
+MAX_CHOICES = 16  # the most choices (n) one request may ask for
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; the server's --max-logprobs may be lower
 
 
 # --------------------------------------------------------------------------- request checks
 class RequestError(Exception):
     """A client mistake: HTTP status, message, and the field it is about (OpenAI's `param`)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
+        self.headers = headers  # sent with the error (a 429's Retry-After)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status, self.param, self.code)
@@ -166,8 +171,9 @@ class _Request(BaseModel):
     temperature: Annotated[float, _number("temperature", 1.0, 0.0, 2.0)] = 1.0
     top_p: Annotated[float, _number("top_p", 1.0, 0.0, 1.0)] = 1.0
     top_k: Annotated[int, _number("top_k", 0, minimum=-1, integer=True)] = 0  # vLLM's -1 = off
-    seed: Annotated[int, _number("seed", 0, 0, validation.SEED_MAX, integer=True)] = 0
-    n: Annotated[int, _number("n", 1, integer=True)] = 1
+    # No seed: a fresh one per request (and per choice); a seed gives the same tokens whatever runs beside it.
+    seed: Annotated[int | None, _number("seed", None, 0, validation.SEED_MAX, integer=True)] = None
+    n: Annotated[int, _number("n", 1, 1, MAX_CHOICES, integer=True)] = 1
     stream: Annotated[bool, _flag("stream")] = False
     stream_options: Any = Field(None, validate_default=True)
     stop: Annotated[Any, BeforeValidator(_check_stop)] = Field(None, validate_default=True)
@@ -179,13 +185,6 @@ class _Request(BaseModel):
                                 _no_penalty("presence_penalty")] = 0.0
     logit_bias: Annotated[Any, _unsupported("logit_bias", (None, {}), " (no biased sampling)")] = None
     user: Annotated[Any, _of_type("user", str, "a string (an id of your end user)")] = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"'n' must be 1 (one choice per request), got {n}.")
-        return n
 
     @field_validator("top_p")
     @classmethod
@@ -204,13 +203,18 @@ class _Request(BaseModel):
     def max_tokens_field(self) -> str:
         return "max_tokens"
 
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; N: each token's log-probability and the N most likely there."""
+        return self.logprobs
+
 
 class CompletionRequest(_Request):
     """POST /v1/completions."""
 
     prompt: Annotated[Any, _required("prompt", "a string or a list of token ids"), AfterValidator(_check_prompt)] \
         = Field(None, validate_default=True)
-    logprobs: Annotated[Any, _unsupported("logprobs", (None, False))] = None
+    # The legacy API's logprobs: how many most likely tokens to list per position (0: the chosen one's only).
+    logprobs: Annotated[int | None, _number("logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)] = None
     echo: Annotated[Any, _unsupported("echo", (None, False))] = None
     suffix: Annotated[Any, _unsupported("suffix", (None, ""), " (no fill-in-the-middle)")] = None
     best_of: Annotated[Any, _unsupported("best_of", (None, 1), " (one candidate per request)")] = None
@@ -225,8 +229,8 @@ class ChatCompletionRequest(_Request):
     max_tokens: Annotated[int | None, _number("max_tokens", None, minimum=1, integer=True)] = None
     max_completion_tokens: Annotated[int | None, _number("max_completion_tokens", None, minimum=1,
                                                          integer=True)] = None
-    logprobs: Annotated[Any, _unsupported("logprobs", (None, False))] = None
-    top_logprobs: Annotated[Any, _unsupported("top_logprobs", (None, 0))] = None
+    logprobs: Annotated[bool, _flag("logprobs")] = False
+    top_logprobs: Annotated[int | None, _number("top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)] = None
     response_format: Annotated[Any, _unsupported("response_format", (None, {"type": "text"}),
                                                  " (it does not constrain the output to JSON)")] = None
     tools: Annotated[Any, _unsupported("tools", (None, []), _NO_TOOLS)] = None
@@ -249,6 +253,11 @@ class ChatCompletionRequest(_Request):
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def top_logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 _OTHER_ENDPOINT = {"prompt": "/v1/chat/completions takes 'messages'",
@@ -274,11 +283,17 @@ class Parsed:
     """A checked request: prompt ids, the engine's values, and what the response needs."""
 
     prompt_ids: list[int]
-    engine_kwargs: Any  # the engine's RequestParams
+    engine_kwargs: Any  # the engine's RequestParams (of choice 0)
     stream: bool
     stop_strings: list[str]
     chat: bool
     include_usage: bool
+    n: int = 1
+    logprobs: int | None = None  # None: no logprobs; N: each token's and the N most likely there
+
+    def choices(self) -> list:
+        """The engine's RequestParams of each choice: the same values, each its own PRNG key."""
+        return [dataclasses.replace(self.engine_kwargs, choice=i) for i in range(self.n)]
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -397,16 +412,19 @@ def parse_request(body: Any, server: "ServerState", chat: bool) -> Parsed:
     max_tokens, max_name = max_tokens_of(request, len(prompt_ids), engine.max_model_len)
     stop_ids = stop_ids_of(request, engine)
     # The API's field for each engine parameter an engine check can name.
-    fields = {"max_new_tokens": max_name, "stop_ids": "stop_token_ids", "prompts": "messages" if chat else "prompt"}
+    fields = {"max_new_tokens": max_name, "stop_ids": "stop_token_ids", "prompts": "messages" if chat else "prompt",
+              "logprobs": "logprobs"}
+    top_logprobs = request.top_logprobs_asked()
+    asked = {} if top_logprobs is None else {"logprobs": top_logprobs}  # an engine without them is not asked
     try:
         params = engine.check_request(
             prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
-            top_p=request.top_p, seed=request.seed, stop_ids=stop_ids)
+            top_p=request.top_p, seed=request.seed, stop_ids=stop_ids, **asked)
     except validation.ArgumentError as e:
         field = fields.get(e.param, e.param)
         raise RequestError(str(e) if field == e.param else f"'{field}': {e}", field) from None
     return Parsed(prompt_ids, params, request.stream, request.stop, chat,
-                  bool(request.stream_options.get("include_usage", True)))
+                  bool(request.stream_options.get("include_usage", True)), request.n, top_logprobs)
 
 
 # --------------------------------------------------------------------------- the engine thread
@@ -422,8 +440,9 @@ class EngineRunner:
     A step that raises fails the server whole: every request in flight gets the error, every new
     one a 503, and `on_failure` (set by `spec-jax serve`: end the process, non-zero) is called."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, metrics: Any = None, max_queued: int | None = None):
+        self.engine, self.metrics = engine, metrics
+        self.max_queued = max_queued  # requests waiting for a slot past which a new one gets 429 (None: no bound)
         self.lock = threading.Lock()
         self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.wake = threading.Event()
@@ -436,17 +455,41 @@ class EngineRunner:
         self.thread.start()
 
     def submit(self, params) -> tuple[int, asyncio.Queue]:
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        return self.submit_all([params])[0]
+
+    def submit_all(self, choices: list) -> list[tuple[int, asyncio.Queue]]:
+        """Queue a request's choices (its n rows) together -> (request id, event queue) of each.
+        RequestError 503 when the engine failed or the server is stopping, 429 (with Retry-After)
+        when the queue has no room for them all."""
+        loop = asyncio.get_running_loop()
+        submitted = []
         with self.lock:  # registered before the engine thread can hand out its first event
             if self.error:  # checked under the lock: a failing step fails every registered queue
                 raise RequestError(f"The engine failed ({self.error}); the server is exiting so that its "
                                    "supervisor can restart it.", None, status=503, code="engine_failed")
             if self.stopping:
                 raise RequestError("The server is shutting down.", None, status=503, code="server_shutting_down")
-            rid = self.engine.submit(params.prompt_ids, params=params)
-            self.queues[rid] = (loop, queue)
+            self._check_room(len(choices))
+            for params in choices:
+                rid = self.engine.submit(params.prompt_ids, params=params)
+                if self.metrics is not None:
+                    self.metrics.submitted(rid)
+                self.queues[rid] = (loop, asyncio.Queue())
+                submitted.append((rid, self.queues[rid][1]))
         self.wake.set()
-        return rid, queue
+        return submitted
+
+    def _check_room(self, rows: int) -> None:
+        """429 when `rows` more waiting requests would pass --max-queued-requests."""
+        waiting = len(self.engine.scheduler.waiting)
+        if self.max_queued is None or waiting + rows <= self.max_queued:
+            return
+        if self.metrics is not None:
+            self.metrics.rejected.inc()
+        raise RequestError(
+            f"The server is overloaded: {waiting} requests wait for a slot (at most {self.max_queued}, "
+            f"--max-queued-requests) and this one needs {rows}; retry after {RETRY_AFTER_S} s.", None, status=429,
+            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def cancel(self, rid: int) -> None:
         with self.lock:
@@ -455,6 +498,10 @@ class EngineRunner:
         self.wake.set()
 
     def _dispatch(self, events) -> None:
+        if self.metrics is not None:
+            now = time.perf_counter()
+            for event in events:
+                self.metrics.observe(event, now)
         with self.lock:
             for event in events:
                 target = self.queues.get(event.request_id)
@@ -523,13 +570,16 @@ class ServerState:
     """What the handlers share: the engine, its runner, the tokenizer and the served names."""
 
     def __init__(self, engine, tokenizer, chat_template, model_name, drafter_label,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queued: int | None = None):
+        from spec_jax.app.metrics import ServerMetrics
+
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
         self.model_name, self.drafter_label = model_name, drafter_label
         self.model_names = {model_name}
         self.prompt_text = prompt_text.PromptText(tokenizer, chat_template)
         self.max_body_bytes = max_body_bytes
-        self.runner = EngineRunner(engine)
+        self.metrics = ServerMetrics(engine, drafter_label)
+        self.runner = EngineRunner(engine, self.metrics, max_queued)
         self.created = int(time.time())
 
 
@@ -579,22 +629,35 @@ class TextOutput:
 # --------------------------------------------------------------------------- responses
 @dataclasses.dataclass
 class Reply:
-    """One response: its id, and its bodies and events in OpenAI's shape. `output` holds the text
-    so far."""
+    """One choice of a response (a request of n choices has n, sharing the response's id): its
+    bodies and events in OpenAI's shape. `output` holds the text so far, `logprobs` the
+    `TokenLogprob` of each token received (when the request asked for them)."""
 
     parsed: Parsed
     model_name: str
     output: TextOutput
     response_id: str
     created: int
+    index: int = 0
+    tokenizer: Any = None
+    logprobs: list = dataclasses.field(default_factory=list)
+    logprobs_sent: int = 0  # a stream's logprobs sent so far
+    client_gone: bool = False  # the stream ended because its client went away (no [DONE] then)
 
     @classmethod
     def new(cls, parsed: Parsed, state: ServerState) -> "Reply":
         return cls(parsed, state.model_name, TextOutput(state.tokenizer, parsed.stop_strings),
-                   ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()))
+                   ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()),
+                   tokenizer=state.tokenizer)
 
-    def usage(self) -> dict[str, Any]:
-        prompt, completion = len(self.parsed.prompt_ids), len(self.output.token_ids)
+    def choices(self) -> list["Reply"]:
+        """This reply and one more per further choice the request asked for (same id)."""
+        return [self] + [dataclasses.replace(self, output=TextOutput(self.tokenizer, self.parsed.stop_strings),
+                                             index=i, logprobs=[]) for i in range(1, self.parsed.n)]
+
+    def usage(self, replies: list["Reply"] | None = None) -> dict[str, Any]:
+        prompt = len(self.parsed.prompt_ids)
+        completion = sum(len(r.output.token_ids) for r in replies or [self])
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @staticmethod
@@ -608,16 +671,58 @@ class Reply:
         """A stop string found by the server ends the request as "stop" whatever the engine says."""
         return "stop" if self.output.stopped else event.finish_reason
 
-    def completion(self, reason: str | None, stats: Any) -> dict[str, Any]:
-        """The whole (non-streamed) response body."""
-        choice = {"index": 0, "finish_reason": reason, "logprobs": None, "token_ids": self.output.token_ids}
+    def push(self, event: Any) -> str:
+        """An engine event's tokens (and their logprobs) -> the text to send now."""
+        self.logprobs += event.logprobs or []
+        return self.output.push(event.new_ids, event.finish_reason is not None)
+
+    def choice(self, reason: str | None) -> dict[str, Any]:
+        """This choice in the whole (non-streamed) response."""
+        choice = {"index": self.index, "finish_reason": reason, "logprobs": self.logprobs_body(len(self.logprobs)),
+                  "token_ids": self.output.token_ids}
         if self.parsed.chat:
             choice["message"] = {"role": "assistant", "content": self.output.text}
         else:
             choice["text"] = self.output.text
+        return choice
+
+    def completion(self, reason: str | None, stats: Any, others: list | None = None) -> dict[str, Any]:
+        """The whole (non-streamed) response body; `others`: the further choices' (reply,
+        finish reason, stats)."""
+        replies = [(self, reason, stats)] + (others or [])
         return {"id": self.response_id, "object": "chat.completion" if self.parsed.chat else "text_completion",
-                "created": self.created, "model": self.model_name, "choices": [choice], "usage": self.usage(),
-                "speculative": self.speculative(stats)}
+                "created": self.created, "model": self.model_name,
+                "choices": [r.choice(why) for r, why, _ in replies], "usage": self.usage([r for r, _, _ in replies]),
+                "speculative": self.speculative(sum_stats([s for _, _, s in replies]))}
+
+    def logprobs_body(self, upto: int, start: int = 0) -> dict[str, Any] | None:
+        """OpenAI's logprobs of tokens start .. upto - 1 (those a stop string cut are left out):
+        chat's {"content": [{token, logprob, bytes, top_logprobs}]}, the legacy completions'
+        {tokens, token_logprobs, top_logprobs, text_offset}; None when the request asked for none."""
+        if self.parsed.logprobs is None:
+            return None
+        entries = self.logprobs[start: min(upto, len(self.output.token_ids))]
+        text = self.tokenizer.decode
+        if self.parsed.chat:
+            def item(token_id: int, logprob: float) -> dict[str, Any]:
+                token = text([token_id])
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+            return {"content": [dict(item(e.token_id, e.logprob), top_logprobs=[item(i, v) for i, v in e.top])
+                                for e in entries]}
+        offsets, at = [], sum(len(text([e.token_id])) for e in self.logprobs[:start])
+        for e in entries:
+            offsets.append(at)
+            at += len(text([e.token_id]))
+        return {"tokens": [text([e.token_id]) for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text([i]): v for i, v in e.top} for e in entries], "text_offset": offsets}
+
+    def stream_logprobs(self, final: bool) -> dict[str, Any] | None:
+        """The logprobs not sent yet, for a stream's next event (all that are left when final)."""
+        upto = len(self.logprobs) if final else min(len(self.logprobs), len(self.output.token_ids))
+        body = self.logprobs_body(upto, self.logprobs_sent)
+        self.logprobs_sent = max(self.logprobs_sent, min(upto, len(self.output.token_ids)))
+        return body
 
     def event(self, choice: dict[str, Any], extra: dict | None = None) -> str:
         """One server-sent event carrying `choice`."""
@@ -627,14 +732,17 @@ class Reply:
 
     def role_event(self) -> str:
         """A chat stream's first event: the assistant's role."""
-        return self.event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+        return self.event({"index": self.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                            "logprobs": None})
 
     def piece_event(self, piece: str | None, reason: str | None, extra: dict | None = None) -> str:
+        logprobs = self.stream_logprobs(final=reason is not None)
         if self.parsed.chat:
             delta = {} if piece is None else {"content": piece}
-            return self.event({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}, extra)
-        return self.event({"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}, extra)
+            return self.event({"index": self.index, "delta": delta, "finish_reason": reason, "logprobs": logprobs},
+                              extra)
+        return self.event({"index": self.index, "text": piece or "", "finish_reason": reason, "logprobs": logprobs},
+                          extra)
 
     def last_event(self, event: Any) -> str:
         """The event that ends a stream: finish reason, speculative stats and (unless the
@@ -643,6 +751,21 @@ class Reply:
         if self.parsed.include_usage:
             extra["usage"] = self.usage()
         return self.piece_event(None if self.parsed.chat else "", self.finish_reason(event), extra)
+
+
+def sum_stats(stats: list) -> Any:
+    """The speculative stats of a response's choices together (None when none has any)."""
+    from spec_jax.decoding.slots import RequestStats
+
+    stats = [s for s in stats if s is not None]
+    if len(stats) <= 1:
+        return stats[0] if stats else None
+    total = RequestStats(stats[0].prompt_tokens)
+    for s in stats:
+        total.completion_tokens += s.completion_tokens
+        total.steps, total.drafted = total.steps + s.steps, total.drafted + s.drafted
+        total.accepted, total.emitted = total.accepted + s.accepted, total.emitted + s.emitted
+    return total
 
 
 class RequestEvents:
@@ -673,31 +796,87 @@ class RequestEvents:
 
 async def complete(reply: Reply, events: RequestEvents) -> tuple[int, dict[str, Any]]:
     """The non-streamed response -> (HTTP status, body)."""
+    return await complete_choices([reply], [events])
+
+
+async def complete_choices(replies: list[Reply], events: list[RequestEvents]) -> tuple[int, dict[str, Any]]:
+    """The non-streamed response of every choice (run together, each to its end) -> (HTTP
+    status, body); a choice's error is the response's."""
+    ended = await asyncio.gather(*(_run_choice(r, e) for r, e in zip(replies, events)))
+    for status, body, _, _ in ended:
+        if status != 200:
+            return status, body
+    (_, _, reason, stats), *others = ended
+    return 200, replies[0].completion(reason, stats, [(r, why, s) for r, (_, _, why, s) in zip(replies[1:], others)])
+
+
+async def _run_choice(reply: Reply, events: RequestEvents) -> tuple[int, dict[str, Any], str | None, Any]:
+    """One choice to its end -> (HTTP status, error body or {}, finish reason, stats)."""
     stats, reason = None, None
     try:
         while reason is None:
             event = await events.next()
             if event is None:
-                return 499, {}  # the client is gone
+                return 499, {}, None, None  # the client is gone
             # Detokenizing (and a stop's token search) off the event loop, as tokenizing is.
-            await asyncio.to_thread(reply.output.push, event.new_ids, event.finish_reason is not None)
+            await asyncio.to_thread(reply.push, event)
             if reply.output.stopped and event.finish_reason is None:
                 events.cancel()  # a stop string: no need for more tokens
             stats, reason = event.stats, reply.finish_reason(event) if event.finish_reason else None
     except ServerEnding as e:
         if not reply.output.stopped:  # an answer a stop string ended is whole: it goes out
             error = RequestError(str(e), None, status=503, code="server_shutting_down")
-            return error.status, error.body()
+            return error.status, error.body(), None, None
         reason = "stop"
     except RuntimeError as e:
         error = RequestError(f"generation failed: {e}", None, status=500)
-        return error.status, error.body()
-    return 200, reply.completion(reason, stats)
+        return error.status, error.body(), None, None
+    return 200, {}, reason, stats
 
 
 async def stream_events(reply: Reply, events: RequestEvents) -> AsyncIterator[str]:
     """The streamed response: server-sent events ending with `data: [DONE]`. A stream left
     before its end (the client went away, or the server is stopping) cancels the request."""
+    async for line in _choice_events(reply, events):
+        yield line
+    if not reply.client_gone:
+        yield "data: [DONE]\n\n"
+
+
+async def stream_choices(replies: list[Reply], events: list[RequestEvents]) -> AsyncIterator[str]:
+    """The streamed response of several choices: their events as they come (each names its
+    choice's `index`), then `data: [DONE]` once every choice has ended."""
+    if len(replies) == 1:
+        async for line in stream_events(replies[0], events[0]):
+            yield line
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(reply: Reply, choice_events: RequestEvents) -> None:
+        try:
+            async for line in _choice_events(reply, choice_events):
+                await merged.put(line)
+        finally:
+            await merged.put(None)
+
+    tasks = [asyncio.create_task(pump(r, e)) for r, e in zip(replies, events)]
+    try:
+        running = len(tasks)
+        while running:
+            line = await merged.get()
+            if line is None:
+                running -= 1
+            else:
+                yield line
+        if not any(r.client_gone for r in replies):
+            yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:  # the client left: each choice's own cleanup cancels its request
+            task.cancel()
+
+
+async def _choice_events(reply: Reply, events: RequestEvents) -> AsyncIterator[str]:
+    """One choice's server-sent events, without the closing [DONE]."""
     finished = False
     try:
         if reply.parsed.chat:
@@ -711,9 +890,10 @@ async def stream_events(reply: Reply, events: RequestEvents) -> AsyncIterator[st
                 yield f"data: {json.dumps(RequestError(f'generation failed: {e}', None, 500).body())}\n\n"
                 break
             if event is None:
-                return  # the client is gone
+                reply.client_gone = True
+                return
             done = event.finish_reason is not None
-            piece = await asyncio.to_thread(reply.output.push, event.new_ids, done)  # off the event loop
+            piece = await asyncio.to_thread(reply.push, event)  # off the event loop
             if reply.output.stopped and not done:
                 events.cancel()
             if piece:
@@ -722,7 +902,6 @@ async def stream_events(reply: Reply, events: RequestEvents) -> AsyncIterator[st
                 finished = True
                 yield reply.last_event(event)
                 break
-        yield "data: [DONE]\n\n"
     finally:
         if not finished:
             events.cancel()
@@ -767,14 +946,15 @@ def error_response(error: RequestError, headers: dict | None = None):
     from starlette.responses import Response
 
     return Response(json.dumps(error.body()), status_code=error.status, media_type="application/json",
-                    headers=headers)
+                    headers=headers or error.headers)
 
 
 def route_error(method: str, path: str, status: int, detail: Any) -> RequestError:
     """Starlette's 404 / 405 (and any other HTTP error it raises) as a RequestError."""
     if status == 404:
         return RequestError(f"Invalid URL ({method} {path}): this server has POST /v1/completions, POST "
-                            "/v1/chat/completions, GET /v1/models, GET /v1/models/{model} and GET /health.", None, 404)
+                            "/v1/chat/completions, GET /v1/models, GET /v1/models/{model}, GET /health and GET /metrics.",
+                            None, 404)
     if status == 405:
         return RequestError(f"Method {method} is not allowed on {path}.", None, 405)
     return RequestError(str(detail), None, status)
@@ -785,7 +965,8 @@ def health(state: ServerState) -> tuple[int, dict[str, Any]]:
     engine = state.engine
     status = "error" if state.runner.error else ("draining" if state.runner.stopping else "ok")
     body = {"status": status, "slots": engine.slots, "running": engine.num_live,
-            "waiting": len(engine.scheduler.waiting), "model": state.model_name, "drafter": state.drafter_label}
+            "waiting": len(engine.scheduler.waiting), "max_queued": state.runner.max_queued,
+            "model": state.model_name, "drafter": state.drafter_label}
     return (200 if status == "ok" else 503), body
 
 
@@ -838,22 +1019,28 @@ def create_app(state: ServerState):
         try:
             raw = await read_body(request, state.max_body_bytes)
             parsed = await asyncio.to_thread(parse_body, raw, state, chat)  # tokenizing: off the event loop
-            rid, queue = state.runner.submit(parsed.engine_kwargs)
+            submitted = state.runner.submit_all(parsed.choices())
         except RequestError as e:
             return error_response(e)
         except ClientDisconnect:  # the client left (or --read-timeout closed it) before its body came
             return Response(status_code=499)
-        reply, events = Reply.new(parsed, state), RequestEvents(state.runner, rid, queue, request.is_disconnected)
+        replies = Reply.new(parsed, state).choices()
+        events = [RequestEvents(state.runner, rid, queue, request.is_disconnected) for rid, queue in submitted]
         if parsed.stream:
-            return StreamingResponse(stream_events(reply, events), media_type="text/event-stream",
+            return StreamingResponse(stream_choices(replies, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        status, body = await complete(reply, events)
+        status, body = await complete_choices(replies, events)
         return JSONResponse(body, status_code=status)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def get_health():
         status, body = health(state)
         return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def get_metrics():
+        text, content_type = state.metrics.exposition()
+        return Response(text, media_type=content_type)
 
     @app.get("/v1/models")
     async def get_models():

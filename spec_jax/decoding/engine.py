@@ -47,7 +47,7 @@ from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, round_ca
 from spec_jax.decoding.loop import LoopState, tree_budget
 from spec_jax.decoding.programs import CompileTally
 from spec_jax.decoding.scheduler import AdaptiveK, Scheduler
-from spec_jax.decoding.slots import Counters, EngineEvent, RequestParams, RequestStats, SlotTable
+from spec_jax.decoding.slots import Counters, EngineEvent, PositionTotals, RequestParams, RequestStats, SlotTable
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.suffix import host_store, with_store
 from spec_jax.models.resolve import resolve_target
@@ -175,6 +175,7 @@ class Engine:
         self.scheduler = Scheduler(max_admits_per_step)
         self.chunks_run = 0
         self.k_chunks: collections.Counter[int] = collections.Counter()  # chunks run per K
+        self.positions = PositionTotals()  # drafts offered and accepted per position (/metrics)
         self._host_step = 0
 
     @property
@@ -192,7 +193,12 @@ class Engine:
         token's log-probability and the N most likely there, N <= the engine's max_logprobs)."""
         (prompt,) = validation.check_prompts([prompt_ids], self.model.vocab_size)
         logprobs = request_values.pop("logprobs", None)
-        logprobs = None if logprobs is None else self._check_logprobs(logprobs)
+        if logprobs is not None and self.max_logprobs is None:
+            raise validation.ArgumentError(
+                "logprobs", "logprobs: this engine keeps no log-probabilities; build it with "
+                "Engine(max_logprobs=N) (spec-jax serve --max-logprobs N).")
+        if logprobs is not None:
+            logprobs = validation.check_int("logprobs", logprobs, minimum=0, maximum=self.max_logprobs)
         seed = request_values.pop("seed", None)  # None: `submit` gives it a fresh one
         room = self.max_model_len - len(prompt)
         if room < 1:
@@ -212,13 +218,6 @@ class Engine:
             )
         params = RequestParams.of(prompt, values, logprobs=logprobs)
         return params if seed is not None else dataclasses.replace(params, seed=None)
-
-    def _check_logprobs(self, logprobs: Any) -> int:
-        if self.max_logprobs is None:
-            raise validation.ArgumentError(
-                "logprobs", "logprobs: this engine keeps no log-probabilities; build it with "
-                "Engine(max_logprobs=N) (spec-jax serve --max-logprobs N).")
-        return validation.check_int("logprobs", logprobs, minimum=0, maximum=self.max_logprobs)
 
     def submit(self, prompt_ids: Sequence[int], **kwargs: Any) -> int:
         """Queue a request (see `check_request` for the keywords, or pass `params=` already
@@ -272,6 +271,7 @@ class Engine:
         self.state, restarted = self.programs.stats_for(self.state, k)
         if restarted:
             self.slot_table.forget_counters()
+            self.positions.restart()
 
     def step(self) -> list[EngineEvent]:
         """Admit, run one chunk, hand out new tokens; see the module docstring."""
@@ -311,6 +311,7 @@ class Engine:
             args = self.programs.admit_args(self.state, slot, params, bucket)
             self.state = self.programs.admit(bucket, args)(*args)
             self.slot_table.occupy(slot, rid, params, stop_id_array(params.stop_ids), submitted_at)
+            self.positions.restart(slot)
         return [slot for slot, *_ in admissions]
 
     def _logprobs_wanted(self, slots: Any) -> Any:
@@ -335,6 +336,7 @@ class Engine:
         steps_run, self._host_step = int(step) - self._host_step, int(step)
         self.chunks_run += 1
         self.k_chunks[k] += 1
+        self.positions.add(stats.steps, stats.position_accepted)
         if self.suffix_store is not None:
             self._feed_suffix_store(tokens, lengths, done)
         events, total = self.slot_table.collect(tokens, lengths, finish, done, Counters.of_rows(stats, k),

@@ -7,6 +7,7 @@ tokens and counters, and gets back each request's new tokens and finish reason.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -65,6 +66,34 @@ class Counters(NamedTuple):
 
     def plus(self, other: Counters) -> Counters:
         return Counters(*(a + b for a, b in zip(self, other)))
+
+
+class PositionTotals:
+    """The engine's totals per draft position i (0-based), for /metrics: `drafted[i]`, verify
+    steps that drafted a token at position i; `accepted[i]`, those whose draft there was accepted.
+    A row's device counters restart from zero at its admit and at a K switch (`restart`)."""
+
+    def __init__(self) -> None:
+        self.drafted: collections.Counter[int] = collections.Counter()
+        self.accepted: collections.Counter[int] = collections.Counter()
+        self._seen: tuple[np.ndarray, np.ndarray] | None = None  # (steps [slots], accepted [slots, K])
+
+    def restart(self, slot: int | None = None) -> None:
+        """Row `slot`'s device counters restarted (None: every row's, new Stats for another K)."""
+        if slot is None or self._seen is None:
+            self._seen = None
+        else:
+            self._seen[0][slot], self._seen[1][slot] = 0, 0
+
+    def add(self, steps: np.ndarray, position_accepted: np.ndarray) -> None:
+        """A chunk's host read of every row's Stats.steps [slots] and position_accepted [slots, K]."""
+        steps, position_accepted = np.asarray(steps, np.int64), np.asarray(position_accepted, np.int64)
+        seen_steps, seen_accepted = self._seen or (np.zeros_like(steps), np.zeros_like(position_accepted))
+        new_steps = int((steps - seen_steps).sum())
+        for i, count in enumerate((position_accepted - seen_accepted).sum(axis=0)):
+            self.drafted[i] += new_steps
+            self.accepted[i] += int(count)
+        self._seen = (steps, position_accepted)
 
 
 @dataclasses.dataclass
