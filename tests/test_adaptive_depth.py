@@ -172,3 +172,35 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     measured = costs_for(loop, call)
     assert len(measured) == 2 and all(c > 0 for c in measured) and len(runs) == 6  # 3 runs, best of 2
     assert costs_for(loop, call) == measured and len(runs) == 6  # read back from the file
+
+
+def test_dflash_context_stays_current_across_a_plain_step(models):
+    """A K = 0 step gives DFlash the verified token's context entry (its commit of a step that
+    accepted nothing), as if the token had been part of its context all along."""
+    from spec_jax.decoding.depth import PlainStep
+    from spec_jax.decoding.loop import forward_capturing
+    from spec_jax.models.decoder import Decoder
+    from spec_jax.models.interface import Target
+
+    drafter = DFlashDrafter(TINY_DFLASH, K)
+    dflash_params = init_dflash_params(TINY_DFLASH, jax.random.key(3), scale=3.0)
+    target = Target(models.params, Decoder(models.cfg))
+    tokens = jnp.asarray(make_prompts([10], seed=2), jnp.int32)  # [1, 10]
+
+    @jax.jit
+    def contexts(tokens):
+        positions = jnp.arange(10, dtype=jnp.int32)[None]
+        _, captured, _ = forward_capturing(target, tokens, positions, target.model.init_cache(1, 16),
+                                           drafter.capture_layers)
+        whole = drafter.init(dflash_params, target, tokens, jnp.asarray([10]), captured, 16)
+        # Context of 9 tokens, position 9's entry blank; then the plain step that verifies token 9.
+        part = drafter.init(dflash_params, target, tokens, jnp.asarray([9]), captured.at[:, 9].set(0), 16)
+        stepped = PlainStep(drafter).commit(dflash_params, target, part, jnp.asarray([9]),
+                                            jnp.zeros((1,), jnp.int32), captured[:, 9:10])
+        return whole, part, stepped
+
+    whole, part, stepped = contexts(tokens)
+    assert int(stepped.lengths[0]) == 10 and int(part.lengths[0]) == 9
+    for want, blank, got in zip(whole.k + whole.v, part.k + part.v, stepped.k + stepped.v):
+        assert not np.allclose(blank[..., 9, :], want[..., 9, :])
+        np.testing.assert_allclose(got[..., :10, :], want[..., :10, :], atol=1e-5)
