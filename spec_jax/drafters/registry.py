@@ -166,10 +166,12 @@ for _kind in (
                 not_shipped="no Medusa heads ship with spec_jax (trained on this CPU they lost to plain "
                 "decoding; benchmarks/RESULTS.md). Train them with `spec-jax train medusa --data DATA "
                 "--out runs/medusa` and pass --drafter medusa=runs/medusa/drafter."),
-    DrafterKind("mtp", "a model's own multi-token-prediction drafter (Gemma 4's assistant), reading the "
-                "target's cache", "spec_jax.checkpoints.mtp:load_mtp_drafter", takes_path=True,
+    DrafterKind("mtp", "a model's own multi-token-prediction drafter (Gemma 4's assistant, reading the "
+                "target's cache; the head inside a Qwen3.5 / Qwen3-Next checkpoint: PATH = the target's "
+                "directory)", "spec_jax.checkpoints.mtp:load_mtp_drafter", takes_path=True,
                 drafts_trees=True, recipe="spec_jax.training.mtp:MtpRecipe", lookup_first=True,
                 not_shipped="MTP drafters come with their model: pass the model's assistant checkpoint, "
-                "e.g. --drafter mtp=PATH/gemma-4-e2b-it-assistant for a Gemma 4 E2B target."),
+                "e.g. --drafter mtp=PATH/gemma-4-e2b-it-assistant for a Gemma 4 E2B target, or a Qwen3.5 / "
+                "Qwen3-Next target's own directory (its mtp.* head)."),
 ):
     register(_kind)
