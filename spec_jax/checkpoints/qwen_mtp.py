@@ -41,7 +41,7 @@ from spec_jax.checkpoints.hf_names import layer_table
 from spec_jax.drafters.qwen_mtp import QwenMtpConfig, QwenMtpDrafter, mtp_weight_specs
 from spec_jax.models.weights import check_params_match_specs
 
-__all__ = ["load_qwen_mtp", "write_qwen_mtp", "is_qwen_mtp_family"]
+__all__ = ["load_qwen_mtp", "write_qwen_mtp", "save_qwen_mtp_head", "is_qwen_mtp_family"]
 
 PREFIX = "mtp."
 LAYER_PREFIX = "layers.{i}."  # under PREFIX
@@ -100,6 +100,28 @@ def load_qwen_mtp(path: str | os.PathLike, dtype: str = "float32", k: int | None
     return QwenMtpDrafter(cfg, k=k), params
 
 
+def mtp_tensors(cfg: QwenMtpConfig, params: Any) -> dict[str, np.ndarray]:
+    """The head's tensors by their checkpoint names (`mtp.*`, HF layout), params checked first."""
+    check_params_match_specs(params, mtp_weight_specs(cfg), what="params")
+    tensors = {PREFIX + n: t for n, t in layers_to_hf(params["layers"], LAYER_PREFIX,
+                                                      layer_table(cfg.layer.architecture)).items()}
+    for key, (hf_name, axes) in _TOP_NAMES.items():
+        tensors[PREFIX + hf_name] = np.ascontiguousarray(to_hf(np.asarray(params[key]), axes))
+    return tensors
+
+
+def save_qwen_mtp_head(path: str | os.PathLike, target_config: dict[str, Any], cfg: QwenMtpConfig, params: Any,
+                       overwrite: bool = False) -> Path:
+    """A directory holding the head alone, atomically: the target's config.json (`target_config`)
+    and the `mtp.*` tensors (what `spec-jax train mtp` exports; `--drafter mtp=PATH` and
+    `load_qwen_mtp` read it as they read the target's own checkpoint, which is not copied)."""
+    from spec_jax.checkpoints.hf import refuse_to_clobber, write_checkpoint_dir
+
+    path = Path(path).expanduser().absolute()
+    refuse_to_clobber(path, overwrite)
+    return write_checkpoint_dir(path, target_config, mtp_tensors(cfg, params))
+
+
 def write_qwen_mtp(path: str | os.PathLike, cfg: QwenMtpConfig, params: Any) -> Path:
     """Add the head's `mtp.*` tensors to the checkpoint in `path` (a target saved by
     `save_pretrained` or spec_jax): a file of their own, `mtp.safetensors`, listed in the
@@ -108,12 +130,7 @@ def write_qwen_mtp(path: str | os.PathLike, cfg: QwenMtpConfig, params: Any) -> 
     from safetensors.numpy import save_file
 
     directory = Path(path)
-    specs = mtp_weight_specs(cfg)
-    check_params_match_specs(params, specs, what="params")
-    tensors = {PREFIX + n: t for n, t in layers_to_hf(params["layers"], LAYER_PREFIX,
-                                                      layer_table(cfg.layer.architecture)).items()}
-    for key, (hf_name, axes) in _TOP_NAMES.items():
-        tensors[PREFIX + hf_name] = np.ascontiguousarray(to_hf(np.asarray(params[key]), axes))
+    tensors = mtp_tensors(cfg, params)
     save_file(tensors, str(directory / "mtp.safetensors"), metadata={"format": "pt"})
     index_file = directory / "model.safetensors.index.json"
     if index_file.exists():

@@ -97,6 +97,52 @@ class PairCacheDrafter:
         """The drafter's empty KV cache (one k/v per draft layer, `capacity` pair slots)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ training (spec-jax train mtp)
+    def training_logits(self, params: Params, target: Target, tokens: jax.Array, captured: jax.Array,
+                        anchors: jax.Array) -> jax.Array:
+        """The K chained drafts at each anchor, as `propose` makes them there
+        (`spec_jax.training.mtp.MtpTrainable`): tokens [B, T], captured [B, T, F] the target's
+        features of them, anchors [B, A] positions p >= 1 of a last committed token -> float32
+        logits [B, A, K, V], draft j scoring token p + j + 1.
+
+        Draft 0 is pair p - 1 (features of token p - 1, token p) at position p, run with every
+        real pair (one causal pass over the sequence, as the prefill and commits fill the pair
+        cache); draft j > 0 is the chain's pair (the previous draft's hidden state, token p + j)
+        at position p + j, seeing the real pairs <= p - 1 and its own chain's earlier pairs, as
+        `draft_logits` runs it. Its token is the data's (what it drafted, whenever the drafts
+        before it were accepted: the only drafts that count)."""
+        batch, seq_len = tokens.shape
+        rows = jnp.arange(batch)[:, None]
+        pairs = jnp.broadcast_to(jnp.arange(seq_len - 1, dtype=jnp.int32), (batch, seq_len - 1))
+        real_keys: list[tuple[jax.Array, jax.Array]] = []
+
+        def real_pairs(i):
+            def attend_to(q, k, v):
+                real_keys.append((k, v))
+                return attend(q, [(k, v, window_mask(pairs, pairs, GLOBAL_WINDOW))]), None
+            return attend_to
+
+        out, _ = self.pair_layers(params, target, tokens[:, 1:], self.pair_features(params, captured[:, :-1]),
+                                  pairs + 1, real_pairs)
+        at = anchors - 1  # [B, A]: the first draft's pair
+        logits, hidden = self.pair_head(params, target, out[rows, at])
+        steps = [logits]
+        sees_real = pairs[:, None, :] <= at[:, :, None]  # [B, A, T-1]
+        own = jnp.broadcast_to(jnp.eye(at.shape[1], dtype=bool), (batch,) + at.shape[1:] * 2)
+        chain_keys: list[list[tuple[jax.Array, jax.Array]]] = [[] for _ in real_keys]
+        for step in range(1, self.k):
+            def chain(i):
+                def attend_to(q, k, v):
+                    chain_keys[i].append((k, v))
+                    return attend(q, [(*real_keys[i], sees_real)] + [(*kv, own) for kv in chain_keys[i]]), None
+                return attend_to
+
+            step_tokens = tokens[rows, jnp.minimum(at + 1 + step, seq_len - 1)]
+            out, _ = self.pair_layers(params, target, step_tokens, hidden, at + 1 + step, chain)
+            logits, hidden = self.pair_head(params, target, out)
+            steps.append(logits)
+        return jnp.stack(steps, axis=2)
+
     # ------------------------------------------------------------------ the protocol
     def init(self, params, target: Target, prompt_tokens, prompt_lengths, prefill_captured, capacity):
         batch, prompt_len = prompt_tokens.shape

@@ -15,7 +15,8 @@ a draft counts only when every draft before it was accepted; `chained_draft_loss
 the target's own answers (`spec-jax train data`), so those tokens are what verification accepts,
 and they are the tokens a chain reads whenever its earlier drafts were accepted.
 
-An MTP drafter plugs in with two pieces (Gemma 4's assistant is the first; `MTP_TRAINING`):
+An MTP drafter plugs in with two pieces (`MTP_TRAINING`: Gemma 4's assistant, which reads the
+target's cache, and the MTP head of Qwen3.5 / Qwen3-Next, which keeps a cache of its own):
 - the drafter object implements `MtpTrainable` (what it needs from the target per batch and its
   chained logits at the anchors; its params are a plain pytree of float arrays), and
 - an `MtpTraining` entry: which loaded drafters and which targets it handles, a fresh drafter
@@ -73,7 +74,8 @@ class MtpTraining:
     trainable(drafter, params) -> (drafter trained, its params, params kept as they are): the
       loss trains the first (e.g. a dense head where the checkpoint has a sparse one); export
       writes the loaded drafter with the trained params and the kept ones.
-    init(drafter, key) -> params;  save(path, drafter, params): atomically, loadable by `mtp`."""
+    init(drafter, key) -> params;  save(path, drafter, params, target): atomically, loadable by
+      `--drafter mtp=PATH`."""
 
     name: str
     handles: Callable[[Any], bool]
@@ -81,7 +83,7 @@ class MtpTraining:
     fresh: Callable[..., Any]
     trainable: Callable[[Any, Any], tuple[Any, Any, dict]]
     init: Callable[[Any, jax.Array], Any]
-    save: Callable[[Path, Any, Any], None]
+    save: Callable[[Path, Any, Any, Any], None]
 
 
 # --------------------------------------------------------------------------- Gemma 4's assistant
@@ -117,15 +119,56 @@ def _init_assistant(drafter: Any, key: jax.Array) -> Any:
     return init_assistant_params(drafter.cfg, key)
 
 
-def _save_assistant(path: Path, drafter: Any, params: Any) -> None:
+def _save_assistant(path: Path, drafter: Any, params: Any, target: Any) -> None:
     from spec_jax.checkpoints.gemma4_assistant import save_gemma4_assistant
 
     save_gemma4_assistant(path, drafter.cfg, params, overwrite=True)
 
 
+# --------------------------------------------------------------------------- Qwen3.5 / Qwen3-Next's MTP head
+def _is_qwen_head(drafter: Any) -> bool:
+    from spec_jax.drafters.qwen_mtp import QwenMtpDrafter
+
+    return isinstance(drafter, QwenMtpDrafter)
+
+
+def _fits_qwen(target: Any) -> bool:
+    return getattr(getattr(target, "cfg", None), "architecture", None) in ("qwen3_5", "qwen3_next")
+
+
+def _fresh_qwen_head(target: Any, hidden: int, layers: int, k: int) -> Any:
+    """The head the family ships: one layer of the target's own kind (hidden and layers do not
+    apply: its width is the target's)."""
+    from spec_jax.drafters.qwen_mtp import QwenMtpConfig, QwenMtpDrafter
+
+    return QwenMtpDrafter(QwenMtpConfig.from_target(target.cfg), k=k)
+
+
+def _init_qwen_head(drafter: Any, key: jax.Array) -> Any:
+    from spec_jax.drafters.qwen_mtp import init_mtp_params
+
+    return init_mtp_params(drafter.cfg, key)
+
+
+def _save_qwen_head(path: Path, drafter: Any, params: Any, target: Any) -> None:
+    """The head beside a copy of the target's config.json (its config is the target's)."""
+    import json
+
+    from spec_jax.checkpoints import CheckpointError
+    from spec_jax.checkpoints.qwen_mtp import save_qwen_mtp_head
+
+    config = Path(str(target.source)).expanduser() / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"exporting a Qwen3.5 / Qwen3-Next MTP head needs the target's config.json, and "
+                              f"{target.source} has none; train with --target the model's HF directory.")
+    save_qwen_mtp_head(path, json.loads(config.read_text()), drafter.cfg, params, overwrite=True)
+
+
 MTP_TRAINING: list[MtpTraining] = [
     MtpTraining("Gemma 4 assistant", _is_assistant, _fits_gemma4, _fresh_assistant, _dense_assistant,
                 _init_assistant, _save_assistant),
+    MtpTraining("Qwen3.5 / Qwen3-Next MTP head", _is_qwen_head, _fits_qwen, _fresh_qwen_head,
+                lambda drafter, params: (drafter, params, {}), _init_qwen_head, _save_qwen_head),
 ]
 
 
@@ -237,7 +280,7 @@ class MtpRecipe(Recipe):
         return MtpLoss(self.drafter, target.model, anchors=self.anchors, step_decay=self.step_decay)
 
     def export(self, drafter_dir: Path, params: Any, target: Any) -> None:
-        training_format(self.drafter).save(drafter_dir, self.export_drafter, {**params, **self.kept})
+        training_format(self.drafter).save(drafter_dir, self.export_drafter, {**params, **self.kept}, target)
 
 
 def _load(target: Any, path: str | Path, k: int | None) -> tuple[Any, Any]:
