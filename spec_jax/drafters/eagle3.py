@@ -34,9 +34,8 @@ import jax.numpy as jnp
 
 from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
 from spec_jax.drafters.pair_cache import PairCacheDrafter, PairCacheState
-from spec_jax.drafters.tree import check_tree_setting
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig
-from spec_jax.models.decoder import decoder_layer, einsum, embed, empty_cache, rms_norm, rope_inv_freq
+from spec_jax.models.decoder import decoder_layer, einsum, embed, rms_norm, rope_inv_freq
 from spec_jax.models.interface import Target, TargetModel
 from spec_jax.models.weights import WeightSpec, init_from_specs, layer_weight_specs
 
@@ -255,11 +254,7 @@ class Eagle3Drafter(PairCacheDrafter):
     tree: Any = 0  # 0: a chain; N: an EAGLE-2-style tree of N nodes (`propose_tree`)
 
     def __post_init__(self):
-        if self.k is None:
-            object.__setattr__(self, "k", self.cfg.speculative_tokens)
-        if self.k < 1:
-            raise ValueError(f"EAGLE-3 K must be >= 1, got {self.k}.")
-        check_tree_setting(self.tree, self.k, static_ok=False, name="EAGLE-3")
+        self.settle_k(self.cfg.speculative_tokens, "EAGLE-3")
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -285,7 +280,3 @@ class Eagle3Drafter(PairCacheDrafter):
     def pair_head(self, params, target, out):
         logits, hidden = eagle3_head(self.cfg, params, out)
         return to_target_vocab(logits, params["d2t"], self.cfg.layer.vocab_size), hidden
-
-    def empty_pair_cache(self, params, batch, capacity):
-        c = self.cfg.layer
-        return empty_cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, params["fc"].dtype)

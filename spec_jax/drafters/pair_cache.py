@@ -13,9 +13,10 @@ attend to the cached pairs and causally to each other) and writes their keys, so
 is rolled back by the per-row pair count alone, and the cache catches up on exactly the accepted
 tokens.
 
-A drafter class mixes `PairCacheDrafter` in and supplies the network as four methods:
-`pair_features`, `pair_layers`, `pair_head` and `empty_pair_cache` (their docstrings below); it
-has the dataclass fields `k`, `sample_drafts` and `tree`.
+A drafter class mixes `PairCacheDrafter` in and supplies the network as three methods:
+`pair_features`, `pair_layers` and `pair_head` (their docstrings below; `empty_pair_cache` too
+when its layers are not `cfg.layer`); it has the dataclass fields `cfg`, `k`, `sample_drafts`
+and `tree`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax.drafters.tree import expand_level, expansion_width, select_best_nodes, top_k, tree_budget
+from spec_jax.drafters.tree import check_tree_setting, expand_level, expansion_width, select_best_nodes, top_k
+from spec_jax.drafters.tree import tree_budget
 from spec_jax.models.config import GLOBAL_WINDOW
-from spec_jax.models.decoder import KVCache, attend, attend_cache_and_pass, window_mask, write_kv
+from spec_jax.models.decoder import KVCache, attend, attend_cache_and_pass, empty_cache, window_mask, write_kv
 from spec_jax.models.interface import Target, ancestor_mask
 from spec_jax.sampling import SamplingParams, sample_chain
 
@@ -94,8 +96,19 @@ class PairCacheDrafter:
         raise NotImplementedError
 
     def empty_pair_cache(self, params: Params, batch: int, capacity: int) -> KVCache:
-        """The drafter's empty KV cache (one k/v per draft layer, `capacity` pair slots)."""
-        raise NotImplementedError
+        """The drafter's empty KV cache, `capacity` pair slots: one k/v per layer of
+        `self.cfg.layer` (the draft layers' `ModelConfig`) unless a subclass says otherwise."""
+        c = self.cfg.layer
+        return empty_cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, params["fc"].dtype)
+
+    def settle_k(self, default_k: int, name: str) -> None:
+        """For a subclass's __post_init__: K None -> `default_k` (the checkpoint's); K >= 1; the
+        tree setting fits K."""
+        if self.k is None:
+            object.__setattr__(self, "k", default_k)
+        if self.k < 1:
+            raise ValueError(f"{name} K must be >= 1, got {self.k}.")
+        check_tree_setting(self.tree, self.k, static_ok=False, name=name)
 
     # ------------------------------------------------------------------ training (spec-jax train mtp)
     def training_logits(self, params: Params, target: Target, tokens: jax.Array, captured: jax.Array,

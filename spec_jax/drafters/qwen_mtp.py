@@ -36,9 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.drafters.pair_cache import PairCacheDrafter
-from spec_jax.drafters.tree import check_tree_setting
 from spec_jax.models.config import FULL_ATTENTION, ModelConfig
-from spec_jax.models.decoder import decoder_layer, einsum, empty_cache, layer_style, rms_norm, rope_inv_freq
+from spec_jax.models.decoder import decoder_layer, einsum, layer_style, rms_norm, rope_inv_freq
 from spec_jax.models.interface import FINAL_HIDDEN, Target, TargetModel
 from spec_jax.models.weights import WeightSpec, init_from_specs, model_weight_specs
 
@@ -160,11 +159,7 @@ class QwenMtpDrafter(PairCacheDrafter):
     tree: Any = 0
 
     def __post_init__(self):
-        if self.k is None:
-            object.__setattr__(self, "k", self.cfg.default_k)
-        if self.k < 1:
-            raise ValueError(f"MTP head K must be >= 1, got {self.k}.")
-        check_tree_setting(self.tree, self.k, static_ok=False, name="The MTP head")
+        self.settle_k(self.cfg.default_k, "The MTP head")
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -184,7 +179,3 @@ class QwenMtpDrafter(PairCacheDrafter):
 
     def pair_head(self, params, target, out):
         return mtp_head(self.cfg, params, target, out)
-
-    def empty_pair_cache(self, params, batch, capacity):
-        c = self.cfg.layer
-        return empty_cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, params["fc"].dtype)
