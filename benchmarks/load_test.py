@@ -60,10 +60,24 @@ def stream_request(port: int, body: dict) -> dict:
     }
 
 
-def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, k_choices=None) -> dict:
+def start_server(state):
+    """The app over `state` on uvicorn in a thread, on an ephemeral 127.0.0.1 port -> (server, thread, port)."""
     import uvicorn
 
-    from spec_jax.app.openai_api import ServerState, create_app
+    from spec_jax.app.openai_api import create_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, sock.getsockname()[1]
+
+
+def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, k_choices=None) -> dict:
+    from spec_jax.app.openai_api import ServerState
     from spec_jax.decoding.engine import Engine
 
     engine = Engine(target, drafter, drafter_params, slots=concurrency, max_model_len=args.max_model_len,
@@ -72,14 +86,7 @@ def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, 
     engine.warmup([len(b["prompt_ids"]) for b in bodies])
     compile_s = time.perf_counter() - t0
     state = ServerState(engine, target.tokenizer, target.chat_template, "default", label)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    port = sock.getsockname()[1]
+    server, thread, port = start_server(state)
     work: queue.Queue = queue.Queue()
     for b in bodies:
         work.put({"messages": b["messages"], "max_tokens": b["max_tokens"], "temperature": 0})
