@@ -1,10 +1,11 @@
 """The engine's per-request sampling state and logprobs (issue 45), with a greedy drafter kind
-(n-gram) and a model drafter (sampled drafts with their probabilities):
+(an n-gram tree of 6 nodes) and a model drafter (a chain of sampled drafts with their probabilities):
   - each row carries its request's own PRNG key, so a seeded sampled request gives the same
     tokens alone and beside 7 others in other slots, and unseeded requests get fresh seeds (that
     per-row keys keep sampling exact is a chi-square test in test_sampling_stats);
   - logprobs under speculation are the target's: equal, to 1e-5, to the log-softmax of a plain
-    full forward pass over the same tokens (top tokens too), greedy and sampled."""
+    full forward pass over the same tokens (top tokens too), greedy and sampled, along a tree's
+    accepted path and a chain's."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ OTHERS = [
 @pytest.fixture(scope="module", params=["ngram", "draft_model"])
 def engine(request, models):
     if request.param == "ngram":
-        e = Engine(models.target, NGramDrafter(k=3), slots=SLOTS, max_model_len=MAX_MODEL_LEN, chunk_steps=4,
-                   max_logprobs=TOP)
+        # A tree of 6 n-gram nodes: logprobs are read at the accepted path's nodes.
+        e = Engine(models.target, NGramDrafter(k=3, tree=6), slots=SLOTS, max_model_len=MAX_MODEL_LEN,
+                   chunk_steps=4, max_logprobs=TOP)
     else:  # sampled drafts with their probabilities (the target's weights plus noise)
         e = Engine(models.target, self_drafter(models.cfg, 3), models.near_params, slots=SLOTS,
                    max_model_len=MAX_MODEL_LEN, chunk_steps=4, max_logprobs=TOP)
@@ -80,6 +82,18 @@ def full_forward_log_probs(params, tokens):
     return jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
 
 
+def assert_logprobs_are_the_targets(params, prompt, new_ids, logprobs, top):
+    """Each token's log-probability, and the `top` most likely there, equal a full forward pass's."""
+    sequence = np.zeros((1, MAX_MODEL_LEN), np.int32)
+    sequence[0, : len(prompt) + len(new_ids)] = prompt + new_ids
+    reference = np.asarray(full_forward_log_probs(params, jnp.asarray(sequence)))
+    at = np.arange(len(prompt) - 1, len(prompt) + len(new_ids) - 1)  # the position that produced each token
+    np.testing.assert_allclose([chosen for chosen, _ in logprobs], reference[at, new_ids], atol=1e-5)
+    for (_, top_values), row in zip(logprobs, reference[at]):
+        assert len(top_values) == top
+        np.testing.assert_allclose(top_values, -np.sort(-row)[:top], atol=1e-5)
+
+
 def test_logprobs_under_speculation_are_the_targets(engine, models):
     requests = [(PROMPTS[1], dict(max_new_tokens=24, logprobs=TOP)),  # greedy: drafts get accepted
                 (PROMPTS[2], dict(max_new_tokens=20, temperature=1.0, seed=5, logprobs=0)),
@@ -96,13 +110,6 @@ def test_logprobs_under_speculation_are_the_targets(engine, models):
         new_ids = [t for e in events[rid] for t in e.new_ids]
         accepted += events[rid][-1].stats.accepted
         assert [lp.token_id for lp in got] == new_ids
-        sequence = np.zeros((1, MAX_MODEL_LEN), np.int32)
-        sequence[0, : len(prompt) + len(new_ids)] = prompt + new_ids
-        reference = np.asarray(full_forward_log_probs(models.params, jnp.asarray(sequence)))
-        at = np.arange(len(prompt) - 1, len(prompt) + len(new_ids) - 1)  # the position that produced each token
-        np.testing.assert_allclose([lp.logprob for lp in got], reference[at, new_ids], atol=1e-5)
-        for lp, row in zip(got, reference[at]):
-            assert len(lp.top) == values["logprobs"]
-            order = np.argsort(-row)[: len(lp.top)]
-            np.testing.assert_allclose([v for _, v in lp.top], row[order], atol=1e-5)
+        assert_logprobs_are_the_targets(models.params, prompt, new_ids,
+                                        [(lp.logprob, [v for _, v in lp.top]) for lp in got], values["logprobs"])
     assert accepted > 0  # speculation ran: tokens came from verify passes that accepted drafts
