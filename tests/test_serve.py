@@ -486,9 +486,9 @@ def scrape(port):
 
 
 def test_a_full_queue_answers_429_and_metrics_count_what_happened(server):
-    """--max-queued-requests 2 with the engine held: of 6 concurrent requests, 2 wait and 4 get
-    429 with Retry-After at once; /health stays 200; released, both waiting ones complete. /metrics,
-    read by prometheus_client's parser, counts exactly that."""
+    """--max-queued-requests 2 on 3 slots with the engine held: of 8 concurrent requests, 5 wait
+    (3 for the free slots, 2 queued) and 3 get 429 with Retry-After at once; /health stays 200;
+    released, the 5 complete. /metrics, read by prometheus_client's parser, counts exactly that."""
     engine, runner, port = server["engine"], server["state"].runner, server["port"]
     before = scrape(port)
     gate, real_step = threading.Event(), engine.step
@@ -504,16 +504,16 @@ def test_a_full_queue_answers_429_and_metrics_count_what_happened(server):
         results.append((resp.status, resp.getheader("retry-after"), json.loads(resp.read())))
         conn.close()
 
-    threads = [threading.Thread(target=post) for _ in range(6)]
+    threads = [threading.Thread(target=post) for _ in range(8)]
     try:
         for t in threads:
             t.start()
         deadline = time.time() + TIMEOUT
-        while len(results) < 4 and time.time() < deadline:
+        while len(results) < 3 and time.time() < deadline:
             time.sleep(0.02)
-        assert [(status, retry, out["error"]["code"]) for status, retry, out in results] == [(429, "1", "queue_full")] * 4
-        assert len(engine.scheduler.waiting) == 2 and request(port, "GET", "/health")[0] == 200
-        assert scrape(port)[("spec_jax_queue_depth", ())] == 2
+        assert [(status, retry, out["error"]["code"]) for status, retry, out in results] == [(429, "1", "queue_full")] * 3
+        assert len(engine.scheduler.waiting) == 5 and request(port, "GET", "/health")[0] == 200
+        assert scrape(port)[("spec_jax_queue_depth", ())] == 5
     finally:
         runner.max_queued = None
         del engine.step
@@ -521,18 +521,18 @@ def test_a_full_queue_answers_429_and_metrics_count_what_happened(server):
         for t in threads:
             t.join(TIMEOUT)
     done = [out for status, _, out in results if status == 200]
-    assert len(done) == 2 and all(out["usage"]["completion_tokens"] == 6 for out in done)
+    assert len(done) == 5 and all(out["usage"]["completion_tokens"] == 6 for out in done)
     after = scrape(port)
 
     def added(name, **labels):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0) - before.get(key, 0)
 
-    assert added("spec_jax_requests_rejected_total") == 4
-    assert added("spec_jax_requests_total", finish_reason="length") == 2
-    assert added("spec_jax_prompt_tokens_total") == 6 and added("spec_jax_generation_tokens_total") == 12
-    assert added("spec_jax_time_to_first_token_seconds_count") == 2
-    assert added("spec_jax_inter_token_latency_seconds_count") == 10  # 5 gaps after each first token
+    assert added("spec_jax_requests_rejected_total") == 3
+    assert added("spec_jax_requests_total", finish_reason="length") == 5
+    assert added("spec_jax_prompt_tokens_total") == 15 and added("spec_jax_generation_tokens_total") == 30
+    assert added("spec_jax_time_to_first_token_seconds_count") == 5
+    assert added("spec_jax_inter_token_latency_seconds_count") == 25  # 5 gaps after each first token
     drafted = sum(out["speculative"]["drafted"] for out in done)
     accepted = sum(out["speculative"]["accepted"] for out in done)
     assert added("spec_jax_draft_tokens_total", drafter="ngram") == drafted

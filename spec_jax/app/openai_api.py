@@ -480,16 +480,21 @@ class EngineRunner:
         return submitted
 
     def _check_room(self, rows: int) -> None:
-        """429 when `rows` more waiting requests would pass --max-queued-requests."""
+        """429 when `rows` more requests would leave more than --max-queued-requests waiting for
+        a slot to free up (the free slots take waiting requests first)."""
+        if self.max_queued is None:
+            return
+        free = self.engine.slots - self.engine.num_live
         waiting = len(self.engine.scheduler.waiting)
-        if self.max_queued is None or waiting + rows <= self.max_queued:
+        if waiting + rows - free <= self.max_queued:
             return
         if self.metrics is not None:
             self.metrics.rejected.inc()
         raise RequestError(
-            f"The server is overloaded: {waiting} requests wait for a slot (at most {self.max_queued}, "
-            f"--max-queued-requests) and this one needs {rows}; retry after {RETRY_AFTER_S} s.", None, status=429,
-            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            f"The server is overloaded: {max(waiting - free, 0)} requests wait for a slot to free up (at most "
+            f"{self.max_queued}, --max-queued-requests) and this one needs {rows} more; retry after "
+            f"{RETRY_AFTER_S} s.", None, status=429, code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def cancel(self, rid: int) -> None:
         with self.lock:

@@ -5,8 +5,11 @@
     curl -N localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (`"stream": true` sends server-sent
-events ending with `data: [DONE]`), GET /v1/models, GET /health. Every response carries usage
-counts and the request's speculative stats (`speculative`: steps, drafted, accepted, tau).
+events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus). Every
+response carries usage counts and the request's speculative stats (`speculative`: steps, drafted,
+accepted, tau). A request may ask for n choices, logprobs / top_logprobs (the target's, see
+`spec_jax.decoding.logprobs`) and a seed (the same tokens whatever runs beside it); past
+--max-queued-requests requests waiting for a slot to free up, a new one gets 429 with Retry-After.
 
 One engine thread runs `Engine.step()` while there is work and hands each request's events to its
 handler's queue. A bad request gets a 4xx JSON error in OpenAI's shape naming the field
@@ -29,6 +32,7 @@ import time
 from spec_jax.app import http_limits, inputs
 from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_from_args, log
 
+MAX_LOGPROBS = 20  # as the engine's bound (spec_jax.decoding.engine.MAX_LOGPROBS; not imported: --help stays light)
 EXIT_ENGINE_FAILED = 1  # the process's status after an engine failure (a supervisor restarts it)
 END_GRACE_S = 5.0  # past --drain-timeout: time for the ended requests to write their last bytes
 
@@ -56,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-store-tokens", type=int, default=None, metavar="N",
                    help="with a suffix drafter (suffix, KIND+suffix): tokens of earlier requests' prompts and "
                    "outputs it searches (default 16384; 4 bytes each, one store per server)")
+    p.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests that may wait for a slot to free up (beyond the free slots); past them a new "
+                   "one gets 429 with Retry-After (default: no bound)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most top tokens per position a request's logprobs / top_logprobs may ask for "
+                   "(default 20; 0 = each token's own only; -1 = no logprobs, and no cost for them in the loop)")
     p.add_argument("--served-model-name", default=None, help="the model id in /v1/models (default: the target)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before cancelling them (default 30)")
@@ -94,6 +104,8 @@ def check_args(args: argparse.Namespace) -> list[int] | None:
     _cli_int("--max-admits", args.max_admits, 1)
     _cli_int("--chunk-steps", args.chunk_steps, 1)
     _cli_int("--max-model-len", args.max_model_len, 2)
+    _cli_int("--max-queued-requests", args.max_queued_requests, 0)
+    _cli_int("--max-logprobs", args.max_logprobs, -1, MAX_LOGPROBS)
     _cli_int("--suffix-store-tokens", args.suffix_store_tokens, 2)
     http_limits.check_seconds("--drain-timeout", args.drain_timeout, allow_zero=True)
     http_limits.from_args(args)
@@ -130,7 +142,7 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     mesh = inputs.mesh_kwargs(args.mesh, target).get("mesh")
     engine = Engine(target, drafter, drafter_params, slots=args.slots, max_model_len=args.max_model_len,
                     chunk_steps=args.chunk_steps, k_choices=k_choices, max_admits_per_step=args.max_admits,
-                    mesh=mesh)
+                    mesh=mesh, max_logprobs=None if args.max_logprobs < 0 else args.max_logprobs)
     warm = engine.warmup() if args.warmup else None
     label = spec.label if spec.kind != "none" else "none"
     log(f"engine: {args.slots} slots, max model length {engine.max_model_len}, drafter {label} "
@@ -138,7 +150,8 @@ def build_state(args: argparse.Namespace) -> "ServerState":
         f"{' (' + spec.reason + ')' if spec.reason else ''}; "
         + (f"warm-up {warm.summary()}" if warm is not None else "no warm-up: programs compile on first use"))
     name = args.served_model_name or (target.source if args.target is None else args.target)
-    return ServerState(engine, target.tokenizer, target.chat_template, name, label, max_body_bytes=args.max_body_bytes)
+    return ServerState(engine, target.tokenizer, target.chat_template, name, label, max_body_bytes=args.max_body_bytes,
+                       max_queued=args.max_queued_requests)
 
 
 def run(args: argparse.Namespace) -> None:
