@@ -37,7 +37,7 @@ from spec_jax.drafters.ngram import NGramDrafter
 K = 2
 DEPTHS = (0, K)  # two branches: each depth is a whole step to compile
 # A wider verify costs more (as on CPU) and the prior is optimistic: the first steps draft K, and
-# drafters that miss fall to K = 0, probing K every 4 plain steps.
+# drafters that miss fall to K = 0, probing K after 4 x 1.3 plain steps.
 SWITCHING = AdaptiveDepth(depths=DEPTHS, costs=(1.0, 1.3), prior=0.9, probe_every=4)
 NEW = 24
 
@@ -63,7 +63,7 @@ def test_adaptive_depth_exact_switching_and_settling(models):
         assert ids == plain[batch], (name, batch, how)
         assert len(set(trace)) == 2, (name, batch, trace)  # the depth changed mid-run
 
-    # Never right (a random DFlash drafter): K = 0 except the probes (one step in 5).
+    # Never right (a random DFlash drafter): K = 0 except the probes (one step in 7).
     _, trace = _run(models, prompts[3], DFlashDrafter(TINY_DFLASH, K), dflash_params, SWITCHING, "stream", 64)
     assert trace.count(0) >= 0.7 * len(trace), trace
 
@@ -103,14 +103,15 @@ def _run(models, prompts, drafter, params, depth, how, new=NEW):
 
 
 def test_draft_model_cache_stays_current_across_plain_steps(models):
-    """The target drafting for itself, made to take 4 plain steps between probes at K = 2:
+    """The target drafting for itself, made to take 14 plain steps between probes at K = 2:
     without `keep_current` its cache would miss tokens (a probe re-feeds K + 1 = 3 tokens, after
-    a step that committed 3 and 4 plain ones), and drafts would start missing."""
-    forced = dataclasses.replace(SWITCHING, costs=(1.0, 100.0))  # K = 0 but for the probes
+    a step that committed 3 and 14 plain ones), and drafts would start missing."""
+    # K = 2 is worth 3 tokens for 3.5 plain steps' time: K = 0 but for a probe after 4 x 3.5 steps.
+    forced = dataclasses.replace(SWITCHING, costs=(1.0, 3.5))
     prompts = make_prompts([9], seed=5)
     r = generate(models.target, prompts, self_drafter(models.cfg, K), models.params, k=forced,
-                 max_new_tokens=NEW, ignore_eos=True)
-    assert r.depth_trace[:6] == [0, 0, 0, 0, K, 0], r.depth_trace
+                 max_new_tokens=40, ignore_eos=True)
+    assert r.depth_trace[:16] == [0] * 14 + [K, 0], r.depth_trace
     assert r.stats.drafted > 0 and r.stats.accepted == r.stats.drafted, r.stats
 
 
@@ -135,6 +136,7 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
 
     chosen = picked(jnp.asarray([0.0, 0.2, 0.6, 0.95]))
     assert [policy.depths[int(i)] for i in chosen] == [0, 0, 4, 7]
+    assert AdaptiveDepth().probe_every == 16
     with pytest.raises(ValueError, match="one cost per depth"):
         AdaptiveDepth(depths=(0, 2), costs=(1.0,))
     with pytest.raises(ValueError, match="needs a drafter"):

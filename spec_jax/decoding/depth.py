@@ -18,8 +18,9 @@ Exactness: the depth depends only on the acceptance history (committed tokens), 
 current step's drafts, so each step is an ordinary speculative step at a depth fixed before it
 drafts: greedy output is token-identical to plain decoding, sampled output keeps its distribution.
 
-Exploration: after `probe_every` steps in a row at K = 0 (which observe nothing), one step drafts
-at the smallest depth, so a drafter that starts being right again is noticed.
+Exploration: after a run of K = 0 steps (which observe nothing) as long as `probe_every` times the
+smallest depth's cost over a plain step's, one step drafts at the smallest depth, so a drafter
+that starts being right again is noticed, at a cost of about 1 / probe_every of the time.
 
 Drafter state across K = 0 steps: kept current, never caught up later (a catch-up would need a
 pass as wide as the longest run of plain steps). A K = 0 step calls the drafter's optional
@@ -53,7 +54,9 @@ class AdaptiveDepth:
                   measured at first use (`spec_jax.decoding.depth_costs`).
     decay:        weight of the acceptance history per step (0.8: about the last 5 steps).
     prior:        acceptance rate assumed before any step drafted, worth `prior_weight` drafts.
-    probe_every:  after this many K = 0 steps in a row, one step drafts at the smallest depth.
+    probe_every:  after this many K = 0 steps in a row, times the cost ratio of the smallest
+                  depth to a plain step, one step drafts at the smallest depth (so probing
+                  costs at most about 1 / probe_every of the time).
     """
 
     depths: tuple[int, ...] | None = None
@@ -61,7 +64,7 @@ class AdaptiveDepth:
     decay: float = 0.8
     prior: float = 0.6
     prior_weight: float = 2.0
-    probe_every: int = 8
+    probe_every: int = 16
 
     def __post_init__(self):
         if self.depths is not None:
@@ -164,10 +167,12 @@ def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array) -> jax.Arr
     usable = jnp.isfinite(state.costs)
     value = jnp.where(usable, tokens / state.costs, -1.0)
     best = jnp.argmax(value).astype(jnp.int32)
-    # Probe: after `probe_every` idle steps, the smallest usable depth > 0 drafts once.
+    # Probe: the smallest usable depth > 0 drafts once after probe_every x (its cost / a plain
+    # step's) idle steps, so probing costs at most about 1 / probe_every of the time.
     probe_ok = usable & (depths > 0)
     probe = jnp.argmax(probe_ok).astype(jnp.int32)
-    should_probe = (depths[best] == 0) & (state.idle_steps >= policy.probe_every) & jnp.any(probe_ok)
+    wait = policy.probe_every * state.costs[probe] / state.costs[0]  # depths[0] is 0 when best is
+    should_probe = (depths[best] == 0) & (state.idle_steps >= wait) & jnp.any(probe_ok)
     return jnp.where(should_probe, probe, best)
 
 
