@@ -40,6 +40,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    from spec_jax.app import compilation_cache
+
+    compilation_cache.configure(None)  # the command line's persistent cache: a rerun loads its programs
     from spec_jax import default_drafter, generate, load_target
     from spec_jax.checkpoints import apply_chat_template
     from spec_jax.decoding.generate import with_tree
