@@ -207,8 +207,10 @@ class MtpLoss(TargetModelLoss):
         # Step 1: the frozen target over the sequences, as a prefill runs it.
         target = Target(target_params, self.target_model)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        _, captured, cache = forward_capturing(target, tokens, positions, self.target_model.init_cache(b, t),
-                                               self.drafter.capture_layers)
+        # The empty cache behind a barrier, as in the loop's prefill: XLA would otherwise fold
+        # constants through the pass over it (the train step's compile warned of slow folding).
+        empty = jax.lax.optimization_barrier(self.target_model.init_cache(b, t))
+        _, captured, cache = forward_capturing(target, tokens, positions, empty, self.drafter.capture_layers)
         captured, cache = jax.lax.stop_gradient((captured, cache))
         # Step 2: anchors at answer tokens with a next token (at inference the last committed
         # token is always a generated one).
