@@ -6,8 +6,8 @@ Qwen3.5 target (a Gated DeltaNet layer and a gated attention layer) whose direct
   equal a torch reference of vLLM's `qwen3_next_mtp` structure built from transformers' own
   Qwen3.5 layer (the MTP layer is a one-layer Qwen3_5TextModel fed fc(concat[norm(embed),
   norm(hidden)]), as SGLang builds it), read straight from the safetensors (1e-4, float32);
-- greedy speculative decoding with it equals plain decoding (a chain of K = 2 at batch 1 and 2, a
-  tree at batch 2): its pair cache catches up on accepted tokens, the target's recurrent state follows
+- greedy speculative decoding with it equals plain decoding (a chain of K = 2 at batch 1 and 2;
+  its trees are the pair-cache trees EAGLE-3's tree tests cover): its pair cache catches up on accepted tokens, the target's recurrent state follows
   the accepted path;
 - a checkpoint without the head (transformers' save_pretrained drops it) is a clear error.
 """
@@ -108,15 +108,15 @@ def test_mtp_head_matches_a_reference_of_vllms_structure(checkpoint):
 
 
 def test_greedy_speculation_with_the_mtp_head_equals_plain_decoding(checkpoint):
-    """Random drafts: rows reject at different depths; a chain of K = 2 at batch 1 and 2, a tree at 2."""
+    """Random drafts: rows reject at different depths; a chain of K = 2 at batch 1 and 2."""
     _, _, loaded, drafter, params = checkpoint
     rng = np.random.RandomState(5)
     prompts = [rng.randint(0, VOCAB, 9).tolist(), rng.randint(0, VOCAB, 5).tolist()]
-    common = dict(max_new_tokens=16, capacity=64, ignore_eos=True)
+    common = dict(max_new_tokens=12, capacity=32, ignore_eos=True)
     plain = spec_jax.generate(loaded, prompts, **common).generated_ids
-    for rows, mtp in ((1, drafter), (2, drafter), (2, QwenMtpDrafter(drafter.cfg, k=2, tree=4))):
-        got = spec_jax.generate(loaded, prompts[:rows], mtp, params, **common).generated_ids
-        assert got == plain[:rows], (rows, mtp.tree)
+    for rows in (1, 2):
+        got = spec_jax.generate(loaded, prompts[:rows], drafter, params, **common).generated_ids
+        assert got == plain[:rows], rows
 
 
 def test_a_checkpoint_without_the_head_is_a_clear_error(checkpoint, tmp_path):
