@@ -7,8 +7,8 @@ Qwen3.5 target (a Gated DeltaNet layer and a gated attention layer) whose direct
   Qwen3.5 layer (the MTP layer is a one-layer Qwen3_5TextModel fed fc(concat[norm(embed),
   norm(hidden)]), as SGLang builds it), read straight from the safetensors (1e-4, float32);
 - greedy speculative decoding with it equals plain decoding (a chain of K = 2 at batch 1 and 2;
-  its trees are the pair-cache trees EAGLE-3's tree tests cover): its pair cache catches up on accepted tokens, the target's recurrent state follows
-  the accepted path;
+  its trees are the pair-cache trees EAGLE-3's tree tests cover): its pair cache catches up on
+  accepted tokens, the target's recurrent state follows the accepted path;
 - a checkpoint without the head (transformers' save_pretrained drops it) is a clear error.
 """
 
