@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from spec_jax.checkpoints import save_hf_dir
+from spec_jax.app import bench
 from spec_jax.app.main import main
 from spec_jax.models import init_params
 from tiny_configs import small_llama
@@ -137,6 +138,15 @@ def test_bench_writes_json_and_png(tiny_dir, tmp_path, capsys):
         assert len(row["acceptance_histogram"]) == 3
     assert json.loads((out_dir / "results.json").read_text())["results"][0]["method"] == "AR"
     assert (out_dir / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --prompt-set both: a report per set, a table and a plot each (the sets are code and chat text)
+    code, chat = dict(report, prompt_set="humaneval[:2]"), dict(report, prompt_set="chat[:2]")
+    written = bench.write_outputs({"prompt_sets": [code, chat]}, tmp_path / "both")
+    assert [p.name for p in written] == ["results.json", "bench-humaneval.png", "bench-chat.png"]
+    bench.print_table({"prompt_sets": [code, chat]})
+    assert capsys.readouterr().out.count("speedup") == 2
+    shipped = bench.chat_prompts(100)
+    assert len(shipped) >= 20 and len({p.text for p in shipped}) == len(shipped)
+    assert not any("python" in p.text.lower() or "def " in p.text for p in shipped)  # not code
 
 
 def test_bench_table_and_info(tiny_dir, tmp_path, capsys):

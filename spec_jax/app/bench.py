@@ -49,6 +49,18 @@ def humaneval_prompts(num_prompts: int) -> list[Prompt]:
     return [Prompt(text=p["prompt"], source=p["task_id"]) for p in humaneval_problems()[:num_prompts]]
 
 
+def chat_prompts(num_prompts: int) -> list[Prompt]:
+    """The first `num_prompts` general chat prompts (stories, explanations, recipes, lists, emails:
+    not code) shipped in spec_jax/assets/chat_prompts.json, as user messages."""
+    from importlib.resources import files
+
+    data = json.loads(files("spec_jax").joinpath("assets/chat_prompts.json").read_text())
+    return [Prompt(text=p["text"], source=p["id"]) for p in data["prompts"][:num_prompts]]
+
+
+PROMPT_SETS = {"humaneval": humaneval_prompts, "chat": chat_prompts}
+
+
 def expand_methods(
     specs: Sequence[DrafterSpec], ks: Sequence[int | str | None], trees: Sequence[int | None] = (None,)
 ) -> list[DrafterSpec]:
@@ -226,8 +238,13 @@ def _histogram_text(hist: Sequence[int]) -> str:
 
 
 def print_table(report: dict[str, Any], file=None) -> None:
-    """A table (rich when available) of tokens/s, speedup, tau, acceptance histogram, exactness."""
+    """A table (rich when available) of tokens/s, speedup, tau, acceptance histogram, exactness;
+    one per prompt set for `--prompt-set both`."""
     file = file or sys.stdout
+    if "prompt_sets" in report:
+        for one in report["prompt_sets"]:
+            print_table(one, file)
+        return
     header = ["method", "K", "tree", "tok/s", "speedup", "tau", "accept", "histogram % (0..K accepted)", "= AR"]
     lines = []
     for row in report["results"]:
@@ -283,14 +300,18 @@ def print_table(report: dict[str, Any], file=None) -> None:
 
 
 def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """results.json and bench.png (acceptance histograms; speedup against K) under out_dir."""
+    """results.json and bench.png (acceptance histograms; speedup against K) under out_dir; with
+    several prompt sets, one bench-SET.png each."""
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "results.json"
     json_path.write_text(json.dumps(report, indent=1) + "\n")
-    png_path = out / "bench.png"
-    plot(report, png_path)
-    return [json_path, png_path]
+    written = [json_path]
+    for one in report.get("prompt_sets", [report]):
+        name = "bench.png" if "prompt_sets" not in report else f"bench-{one['prompt_set'].split('[')[0]}.png"
+        plot(one, out / name)
+        written.append(out / name)
+    return written
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
@@ -314,12 +335,15 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     if drafted:
         ax_hist.legend(fontsize="small")
     by_method: dict[str, list[tuple[int, float]]] = {}
-    for row in drafted:  # chains and trees of a drafter as two lines, against the verify width
+    for row in (r for r in drafted if "depth_counts" not in r):  # chains and trees as two lines each
         name = row["method"] + (" tree" if row.get("tree") else "")
         by_method.setdefault(name, []).append((row.get("verify_tokens", row["k"] + 1), row["speedup"]))
     for name, points in by_method.items():
         points.sort()
         ax_speed.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    for row in report["results"]:  # adaptive depth is no one width: a level to compare the fixed Ks with
+        if "depth_counts" in row:
+            ax_speed.axhline(row["speedup"], linestyle=":", color="tab:red", label=f"{row['method']} (per step)")
     ax_speed.axhline(1.0, color="gray", linestyle="--", label="AR")
     ax_speed.set_xlabel("tokens per verify pass (K + 1, or tree nodes + 1)")
     ax_speed.set_ylabel("speedup over AR (tokens/s)")
@@ -338,7 +362,11 @@ HELP = "AR vs drafters: tokens/s, speedup, acceptance"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_args(p)
     add_prompt_args(p)
-    p.add_argument("--num-prompts", type=int, default=10, help="first N HumanEval prompts (default 10)")
+    p.add_argument("--num-prompts", type=int, default=10, help="first N prompts of each set (default 10)")
+    p.add_argument("--prompt-set", choices=[*PROMPT_SETS, "both"], default="humaneval",
+                   help="humaneval (code), chat (26 general requests: stories, explanations, lists, emails) or "
+                   "both: one table (and plot) per set, since speculation pays very differently on each "
+                   "(default humaneval)")
     p.add_argument(
         "--drafters",
         default="ngram",
@@ -401,27 +429,30 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.batch_size < 1:
         raise inputs.UsageError(f"--batch-size must be >= 1, got {args.batch_size}.")
     if args.prompt_file or args.prompt_ids:
-        prompts = collect_prompts(args, [])
-        prompt_set = args.prompt_file or "--prompt-ids"
+        prompt_sets = {args.prompt_file or "--prompt-ids": collect_prompts(args, [])}
     else:
         if args.num_prompts < 1:
             raise inputs.UsageError(f"--num-prompts must be >= 1, got {args.num_prompts}.")
-        prompts = humaneval_prompts(args.num_prompts)
-        prompt_set = f"HumanEval[:{args.num_prompts}]"
+        names = list(PROMPT_SETS) if args.prompt_set == "both" else [args.prompt_set]
+        prompt_sets = {f"{name}[:{args.num_prompts}]": PROMPT_SETS[name](args.num_prompts) for name in names}
 
     target = inputs.load_target_or_fail(args.target, args.dtype)
     log(f"loaded {target.source}")
-    prompt_ids = inputs.encode_prompts(target, prompts, args.chat)
     methods = expand_methods(specs, ks, trees)
-    report = run_bench(
-        target,
-        prompt_ids,
-        methods,
-        batch_size=args.batch_size,
-        ignore_eos=args.ignore_eos,
-        progress=not args.no_progress,
-        extra_generate_kwargs=inputs.mesh_kwargs(args.mesh, target),
-        prompt_set=prompt_set,
-        **sampling,
-    )
-    return emit(args, report, write_outputs, print_table)
+    reports = [
+        run_bench(
+            target,
+            inputs.encode_prompts(target, prompts, args.chat),
+            methods,
+            batch_size=args.batch_size,
+            ignore_eos=args.ignore_eos,
+            progress=not args.no_progress,
+            extra_generate_kwargs=inputs.mesh_kwargs(args.mesh, target),
+            prompt_set=prompt_set,
+            **sampling,
+        )
+        for prompt_set, prompts in prompt_sets.items()
+    ]
+    if len(reports) == 1:
+        return emit(args, reports[0], write_outputs, print_table)
+    return emit(args, {"prompt_sets": reports}, write_outputs, print_table)
