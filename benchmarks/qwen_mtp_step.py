@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None, help="write qwen_mtp_step.json here")
     args = parser.parse_args(argv)
 
     target = load_target(args.target, dtype=args.dtype)
@@ -77,16 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     ar = loop_step_seconds(target, prompts, None, None, **common)
     mtp = loop_step_seconds(target, prompts, drafter, params, **common)
     propose_s = propose_seconds(target, drafter, params, prompts[0], capacity, args.repeats)
-    report = {"kind": "qwen_mtp_step", "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-              "target": args.target, "dtype": args.dtype, "context": args.context, "k": args.k, "ar": ar, "mtp": mtp,
-              "propose_s": propose_s, "drafter_share": propose_s / mtp["step_s"]}
-    print(f"{args.target} {args.dtype} on {report['device']}, batch 1, context {args.context}: AR step "
+    share = propose_s / mtp["step_s"]
+    print(f"{args.target} {args.dtype} on {jax.devices()[0].device_kind}, batch 1, context {args.context}: AR step "
           f"{ar['step_s'] * 1e3:.1f} ms; MTP chain of {args.k}: step {mtp['step_s'] * 1e3:.1f} ms = "
-          f"{mtp['step_s'] / ar['step_s']:.2f}x AR; its propose alone {propose_s * 1e3:.1f} ms "
-          f"({report['drafter_share']:.0%} of the step)")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "qwen_mtp_step.json").write_text(json.dumps(report, indent=2) + "\n")
+          f"{mtp['step_s'] / ar['step_s']:.2f}x AR; its propose alone {propose_s * 1e3:.1f} ms ({share:.0%} of the step)")
+    print(json.dumps({"ar": ar, "mtp": mtp, "propose_s": propose_s, "drafter_share": share}))
     return 0
 
 
