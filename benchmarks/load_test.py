@@ -123,8 +123,8 @@ def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, 
         "tau_mean": statistics.fmean(r["tau"] for r in results),
         "compile_s": compile_s, "chunks": engine.chunks_run, "max_admits": args.max_admits,
     }
-    if engine.adaptive is not None:
-        row["k_used"] = {str(k): n for k, n in sorted(engine.k_chunks.items())}
+    if engine.depth is not None:  # steps per depth (the adaptive policy)
+        row["depth_steps"] = {str(d): n for d, n in sorted(engine.depth_counts.items())}
     print(json.dumps(row), flush=True)
     return row
 

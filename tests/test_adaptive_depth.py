@@ -148,11 +148,11 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
                               capacity=call.capacity, depth=call.depth).as_text()
     assert "stablehlo.case" in text and not re.search(r"callback|infeed|outfeed|\bsend\b|\brecv\b", text)
 
-    # The command line: --k adaptive for generate and bench; serve refuses it.
+    # The command line: --k adaptive for generate, bench and serve; other commands refuse it.
     assert parse_ks("4,adaptive") == [4, "adaptive"] and k_value("Adaptive") == "adaptive"
     args = argparse.Namespace(k="adaptive", drafter="ngram", tree=None, target=None)
     assert drafter_spec_from_args(args, adaptive_ok=True).adaptive
-    with pytest.raises(UsageError, match="serving engine"):
+    with pytest.raises(UsageError, match="generate, bench and serve"):
         drafter_spec_from_args(args)
 
     monkeypatch.setenv("SPEC_JAX_DEPTH_COSTS", str(tmp_path / "costs.json"))

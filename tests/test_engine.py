@@ -1,7 +1,7 @@
 """The continuous-batching engine: requests arriving while others are mid-generation give what
 each gives alone (greedy), per-request sampling values, caps, stop ids; cancel frees the slot at
-once; no compile after warm-up while requests come and go; adaptive K switches between compiled
-K variants without changing greedy output. Every drafter kind, sharded on a mesh, runs in a
+once; no compile after warm-up while requests come and go; the adaptive depth switches depth
+per step inside the chunk without changing greedy output or recompiling. Every drafter kind, sharded on a mesh, runs in a
 fresh process with 8 fake CPU devices (tests/engine_worker.py)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax
 import pytest
 from conftest import make_prompts
 
-from spec_jax.decoding.engine import AdaptiveK, Engine
+from spec_jax.decoding.depth import AdaptiveDepth
+from spec_jax.decoding.engine import Engine
 from spec_jax.decoding.generate import generate
-from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 
 # <= 16 tokens (one prompt bucket); rows 1 and 2 meet EOS mid-way (conftest).
@@ -71,7 +71,7 @@ def run_staggered(engine, requests, cancel_after=None):
     return {i: tuple(v) for i, v in out.items()}
 
 
-def test_staggered_requests_equal_each_alone(engine, alone):
+def test_staggered_requests_equal_each_alone(models, engine, alone):
     got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
     for i, (ids, reason) in enumerate(alone):
         assert got[i][0] == ids and got[i][1] == reason, i
@@ -176,31 +176,25 @@ def test_request_errors_name_the_field(engine):
         engine.check_request([5, 500], max_new_tokens=4)
     with pytest.raises(ValueError, match="stop ids"):
         engine.check_request(PROMPTS[0], stop_ids=list(range(20)), max_new_tokens=4)
-    with pytest.raises(ValueError, match="k_choices.*0.*state"):  # a draft model's cache
-        Engine((engine.model.cfg, engine.programs.target_params), DraftModelDrafter(engine.model.cfg, 2),
-               engine.programs.target_params, k_choices=(0, 2))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(models.target, k="adaptive")
 
 
-def test_adaptive_k_switches_variants_and_keeps_greedy_output(models, alone):
+def test_adaptive_depth_per_step_keeps_greedy_output(models, alone):
+    """The engine's chunk runs `generate`'s per-step depth policy: with costs that make depth 3
+    pay only while drafts are accepted (the prior's 0.6) and a plain step otherwise, the depth
+    switches inside chunks as acceptance changes; output equals plain decoding's, no compile after
+    warm-up."""
     engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2,
-                    k_choices=(0, 3))
-    engine.warmup([16])  # a chunk per K, an admit per K's stats (K=3's are the module engine's)
-    assert sorted(engine.programs.exes) == [("admit", 16, 0), ("admit", 16, 3), ("chunk", 0), ("chunk", 3)]
-    compiled = engine.compiles
-    got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
+                    k=AdaptiveDepth(depths=(0, 3), costs=(1.0, 2.0)))
+    engine.warmup([16])
+    assert sorted(engine.programs.exes) == [("admit", 16, 3), ("chunk", 3)]
+    with backend_compiles() as compiles:
+        before = engine.compiles
+        got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
     assert [got[i][:2] for i in range(len(PROMPTS))] == alone
-    assert set(engine.k_chunks) == {0, 3}  # each variant is timed once, then chosen by rate
-    assert engine.compiles == compiled
-
-
-def test_adaptive_k_prefers_speculation_only_when_it_pays():
-    chooser = AdaptiveK((0, 2, 4))
-    for k, step_s in ((0, 0.010), (2, 0.012), (4, 0.014)):
-        chooser.update(k, 1, steps=10, seconds=10 * step_s, accepted=16, rejecting_steps=4)
-    assert chooser.choose(1) == 4  # acceptance 0.8: 4 drafts pay for their step time
-    for k, step_s in ((0, 0.010), (2, 0.030), (4, 0.050)):
-        chooser.update(k, 8, steps=10, seconds=10 * step_s, accepted=2, rejecting_steps=10)
-    assert chooser.choose(8) == 0  # slow verify at 8 rows and low acceptance: plain decoding
+    assert engine.depth_counts[0] > 0 and engine.depth_counts[3] > 0, engine.depth_counts
+    assert compiles == [] and engine.compiles == before
 
 
 def test_every_drafter_kind_on_a_mesh():

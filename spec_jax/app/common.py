@@ -156,8 +156,7 @@ def drafter_spec_from_args(
     adaptive = args.k == "adaptive"
     k = None if adaptive else args.k
     if adaptive and not adaptive_ok:
-        raise UsageError("--k adaptive is for generate and bench (the serving engine pins K for now); "
-                         "pass a number of drafts per step.")
+        raise UsageError("--k adaptive is for generate, bench and serve; pass a number of drafts per step.")
     if adaptive:
         if tree:
             raise UsageError("--k adaptive chooses the depth of a chain; drop --tree (or pass --tree 0).")

@@ -26,6 +26,7 @@ This module is the command; the API itself (request models, handlers, the engine
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import threading
 import time
 
@@ -56,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-admits", type=int, default=None,
                    help="prefills between two chunks (default: every free slot; fewer = smoother running streams)")
     p.add_argument("--k-choices", default=None, metavar="0,2,4",
-                   help="adaptive K: the drafter's K variants to choose from live (0 = plain decoding, ngram only)")
+                   help="the depths --k adaptive chooses from each step (0 = a plain step; default 0, 2, "
+                   "about K/2 and K)")
     p.add_argument("--suffix-store-tokens", type=int, default=None, metavar="N",
                    help="with a suffix drafter (suffix, KIND+suffix): tokens of earlier requests' prompts and "
                    "outputs it searches (default 16384; 4 bytes each, one store per server)")
@@ -123,11 +125,14 @@ def check_args(args: argparse.Namespace) -> list[int] | None:
 def build_state(args: argparse.Namespace) -> "ServerState":
     """Load the target and drafter, build the engine and compile its programs."""
     from spec_jax.app.openai_api import ServerState
+    from spec_jax.decoding.depth import AdaptiveDepth
     from spec_jax.decoding.engine import Engine
     from spec_jax.drafters.suffix import store_of_size
 
     k_choices = check_args(args)
-    spec = drafter_spec_from_args(args, (), batch=args.slots)
+    spec = drafter_spec_from_args(args, (), batch=args.slots, adaptive_ok=True)
+    if k_choices is not None and spec.kind != "none":  # the adaptive policy's depths
+        spec = dataclasses.replace(spec, adaptive=True)
     t0 = time.perf_counter()
     target = inputs.load_target_or_fail(args.target, args.dtype)
     if target.tokenizer is None:
@@ -141,12 +146,13 @@ def build_state(args: argparse.Namespace) -> "ServerState":
             raise inputs.UsageError(str(e)) from None
     mesh = inputs.mesh_kwargs(args.mesh, target).get("mesh")
     engine = Engine(target, drafter, drafter_params, slots=args.slots, max_model_len=args.max_model_len,
-                    chunk_steps=args.chunk_steps, k_choices=k_choices, max_admits_per_step=args.max_admits,
+                    chunk_steps=args.chunk_steps, max_admits_per_step=args.max_admits,
+                    k=None if not spec.adaptive else AdaptiveDepth(depths=tuple(k_choices) if k_choices else None),
                     mesh=mesh, max_logprobs=None if args.max_logprobs < 0 else args.max_logprobs)
     warm = engine.warmup() if args.warmup else None
     label = spec.label if spec.kind != "none" else "none"
     log(f"engine: {args.slots} slots, max model length {engine.max_model_len}, drafter {label} "
-        f"K={'adaptive ' + str(sorted(engine.drafters)) if engine.adaptive else engine.k}"
+        f"K={'adaptive ' + str(list(engine.depth.depths)) if engine.depth else engine.k}"
         f"{' (' + spec.reason + ')' if spec.reason else ''}; "
         + (f"warm-up {warm.summary()}" if warm is not None else "no warm-up: programs compile on first use"))
     name = args.served_model_name or (target.source if args.target is None else args.target)

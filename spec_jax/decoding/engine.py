@@ -19,14 +19,15 @@ its request's own PRNG key (from its seed, or a fresh one drawn by the engine's 
 it has none), folded with the row's committed length at every draw (`loop.draw_keys`); so a seeded
 request gives the same tokens whatever runs beside it and whichever slot it gets.
 
-Adaptive K (`k_choices`): the same drafter compiled at several K (0 = plain decoding when the
-drafter keeps no state of its own); before each chunk `AdaptiveK` picks the K with the most
-expected tokens per second from an EMA of the acceptance rate and the measured step time at the
-current number of live rows.
+Adaptive depth (`k="adaptive"`, or an `AdaptiveDepth`): the policy `generate` uses
+(`spec_jax.decoding.depth`), inside the chunk program: each step of a chunk picks its depth (0 = a
+plain step) for the live rows together from their acceptance EMAs and the step costs (measured
+once by `depth_costs`, or supplied), with no host round trip and one compiled chunk whatever the
+depth. Each row's EMA restarts from the policy's prior when its slot is admitted.
 
 The parts, each testable on its own: `slots.SlotTable` (host-side slot bookkeeping and the
-hand-out of new tokens), `scheduler.Scheduler` (waiting requests, cancellations, admissions) and
-`scheduler.AdaptiveK`, `engine_programs.EnginePrograms` (the state layout and compiled programs).
+hand-out of new tokens), `scheduler.Scheduler` (waiting requests, cancellations, admissions),
+`engine_programs.EnginePrograms` (the state layout and compiled programs).
 This module wires them into `Engine`.
 """
 
@@ -42,18 +43,19 @@ import jax
 import numpy as np
 
 from spec_jax.decoding import validation
+from spec_jax.decoding.depth import AdaptiveDepth, as_adaptive_depth
 from spec_jax.decoding.engine_programs import EnginePrograms
 from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, round_capacity, stop_id_array, with_k
-from spec_jax.decoding.loop import LoopState, tree_budget
+from spec_jax.decoding.loop import LoopState, check_adaptive, tree_budget
 from spec_jax.decoding.programs import CompileTally
-from spec_jax.decoding.scheduler import AdaptiveK, Scheduler
+from spec_jax.decoding.scheduler import Scheduler
 from spec_jax.decoding.slots import Counters, EngineEvent, PositionTotals, RequestParams, RequestStats, SlotTable
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.suffix import host_store, with_store
 from spec_jax.models.resolve import resolve_target
 from spec_jax.sharding.placement import gather_to_host
 
-__all__ = ["AdaptiveK", "Engine", "EngineEvent", "RequestParams", "RequestStats"]
+__all__ = ["Engine", "EngineEvent", "RequestParams", "RequestStats"]
 
 DEFAULT_MAX_MODEL_LEN = 1024
 DEFAULT_MAX_NEW_TOKENS = 128  # generate's default, lowered to what max_model_len leaves
@@ -65,16 +67,20 @@ WARMUP_WORKERS = 1
 MAX_LOGPROBS = 20  # the most top tokens per position a request may ask for (OpenAI's and vLLM's bound)
 
 
-def k_variants(drafter: Drafter | None, k_choices: Sequence[int] | None) -> list[int]:
-    """The K values the engine compiles: each of k_choices (0 = no drafter), else the drafter's K."""
-    if k_choices is None:
-        return [drafter.k if drafter is not None else 0]
-    ks = sorted(set(validation.check_int("k_choices entry", k, minimum=0) for k in k_choices))
-    if not ks:
-        raise ValueError("k_choices is empty: give the K values to choose from, e.g. (0, 2, 4).")
-    if drafter is None and ks != [0]:
-        raise ValueError(f"k_choices {ks} need a drafter; without one the engine decodes plainly.")
-    return ks
+def depth_policy(drafter: Drafter | None, k: Any, k_choices: Sequence[int] | None) -> AdaptiveDepth | None:
+    """The engine's adaptive depth policy (its depths filled in), or None when K is fixed: `k`
+    "adaptive" or an AdaptiveDepth, or `k_choices` (the depths to choose from, 0 = a plain step)."""
+    depth = as_adaptive_depth(k)
+    if k_choices is not None:
+        if k is not None:
+            raise ValueError("give k or k_choices, not both (k_choices = the adaptive policy's depths).")
+        depths = [validation.check_int("k_choices entry", d, minimum=0) for d in k_choices]
+        if not depths:
+            raise ValueError("k_choices is empty: give the depths to choose from, e.g. (0, 2, 4).")
+        depth = AdaptiveDepth(depths=tuple(depths))
+    if depth is not None and drafter is None:
+        raise ValueError("an adaptive depth needs a drafter: plain decoding has no depth to choose.")
+    return None if depth is None else depth.for_k(drafter.k)
 
 
 def model_length_and_capacity(max_model_len: Any, pass_max: int, max_positions: int) -> tuple[int, int]:
@@ -102,9 +108,12 @@ class Engine:
             for event in engine.step():
                 ...  # event.request_id, event.new_ids, event.finish_reason
 
-    target: as `generate` takes it. drafter: None for plain decoding, else any Drafter (its K, or
-    `k_choices` for adaptive K). max_model_len: the most prompt + new tokens one request may use
-    (default min(1024, the model's positions)). max_admits_per_step: prefills between two chunks
+    target: as `generate` takes it. drafter: None for plain decoding, else any Drafter. k: None
+    (the drafter's K), an int (pins K), "adaptive" or an `AdaptiveDepth` (each step of a chunk picks
+    its depth, as `generate(k="adaptive")` does; costs measured once per configuration unless the
+    policy carries them); k_choices: shorthand for `AdaptiveDepth(depths=k_choices)`.
+    max_model_len: the most prompt + new tokens one request may use (default min(1024, the
+    model's positions)). max_admits_per_step: prefills between two chunks
     (default: fill every free slot; a bound caps the pause running streams see while new
     requests are admitted, at the cost of their time to first token). mesh / sharding_rules: as
     `generate`'s; the state's rows are split over `data`. seed: where the fresh seeds of requests
@@ -115,8 +124,8 @@ class Engine:
 
     Its parts: `slot_table` (which request holds which row, host side: `live`, `slot_of`),
     `scheduler` (waiting requests, cancellations, admissions, `max_admits_per_step`), `programs`
-    (the state layout, the placed weights and the compiled programs), `adaptive` (the K chooser,
-    when there are K choices).
+    (the state layout, the placed weights and the compiled programs), `depth` (the adaptive
+    policy, None when K is fixed) and `depth_counts` (steps run at each depth).
     """
 
     def __init__(
@@ -128,6 +137,7 @@ class Engine:
         slots: int = 8,
         max_model_len: int | None = None,
         chunk_steps: int = 4,
+        k: int | str | AdaptiveDepth | None = None,
         k_choices: Sequence[int] | None = None,
         max_admits_per_step: int | None = None,
         mesh: Any = None,
@@ -151,32 +161,56 @@ class Engine:
         # A suffix drafter's store of finished requests' text: one per engine, read by every chunk.
         self.suffix_store = host_store(drafter, drafter_params)
         self.mesh = mesh
-        ks = k_variants(drafter, k_choices)
-        self.drafters: dict[int, Drafter | None] = {k: with_k(drafter, k) if k else None for k in ks}
+        self.depth = depth_policy(drafter, k, k_choices)
+        if self.depth is not None:
+            if mesh is not None:
+                raise ValueError("the adaptive depth does not run on a mesh yet; pin K (an int k) with mesh=.")
+            drafter = with_k(drafter, self.depth.max_depth)
+            check_adaptive(drafter, self.depth)
+        else:
+            drafter = with_k(drafter, validation.check_k(k))
+        self.k = drafter.k if drafter is not None else 0  # the fixed K, or the adaptive policy's largest depth
+        self.drafters: dict[int, Drafter | None] = {self.k: drafter}
         # Slots one verify pass writes past the last committed token: K, or N for a tree drafter.
-        pass_max = max(max(ks), tree_budget(drafter))
+        pass_max = max(self.k, tree_budget(drafter))
         self.max_model_len, self.capacity = model_length_and_capacity(
             max_model_len, pass_max, int(self.model.max_positions))
         for d in self.drafters.values():
             if d is not None:
                 d.validate(self.model, self.capacity)
-        self.adaptive = AdaptiveK(ks) if len(ks) > 1 else None
-        self.k = ks[-1] if self.adaptive is None else None  # the fixed K, or None when adaptive
         self.programs = EnginePrograms(self.model, self.drafters, resolved.params, drafter_params,
                                        capacity=self.capacity, slots=self.slots, mesh=mesh,
-                                       sharding_rules=sharding_rules, top_logprobs=max_logprobs)
-        self.state: LoopState = self.programs.initial_state()
+                                       sharding_rules=sharding_rules, top_logprobs=max_logprobs,
+                                       depth=None if self.depth is None else self.depth.static())
+        depth_costs = None
+        if self.depth is not None:
+            depth_costs = self.depth.costs or self._measure_depth_costs(target, drafter, drafter_params)
+            self.depth = dataclasses.replace(self.depth, costs=tuple(depth_costs))
+        self.state: LoopState = self.programs.initial_state(depth_costs)
         # Seeds for requests that bring none (each gets a fresh one; the engine's seed makes a batch run repeatable).
         self._fresh_seeds = np.random.default_rng(validation.check_int("seed", seed, minimum=0,
                                                                        maximum=validation.SEED_MAX))
         self._seed_lock = threading.Lock()
-        self.current_k = ks[-1]  # adaptive K starts at the largest and learns from there
         self.slot_table = SlotTable(self.slots)
         self.scheduler = Scheduler(max_admits_per_step)
         self.chunks_run = 0
         self.k_chunks: collections.Counter[int] = collections.Counter()  # chunks run per K
+        self.depth_counts: collections.Counter[int] = collections.Counter()  # steps run per depth (adaptive)
         self.positions = PositionTotals()  # drafts offered and accepted per position (/metrics)
-        self._host_step = 0
+
+    def _measure_depth_costs(self, target: Any, drafter: Drafter, drafter_params: Any) -> tuple[float, ...]:
+        """Each depth's step time at this engine's batch and capacity, as `generate` measures it
+        (`depth_costs.costs_for`: its adaptive loop at `slots` rows, timed once per device kind,
+        model and batch bucket, then read from the cache file)."""
+        from spec_jax.decoding.depth_costs import NEW_TOKENS, costs_for
+        from spec_jax.decoding.generate import compiled_loop, prepare_inputs
+
+        prompt = [0] * min(4, self.max_model_len - 1)
+        call = prepare_inputs(target, [prompt] * self.slots, drafter, drafter_params, k=self.depth,
+                              capacity=self.capacity, ignore_eos=True,
+                              max_new_tokens=min(NEW_TOKENS, self.max_model_len - len(prompt)))
+        compiled, _ = compiled_loop(call.target.model, call.drafter, call.capacity, call.inputs, None, call.depth)
+        return costs_for(compiled, call)
 
     @property
     def compiles(self) -> int:
@@ -256,29 +290,16 @@ class Engine:
                 prompt_lengths.append(2 * prompt_bucket(prompt_lengths[-1]))
         buckets = sorted({min(prompt_bucket(n), self.capacity) for n in prompt_lengths})
         probe = RequestParams(prompt_ids=(0,), max_new_tokens=1)
-        jobs = []
-        for k in self.drafters:  # admits are compiled per K: the state's Stats have K's shape
-            self._use_stats_of(k)
-            jobs.append(self.programs.chunk_job(k, self.programs.chunk_args(self.state, self.slot_table,
-                                                                            self.chunk_steps)))
-            for bucket in buckets:
-                jobs.append(self.programs.admit_job(bucket, self.programs.admit_args(self.state, 0, probe, bucket)))
-        self._use_stats_of(self.current_k)
+        jobs = [self.programs.chunk_job(self.k, self.programs.chunk_args(self.state, self.slot_table,
+                                                                         self.chunk_steps))]
+        for bucket in buckets:
+            jobs.append(self.programs.admit_job(bucket, self.programs.admit_args(self.state, 0, probe, bucket)))
         self.programs.compile_all(jobs, workers)
         return self.programs.tally.since(before, time.perf_counter() - t0)
-
-    def _use_stats_of(self, k: int) -> None:
-        self.state, restarted = self.programs.stats_for(self.state, k)
-        if restarted:
-            self.slot_table.forget_counters()
-            self.positions.restart()
 
     def step(self) -> list[EngineEvent]:
         """Admit, run one chunk, hand out new tokens; see the module docstring."""
         events = self._cancel_requests()
-        k = self._choose_k()
-        self._use_stats_of(k)
-        self.current_k = k
         admitted = self._admit_waiting()
         if not self.slot_table.running:
             return events
@@ -286,7 +307,7 @@ class Engine:
             tokens, logprobs = self._host((self.state.tokens, self._logprobs_wanted(admitted)))
             now = time.perf_counter()
             events += [self.slot_table.hand_out_first(slot, tokens, now, logprobs) for slot in admitted]
-        return events + self._run_chunk(k)
+        return events + self._run_chunk()
 
     def _cancel_requests(self) -> list[EngineEvent]:
         cancelled, dropped = self.scheduler.take_cancelled()
@@ -296,12 +317,6 @@ class Engine:
             if slot is not None:
                 events.append(EngineEvent(rid, [], "cancelled", self.slot_table.release(slot).stats))
         return events
-
-    def _choose_k(self) -> int:
-        if self.adaptive is None:
-            return self.current_k
-        live_after_admit = min(self.slots, len(self.slot_table.running) + len(self.scheduler.waiting))
-        return self.adaptive.choose(live_after_admit) if live_after_admit else self.current_k
 
     def _admit_waiting(self) -> list[int]:
         """Prefill waiting requests into free slots -> the slots admitted."""
@@ -321,29 +336,23 @@ class Engine:
     def _host(self, tree: Any) -> Any:
         return gather_to_host(tree) if self.mesh is not None else jax.device_get(tree)
 
-    def _run_chunk(self, k: int) -> list[EngineEvent]:
-        """One chunk at K over every row -> each request's new tokens (and finish)."""
-        live = len(self.slot_table.running)
+    def _run_chunk(self) -> list[EngineEvent]:
+        """One chunk over every row -> each request's new tokens (and finish)."""
         args = self.programs.chunk_args(self.state, self.slot_table, self.chunk_steps)
-        exe = self.programs.chunk(k, args)
-        t0 = time.perf_counter()
-        self.state = exe(*args)
+        self.state = self.programs.chunk(self.k, args)(*args)
         state = self.state
-        tokens, lengths, finish, done, step, stats, logprobs = self._host(
-            (state.tokens, state.lengths, state.finish_reason, state.done, state.step, state.stats,
-             self._logprobs_wanted(self.slot_table.running)))
-        seconds = time.perf_counter() - t0
-        steps_run, self._host_step = int(step) - self._host_step, int(step)
+        tokens, lengths, finish, done, stats, logprobs, depth_counts = self._host(
+            (state.tokens, state.lengths, state.finish_reason, state.done, state.stats,
+             self._logprobs_wanted(self.slot_table.running), None if state.depth is None else state.depth.counts))
         self.chunks_run += 1
-        self.k_chunks[k] += 1
+        self.k_chunks[self.k] += 1
+        if depth_counts is not None:  # the state's totals since the engine started
+            self.depth_counts = collections.Counter({d: int(n) for d, n in zip(self.depth.depths, depth_counts) if n})
         self.positions.add(stats.steps, stats.position_accepted)
         if self.suffix_store is not None:
             self._feed_suffix_store(tokens, lengths, done)
-        events, total = self.slot_table.collect(tokens, lengths, finish, done, Counters.of_rows(stats, k),
-                                                time.perf_counter(), logprobs)
-        if self.adaptive is not None:
-            rejecting = total.steps - total.full_steps  # steps that rejected a draft
-            self.adaptive.update(k, live, steps_run, seconds, int(total.accepted), int(rejecting))
+        events, _ = self.slot_table.collect(tokens, lengths, finish, done, Counters.of_rows(stats, self.k),
+                                            time.perf_counter(), logprobs)
         return events
 
     def _feed_suffix_store(self, tokens: Any, lengths: Any, done: Any) -> None:

@@ -2,9 +2,10 @@
 
 One `LoopState` of `slots` rows at a fixed capacity, and two kinds of program on it, each jitted
 with the state donated:
-  - a chunk per K variant: up to `chunk_steps` speculative steps over every row (`run_chunk`);
-  - an admit per prompt bucket (and Stats K): a 1-row `prefill` scattered into one slot's row of
-    every state leaf (tokens, target cache, drafter state, stats).
+  - the chunk: up to `chunk_steps` speculative steps over every row (`run_chunk`; with an adaptive
+    `depth`, each step picks its depth, and the state carries the policy's `DepthState`);
+  - an admit per prompt bucket: a 1-row `prefill` scattered into one slot's row of every state
+    leaf (tokens, target cache, drafter state, stats, the row's acceptance EMAs).
 Programs are shared between engines of the same configuration (a process that builds several
 engines compiles each program once).
 """
@@ -21,7 +22,8 @@ import numpy as np
 from spec_jax.decoding import saved_programs
 from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
 from spec_jax.decoding.generate import stop_id_array
-from spec_jax.decoding.loop import LoopInputs, LoopState, Stats, prefill
+from spec_jax.decoding.depth import AdaptiveDepth
+from spec_jax.decoding.loop import LoopInputs, LoopState, prefill, with_depth_state
 from spec_jax.decoding.programs import CompileTally, ProgramCache, signature
 from spec_jax.decoding.slots import RequestParams
 from spec_jax.drafters.base import Drafter
@@ -70,22 +72,22 @@ def zeros_like_abstract(abstract: Any) -> Any:
 class EnginePrograms:
     """The state layout, its placement on a mesh, and the compiled chunk and admit programs.
 
-    drafters: the K variants ({K: drafter at K, or None for K = 0}); they share one state (only
-    Stats differ), which is checked here. top_logprobs: None, or the state keeps `TokenLogprobs`
-    with this many top tokens per position (for requests that ask for logprobs). `tally` (`compiles`, `compile_s`) counts the programs
+    drafters: {K: the drafter at K, or None for plain decoding} (one entry). top_logprobs: None,
+    or the state keeps `TokenLogprobs` with this many top tokens per position (for requests that
+    ask for logprobs). depth: the adaptive depth policy's static part (None: K is fixed); its
+    costs travel in the state (`initial_state`). `tally` (`compiles`, `compile_s`) counts the programs
     compiled by this object (not ones shared from another engine)."""
 
     def __init__(self, model: Any, drafters: dict[int, Drafter | None], target_params: Any, drafter_params: Any,
                  *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None,
-                 top_logprobs: int | None = None):
+                 top_logprobs: int | None = None, depth: AdaptiveDepth | None = None):
         self.model, self.drafters, self.capacity, self.slots, self.mesh = model, drafters, capacity, slots, mesh
-        self.top_logprobs = top_logprobs
+        self.top_logprobs, self.depth = top_logprobs, depth
         self.target_params, self.drafter_params = target_params, drafter_params
         self.widest = drafters[max(drafters)]  # the drafter at the largest K: admits use its layout
         abstract_one = self._abstract_prefill(1, self.widest)
         self.batch_axes = batch_axes(abstract_one, self._abstract_prefill(2, self.widest))
         self.abstract = self._abstract_prefill(slots, self.widest)
-        self._check_variants(abstract_one)
         self.state_shardings = None
         if mesh is not None:
             self._place_on(mesh, sharding_rules)
@@ -103,32 +105,18 @@ class EnginePrograms:
 
     def _abstract_prefill(self, batch: int, drafter: Drafter | None) -> LoopState:
         def fn(params, drafter_params):
-            return prefill(
+            state = prefill(
                 Target(params, self.model), drafter, drafter_params,
                 jnp.zeros((batch, 16), jnp.int32), jnp.ones((batch,), jnp.int32), row_keys(batch),
                 SamplingParams.create(), jnp.int32(1), jnp.asarray(stop_id_array(())), self.capacity,
                 self.top_logprobs,
             )
+            return with_depth_state(state, self.depth, self._placeholder_costs())
 
         return jax.eval_shape(fn, self.target_params, self.drafter_params)
 
-    def _check_variants(self, abstract_one: LoopState) -> None:
-        stateless = not jax.tree_util.tree_leaves(self.abstract.drafter_state)
-        if 0 in self.drafters and self.widest is not None and not stateless:
-            raise ValueError(
-                "k_choices includes 0 (plain decoding), but this drafter keeps state that plain "
-                "steps would not update (a draft model's cache, DFlash's context); use K >= 1 "
-                "choices with it, or 0 only with ngram."
-            )
-        k_max = max(self.drafters)
-        for k, d in self.drafters.items():
-            if d is not None and k != k_max and str(self._abstract_prefill(1, d).drafter_state) != str(
-                abstract_one.drafter_state
-            ):
-                raise ValueError(
-                    f"k_choices: this drafter's state has a different layout at K={k} than at "
-                    f"K={k_max}, so the engine cannot switch between them; give one K."
-                )
+    def _placeholder_costs(self) -> Any:
+        return None if self.depth is None else jnp.ones((len(self.depth.depths),), jnp.float32)
 
     def _place_on(self, mesh: Any, sharding_rules: Any) -> None:
         """State shardings from the rules, and the weights placed once, as `generate` places them."""
@@ -145,13 +133,15 @@ class EnginePrograms:
         )
         self.target_params, self.drafter_params = placed.target_params, placed.drafter_params
 
-    def initial_state(self) -> LoopState:
+    def initial_state(self, depth_costs: Any = None) -> LoopState:
         """Every row free: done, one committed token whose cache holds nothing (lengths - 1 = 0);
-        each admit puts its request's own key in its row."""
+        each admit puts its request's own key in its row. depth_costs: each adaptive depth's step
+        time (traced: new costs never recompile)."""
         state = zeros_like_abstract(self.abstract).replace(
             done=jnp.ones((self.slots,), bool),
             lengths=jnp.ones((self.slots,), jnp.int32),
         )
+        state = with_depth_state(state, self.depth, depth_costs)
         if self.state_shardings is not None:
             from spec_jax.sharding.rules import place
 
@@ -171,23 +161,6 @@ class EnginePrograms:
         key = request_key(params.seed, params.choice)[None]
         return self.place(key) if self.mesh is not None else key
 
-    def stats_for(self, state: LoopState, k: int) -> tuple[LoopState, bool]:
-        """The state with Stats of K's shape -> (state, whether Stats restarted from zero: K
-        changed, and the host keeps the totals)."""
-        if k == self.stats_k:
-            return state, False
-        # A copy per leaf: Stats.zeros shares one zeros array between counters, and a donated
-        # state may not hold one buffer twice.
-        stats = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), Stats.zeros(self.slots, k))
-        if self.state_shardings is not None:
-            from spec_jax.sharding.rules import state_shardings
-
-            stats = jax.tree_util.tree_map(
-                lambda x, s: jax.device_put(x, s), stats, state_shardings(stats, self.mesh)
-            )
-        self.stats_k = k
-        return state.replace(stats=stats), True
-
     def _compile(self, key: Any, fn: Any, args: tuple) -> Any:
         """The program for `key` (("chunk", K) or ("admit", bucket, stats K)): this object's, else
         one an engine of the same configuration compiled, else compiled now."""
@@ -195,12 +168,12 @@ class EnginePrograms:
         if exe is None:
             drafter = self.drafters[key[1]] if key[0] == "chunk" else self.widest
             config = (key, self.model, drafter, self.capacity, self.slots, self.mesh, str(self.state_shardings),
-                      signature(args, self.mesh))
+                      signature(args, self.mesh), self.depth)
             kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
             # What `fn` closes over (chunk_job / admit_job), so a saved program is found only by its
             # own configuration.
             closed_over = (self.model, drafter, self.capacity, self.batch_axes if key[0] == "admit" else None,
-                           self.top_logprobs)
+                           self.top_logprobs) + (() if self.depth is None else (self.depth,))
             exe, _ = _SHARED_PROGRAMS.get_or_compile(
                 config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh, tally=self.tally,
                 saved_as=lambda: saved_programs.key_for(f"engine.{fn.__name__}", (key, *closed_over), args,
@@ -235,14 +208,14 @@ class EnginePrograms:
 
     def chunk_job(self, k: int, args: tuple) -> tuple[Any, Any, tuple]:
         """(key, function, arguments) of the chunk program at K."""
-        model, drafter = self.model, self.drafters[k]
+        model, drafter, depth = self.model, self.drafters[k], self.depth
 
         def chunk(state, live, wants_logprobs, target_params, drafter_params, sampling, max_new, stop_ids, max_steps):
             state = state.replace(done=state.done | ~live)  # freed rows stop at once
             if state.logprobs is not None:  # only rows whose request asks record them
                 state = state.replace(logprobs=state.logprobs.replace(wanted=wants_logprobs))
             return run_chunk(state, target_params, drafter_params, sampling, max_new, stop_ids,
-                             max_steps, jnp.int32(NO_STEP_CAP), model=model, drafter=drafter)
+                             max_steps, jnp.int32(NO_STEP_CAP), model=model, drafter=drafter, depth=depth)
 
         return ("chunk", k), chunk, args
 
@@ -266,11 +239,14 @@ class EnginePrograms:
     def admit_job(self, bucket: int, args: tuple) -> tuple[Any, Any, tuple]:
         """(key, function, arguments) of the admit program for this bucket at the state's Stats K."""
         model, drafter, capacity, axes, top = self.model, self.widest, self.capacity, self.batch_axes, self.top_logprobs
+        depth = self.depth
 
         def admit(state, slot, target_params, drafter_params, prompt, prompt_length, key, sampling,
                   max_new, stop_ids):
             row = prefill(Target(target_params, model), drafter, drafter_params, prompt, prompt_length,
                           key, sampling, max_new, stop_ids, capacity, top)
+            # The row's acceptance EMAs restart from the prior (the policy's shared leaves stay).
+            row = with_depth_state(row, depth, None if depth is None else state.depth.costs)
             row = row.replace(stats=jax.tree_util.tree_map(
                 lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), state.stats))
 

@@ -1,6 +1,6 @@
 """The engine's scheduling, on the host and without a model: the queue of waiting requests, the
-cancellations asked for since the last chunk, which waiting requests take which free slots, and
-(`AdaptiveK`) which K the next chunk runs at.
+cancellations asked for since the last chunk, and which waiting requests take which free slots
+(the speculation depth is chosen on device, per step: `spec_jax.decoding.depth`).
 
 `submit` and `cancel` may be called from any thread; the rest runs on the engine's thread.
 """
@@ -8,7 +8,6 @@ cancellations asked for since the last chunk, which waiting requests take which 
 from __future__ import annotations
 
 import collections
-import math
 import threading
 from typing import Sequence
 
@@ -73,62 +72,3 @@ class Scheduler:
                     break
                 admitted.append((slot, *self.waiting.popleft()))
         return admitted
-
-
-class AdaptiveK:
-    """Chooses K between chunks: the K with the most expected tokens per second.
-
-    Expected tokens per verify step with K drafts at per-draft acceptance a (geometric):
-    (1 - a^(K+1)) / (1 - a). a is an EMA of the acceptance rate measured under speculation (its
-    maximum-likelihood value accepted / (accepted + steps that rejected)). The step time of each K
-    is an EMA measured per number of live rows (rounded up to a power of two); a K not yet timed
-    at that many rows is tried once. Plain decoding (K = 0) teaches nothing about acceptance, so
-    every `probe_every` chunks the best speculative K is tried again.
-    """
-
-    def __init__(self, choices: Sequence[int], ema: float = 0.3, probe_every: int = 16,
-                 prior_acceptance: float = 0.5):
-        self.choices = tuple(sorted(set(int(k) for k in choices)))
-        self.ema = ema
-        self.probe_every = probe_every
-        self.acceptance = prior_acceptance
-        self.step_s: dict[tuple[int, int], float] = {}
-        self.chunks_since_speculation = 0
-
-    @staticmethod
-    def rows_bucket(live: int) -> int:
-        return 1 << max(0, math.ceil(math.log2(max(live, 1))))
-
-    def expected_tokens(self, k: int) -> float:
-        a = min(self.acceptance, 0.999)
-        return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-    def choose(self, live: int) -> int:
-        bucket = self.rows_bucket(live)
-        for k in self.choices:
-            if (k, bucket) not in self.step_s:
-                return k
-        speculative = [k for k in self.choices if k > 0]
-
-        def rate(k: int) -> float:
-            return self.expected_tokens(k) / self.step_s[(k, bucket)]
-
-        best = max(self.choices, key=rate)
-        if best == 0 and speculative and self.chunks_since_speculation >= self.probe_every:
-            best = max(speculative, key=rate)
-        return best
-
-    def update(self, k: int, live: int, steps: int, seconds: float, accepted: int, rejecting_steps: int) -> None:
-        if steps <= 0:
-            return
-        key = (k, self.rows_bucket(live))
-        per_step = seconds / steps
-        old = self.step_s.get(key)
-        self.step_s[key] = per_step if old is None else (1 - self.ema) * old + self.ema * per_step
-        if k > 0:
-            self.chunks_since_speculation = 0
-            if accepted + rejecting_steps > 0:
-                measured = accepted / (accepted + rejecting_steps)
-                self.acceptance = (1 - self.ema) * self.acceptance + self.ema * measured
-        else:
-            self.chunks_since_speculation += 1
