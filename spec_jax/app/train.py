@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(bounds host memory for precomputed features; tau against data amount)")
     p.add_argument("--init-from", metavar="DIR", default=None,
                    help="dflash/draft-model/eagle3/mtp: continue from an exported drafter dir (same shape), e.g. "
-                   "an earlier run's drafter/ or the shipped one (mtp: the model's released assistant), "
+                   "an earlier run's drafter/ or the shipped one (mtp: the model's released assistant, or for a "
+                   "Qwen3.5 / Qwen3-Next head the target's own dir), "
                    "instead of a fresh init; with a larger --layers (dflash/draft-model) the extra layers "
                    "start as the identity")
     p.add_argument("--shard-prompts", type=int, default=256, help="data: prompts per shard")
