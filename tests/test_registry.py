@@ -27,7 +27,7 @@ def test_the_built_in_kinds():
         "none", "ngram", "suffix", "self", "draft-model", "dflash", "eagle3", "medusa", "mtp",
         "draft-model+ngram", "dflash+ngram", "eagle3+ngram", "medusa+ngram", "mtp+ngram",
         "draft-model+suffix", "dflash+suffix", "eagle3+suffix", "medusa+suffix", "mtp+suffix")
-    assert [k.name for k in registry.trainable()] == ["draft-model", "dflash", "eagle3", "medusa"]
+    assert [k.name for k in registry.trainable()] == ["draft-model", "dflash", "eagle3", "medusa", "mtp"]
     assert all(k.help for k in registry.kinds())
     assert "eagle3=PATH" in registry.synopsis() and "dflash[=PATH]" in registry.synopsis()
     for kind in registry.trainable():  # recipes are named lazily: each resolves to a Recipe
