@@ -108,14 +108,19 @@ def test_mtp_head_matches_a_reference_of_vllms_structure(checkpoint):
 
 
 def test_greedy_speculation_with_the_mtp_head_equals_plain_decoding(checkpoint):
-    """Random drafts: rows reject at different depths; a chain of K = 2 at batch 1 and 2."""
-    _, _, loaded, drafter, params = checkpoint
+    """Random drafts: rows reject at different depths; a chain of K = 2 at batch 1 and 2. Plain
+    decoding is transformers' greedy `generate` of the same target (spec_jax's own plain decoding
+    equals it: test_qwen3_5.py), which saves compiling a third loop."""
+    model, _, loaded, drafter, params = checkpoint
     rng = np.random.RandomState(5)
     prompts = [rng.randint(0, VOCAB, 9).tolist(), rng.randint(0, VOCAB, 5).tolist()]
-    common = dict(max_new_tokens=12, capacity=32, ignore_eos=True)
-    plain = spec_jax.generate(loaded, prompts, **common).generated_ids
+    new_tokens = 12
+    with torch.no_grad():
+        plain = [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False)[0, len(p):].tolist()
+                 for p in prompts]
     for rows in (1, 2):
-        got = spec_jax.generate(loaded, prompts[:rows], drafter, params, **common).generated_ids
+        got = spec_jax.generate(loaded, prompts[:rows], drafter, params, max_new_tokens=new_tokens, capacity=32,
+                                ignore_eos=True).generated_ids
         assert got == plain[:rows], rows
 
 
