@@ -309,16 +309,10 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]):
 
     Built with `tokenizers` directly: transformers' own GGUF route imports torch.
     """
-    kind = meta.get("tokenizer.ggml.model")
-    if kind == "gemma4":
-        import warnings
-
-        warnings.warn("spec_jax: the GGUF's 'gemma4' tokenizer is not rebuilt (the weights and config "
-                      "load); pass token ids (--prompt-ids), or load the model's HF checkpoint for text.")
-        return None
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
+    kind = meta.get("tokenizer.ggml.model")
     if kind == "llama":
         return _sentencepiece_tokenizer(reader, meta)
     if kind != "gpt2":
@@ -470,5 +464,15 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
         return np.asarray(w, dtype=np_dtype)
 
     params = params_from_hf(get_tensor, cfg)
-    tokenizer = tokenizer_from_gguf(reader, meta)
-    return cfg, params, tokenizer, meta.get("tokenizer.chat_template")
+    return cfg, params, _tokenizer(reader, meta), meta.get("tokenizer.chat_template")
+
+
+def _tokenizer(reader, meta: dict[str, Any]):
+    """`tokenizer_from_gguf`, or None with a warning for Gemma 4's own tokenizer model."""
+    if meta.get("tokenizer.ggml.model") != "gemma4":
+        return tokenizer_from_gguf(reader, meta)
+    import warnings
+
+    warnings.warn("spec_jax: the GGUF's 'gemma4' tokenizer is not rebuilt (the weights and config "
+                  "load); pass token ids (--prompt-ids), or load the model's HF checkpoint for text.")
+    return None
