@@ -211,3 +211,33 @@ def test_every_drafter_kind_on_a_mesh():
         assert r["equal"] == [True] * len(r["equal"]), (kind, r)
         assert r["compiles_after_warmup"] == 0, (kind, r)
         assert r["tau"] >= 1.0
+
+
+def test_serve_k_adaptive_builds_an_adaptive_engine(monkeypatch):
+    """`spec-jax serve --k adaptive` (and --k-choices, its depths) reach the engine as its policy;
+    nothing loads or compiles (the engine is stood in for)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from spec_jax.app import inputs, serve
+    from spec_jax.decoding import engine as engine_module
+
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def fake_engine(*args, **kwargs):
+        built.append(kwargs)
+        raise Built
+
+    monkeypatch.setattr(inputs, "load_target_or_fail", lambda *a, **k: SimpleNamespace(tokenizer=object(), source="tiny"))
+    monkeypatch.setattr(inputs, "build_drafter", lambda spec, target: (NGramDrafter(k=spec.k or 4), None))
+    monkeypatch.setattr(engine_module, "Engine", fake_engine)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    for argv, depths in ((["--k", "adaptive"], None), (["--k-choices", "0,2,4"], (0, 2, 4)), (["--k", "3"], "fixed")):
+        with pytest.raises(Built):
+            serve.build_state(parser.parse_args(["--drafter", "ngram", "--no-warmup", *argv]))
+        k = built[-1]["k"]
+        assert k is None if depths == "fixed" else isinstance(k, AdaptiveDepth) and k.depths == depths, (argv, k)
