@@ -127,3 +127,38 @@ def test_the_qwen_mtp_head_plugs_into_the_same_recipe(tmp_path):
     assert drafter.cfg == recipe.drafter.cfg
     for (name, value), read in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(loaded)):
         np.testing.assert_array_equal(np.asarray(read), value, err_msg=jax.tree_util.keystr(name))
+
+
+def test_fine_tuning_a_centroid_sparse_assistant_keeps_its_clusters(tmp_path):
+    """--init-from an assistant with centroid-sparse logits: it trains as the dense head it
+    approximates (the cluster choice has no gradient), starts from the checkpoint's weights, and
+    its export writes the centroids and token ordering back unchanged; a checkpoint that does not
+    fit the target is refused before anything runs."""
+    from spec_jax.checkpoints.gemma4_assistant import save_gemma4_assistant
+    from spec_jax.drafters.gemma4_assistant import assistant_config_for_target, assistant_weight_specs
+    from spec_jax.models.weights import init_from_specs
+
+    target = LoadedModel(TINY_GEMMA4, None, None, None, "tiny")  # shapes only
+    cfg = dataclasses.replace(assistant_config_for_target(TINY_GEMMA4, 32, 2, k=2), use_ordered_embeddings=True,
+                              num_centroids=8, centroid_top_k=2)
+    rng = np.random.default_rng(0)
+    shapes = jax.eval_shape(lambda: init_from_specs(assistant_weight_specs(cfg), jax.random.key(0)))
+    released = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), shapes)
+    released["token_ordering"] = rng.permutation(128).astype(np.int32)
+    save_gemma4_assistant(tmp_path / "released", cfg, released)
+
+    recipe = MtpRecipe.for_target(target, init_from=tmp_path / "released", k=2)
+    assert not recipe.drafter.cfg.use_ordered_embeddings and recipe.export_drafter.cfg == cfg
+    start = recipe.initial_params(target, 0, tmp_path / "released")
+    assert "centroids" not in start and "token_ordering" not in start
+    np.testing.assert_array_equal(start["pre_projection"], released["pre_projection"])
+    start["pre_projection"] = start["pre_projection"] + 1.0  # "trained"
+    recipe.export(tmp_path / "drafter", start, target)
+    drafter, loaded = load_drafter("mtp", target, str(tmp_path / "drafter"), k=2)
+    assert drafter.cfg == cfg
+    np.testing.assert_array_equal(np.asarray(loaded["token_ordering"]), released["token_ordering"])
+    np.testing.assert_array_equal(np.asarray(loaded["centroids"]), released["centroids"])
+    np.testing.assert_array_equal(np.asarray(loaded["pre_projection"]), released["pre_projection"] + 1.0)
+    wide = LoadedModel(TINY_GEMMA4.replace(hidden_size=96), None, None, None, "wider")
+    with pytest.raises(ValueError, match="made for a 64-wide target"):
+        MtpRecipe.for_target(wide, init_from=tmp_path / "released", k=2)
