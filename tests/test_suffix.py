@@ -14,7 +14,8 @@ from spec_jax.decoding.engine import Engine
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.drafters.suffix import SEPARATOR as S
-from spec_jax.drafters.suffix import SuffixDrafter, SuffixFirstDrafter, SuffixParams, SuffixStore, with_store
+from spec_jax.drafters.suffix import (SuffixDrafter, SuffixFirstDrafter, SuffixParams, SuffixStore,
+                                     store_of_size, with_store)
 
 STORE = 256  # one store shape for every test here: one compile per drafter and batch
 
@@ -58,6 +59,13 @@ def test_store_ring_and_lookup():
     tree, _ = jax.jit(tree_drafter.propose_tree)(SuffixParams(array), None, (), jnp.asarray([[1, 2, 0, 0]]),
                                         jnp.asarray([2]), None, None)
     assert tree.tokens.tolist() == [[5, 6, 3, 4]] and tree.parents.tolist() == [[0, 1, 0, 3]]
+    # The store's size is the server's choice (`spec-jax serve --suffix-store-tokens`); other drafters refuse one.
+    sized, params = store_of_size(SuffixFirstDrafter(NGramDrafter()), {"w": 1}, 100)
+    assert sized.store_size == 100 and params.suffix_store.shape == (100,) and params.model == {"w": 1}
+    with pytest.raises(ValueError, match="suffix-store-tokens"):
+        store_of_size(NGramDrafter(), None, 100)
+    with pytest.raises(ValueError, match="suffix_store is read by the suffix drafters"):
+        with_store(NGramDrafter(), None, [[1, 2]])
 
 
 NEW = 24
