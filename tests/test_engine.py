@@ -71,7 +71,7 @@ def run_staggered(engine, requests, cancel_after=None):
     return {i: tuple(v) for i, v in out.items()}
 
 
-def test_staggered_requests_equal_each_alone(models, engine, alone):
+def test_staggered_requests_equal_each_alone(engine, alone):
     got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
     for i, (ids, reason) in enumerate(alone):
         assert got[i][0] == ids and got[i][1] == reason, i
@@ -177,7 +177,7 @@ def test_request_errors_name_the_field(engine):
     with pytest.raises(ValueError, match="stop ids"):
         engine.check_request(PROMPTS[0], stop_ids=list(range(20)), max_new_tokens=4)
     with pytest.raises(ValueError, match="needs a drafter"):
-        Engine(models.target, k="adaptive")
+        Engine((engine.model.cfg, engine.programs.target_params), k="adaptive")
 
 
 def test_adaptive_depth_per_step_keeps_greedy_output(models, alone):

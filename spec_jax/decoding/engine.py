@@ -10,8 +10,8 @@ The engine holds one `LoopState` of `slots` rows at a fixed cache capacity. Each
      and write nothing);
   3. reads each row's new tokens and hands them out as `EngineEvent`s; a finished row frees its slot.
 Every request brings its own sampling values, max tokens, stop ids and seed (per-row traced
-arrays), so requests come and go without recompiling: the programs are one chunk per K variant
-and one admit per prompt bucket (`warmup()` compiles them all up front; `compiles` counts them).
+arrays), so requests come and go without recompiling: the programs are one chunk (whatever the
+adaptive depth picks) and one admit per prompt bucket (`warmup()` compiles them all up front; `compiles` counts them).
 
 Rows are independent in the loop, so a request's greedy output is the same whether it runs alone
 or beside others. Sampled requests are exact in distribution, and reproducible: each row carries
@@ -214,7 +214,7 @@ class Engine:
 
     @property
     def compiles(self) -> int:
-        """Programs this engine compiled (chunks per K, admits per bucket; not shared ones)."""
+        """Programs this engine compiled (the chunk, admits per bucket; not shared ones)."""
         return self.programs.compiles
 
     # ------------------------------------------------------------------ requests
@@ -277,7 +277,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def warmup(self, prompt_lengths: Sequence[int] | None = None, workers: int = WARMUP_WORKERS) -> CompileTally:
-        """Compile every program requests can need: one chunk per K variant, and one admit per
+        """Compile every program requests can need: the chunk, and one admit per
         prompt bucket (of `prompt_lengths`, default every bucket a request can reach: prompts of
         1 .. max_model_len - 1 tokens), `workers` programs at a time -> what this call compiled
         (programs, wall seconds, persistent-cache hits; programs an engine of the same
