@@ -241,3 +241,21 @@ def test_serve_k_adaptive_builds_an_adaptive_engine(monkeypatch):
             serve.build_state(parser.parse_args(["--drafter", "ngram", "--no-warmup", *argv]))
         k = built[-1]["k"]
         assert k is None if depths == "fixed" else isinstance(k, AdaptiveDepth) and k.depths == depths, (argv, k)
+
+
+def test_adaptive_engine_measures_costs_at_its_batch_and_capacity(models, monkeypatch):
+    """Without costs, the engine asks `depth_costs` once for its own batch (slots) and capacity
+    (the timing itself is depth_costs' and stood in for here: nothing compiles)."""
+    import importlib
+
+    from spec_jax.decoding import depth_costs
+
+    generate_module = importlib.import_module("spec_jax.decoding.generate")  # the package names the function
+    calls = []
+    monkeypatch.setattr(generate_module, "compiled_loop", lambda *a, **k: ("compiled", 0.0))
+    monkeypatch.setattr(depth_costs, "costs_for", lambda compiled, call: calls.append(call) or (1.0, 1.5, 2.0))
+    engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, k="adaptive")
+    (call,) = calls
+    assert call.inputs.prompt_tokens.shape[0] == 3 and call.capacity == engine.capacity
+    assert call.depth.depths == engine.depth.depths == (0, 2, 3) and engine.depth.costs == (1.0, 1.5, 2.0)
+    assert engine.state.depth.costs.tolist() == [1.0, 1.5, 2.0]
