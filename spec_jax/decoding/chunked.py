@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.decoding.depth import AdaptiveDepth
-from spec_jax.decoding.loop import LoopInputs, LoopState, adaptive_step, prefill, speculative_step, with_depth_state
+from spec_jax.decoding.loop import LoopInputs, LoopState, adaptive_steps, prefill, speculative_step, with_depth_state
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.interface import Target, TargetModel
 from spec_jax.models.resolve import as_target_model
@@ -70,7 +70,8 @@ def run_chunk(
 
     def step(s: LoopState) -> LoopState:
         if depth is not None:  # the adaptive depth (its costs travel in the state)
-            return adaptive_step(s, target, drafter, depth, drafter_params, sampling, max_new_tokens, stop_ids)
+            return adaptive_steps(s, target, drafter, depth, drafter_params, sampling, max_new_tokens, stop_ids,
+                                  not_finished)
         return speculative_step(s, target, drafter, drafter_params, sampling, max_new_tokens, stop_ids)
 
     return jax.lax.while_loop(not_finished, step, state)

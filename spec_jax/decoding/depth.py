@@ -1,9 +1,9 @@
 """Speculation depth chosen per step, on device (`generate(..., k="adaptive")`).
 
 Each step of the loop picks its depth K from a small static set (by default 0, 2, about half the
-drafter's K, and its K) with a `lax.switch` over one step function per depth, so a K = 0 step
-really is a one-token plain step and pays only that (a masked draft would still cost its whole
-verify width on CPU). The choice maximises the batch's expected tokens per unit of step time:
+drafter's K, and its K). Each depth has its own step function and its own inner `lax.while_loop`
+that runs while the policy picks it (`loop.adaptive_steps`), so a K = 0 step really is a one-token
+plain step and pays only that (a masked draft would still cost its whole verify width on CPU). The choice maximises the batch's expected tokens per unit of step time:
 
     expected_tokens(K, a) = 1 + a + ... + a^K  (= (1 - a^(K+1)) / (1 - a))
     choice = argmax over K of  sum over live rows of expected_tokens(K, a_row) / cost(K)

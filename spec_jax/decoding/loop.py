@@ -444,7 +444,7 @@ def with_depth_state(state: LoopState, depth: AdaptiveDepth | None, costs: Any) 
     return state.replace(depth=depth.initial_state(batch, capacity, costs))
 
 
-def adaptive_step(
+def adaptive_steps(
     state: LoopState,
     target: Target,
     drafter: Drafter,
@@ -453,33 +453,41 @@ def adaptive_step(
     sampling: SamplingParams,
     max_new_tokens: jax.Array,
     stop_ids: jax.Array,
+    keep_going: Any,
 ) -> LoopState:
-    """One step at the depth the adaptive policy picks (`spec_jax.decoding.depth`): a
-    `lax.switch` over `speculative_step` at each depth (depth 0: a plain step that keeps the
-    drafter's state current), each counting its Stats at its own K, added into the state's."""
+    """Steps at the depths the adaptive policy picks (`spec_jax.decoding.depth`), one pass over
+    the depths: each depth has its own `lax.while_loop` of `speculative_step` at that depth
+    (depth 0: a plain step that keeps the drafter's state current), running while `keep_going`
+    (the enclosing loop's condition) holds and the policy picks that depth. A pass runs at least
+    one step (the depth picked now has its loop now or later in the pass). Loops rather than a
+    `lax.switch` per step: XLA copies the caches into and out of a conditional's branches every
+    step (34 cache-sized copies against the fixed loop's 6 in a tiny DFlash program), while a
+    loop updates them in place, so a step costs what the same step costs at a fixed depth."""
     check_adaptive(drafter, depth)
     batch = state.tokens.shape[0]
-    live = ~state.done
-    choice = choose_depth(depth, state.depth, live)
 
-    def at(d: int):
+    def at(index: int, d: int):
         step_drafter = drafter_at_depth(drafter, d, depth.max_depth)
 
-        def run(s: LoopState) -> LoopState:
+        def picked(s: LoopState) -> jax.Array:
+            return keep_going(s) & (choose_depth(depth, s.depth, ~s.done) == index)
+
+        def step(s: LoopState) -> LoopState:
             inner = s.replace(stats=Stats.zeros(batch, d), depth=None)
             out = speculative_step(inner, target, step_drafter, drafter_params, sampling, max_new_tokens, stop_ids)
-            return out.replace(stats=_add_stats(s.stats, out.stats), depth=s.depth)
+            record = record_depth(depth, s.depth, jnp.int32(index), s.step, ~s.done, out.stats.accepted)
+            return out.replace(stats=_add_stats(s.stats, out.stats), depth=record)
 
-        return run
+        return picked, step
 
     try:
-        new = jax.lax.switch(choice, [at(d) for d in depth.depths], state)
-    except TypeError as e:  # the branches' states differ
+        for index, d in enumerate(depth.depths):
+            state = jax.lax.while_loop(*at(index, d), state)
+    except TypeError as e:  # the step's state differs from the loop's
         raise ValueError(
             f"{type(drafter).__name__} cannot switch depth per step: its state's shape depends on K "
             "(EAGLE-3's pending pairs do). Pin K (an int k) for this drafter.") from e
-    accepted = new.stats.accepted - state.stats.accepted
-    return new.replace(depth=record_depth(depth, state.depth, choice, state.step, live, accepted))
+    return state
 
 
 def _add_stats(total: Stats, part: Stats) -> Stats:
@@ -528,7 +536,8 @@ def generate_loop(
 
     def step(s: LoopState) -> LoopState:
         if depth is not None:
-            return adaptive_step(s, target, drafter, depth, drafter_params, sampling, max_new_tokens, stop_ids)
+            return adaptive_steps(s, target, drafter, depth, drafter_params, sampling, max_new_tokens, stop_ids,
+                                  not_finished)
         return speculative_step(s, target, drafter, drafter_params, sampling, max_new_tokens, stop_ids)
 
     state = jax.lax.while_loop(not_finished, step, state)
