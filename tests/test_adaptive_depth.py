@@ -54,7 +54,6 @@ def test_adaptive_depth_exact_switching_and_settling(models):
     plain = {b: _plain(models, p) for b, p in prompts.items()}
     cases = [  # (name, drafter, params, batch, entry point)
         ("ngram", NGramDrafter(k=K), None, 1, "make_generate_fn"),
-        ("ngram", NGramDrafter(k=K), None, 3, "generate"),
         ("draft-model", self_drafter(models.cfg, K), models.near_params, 1, "generate"),
         ("dflash", DFlashDrafter(TINY_DFLASH, K), dflash_params, 3, "stream"),
     ]
