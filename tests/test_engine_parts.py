@@ -131,14 +131,6 @@ def test_slot_table_hands_out_new_tokens_and_counter_deltas():
     assert (stats.steps, stats.emitted, stats.completion_tokens, stats.tau) == (3, 4, 4, 4 / 3)
 
 
-def test_counters_restart_with_new_stats():
-    table = SlotTable(1)
-    table.occupy(0, 0, params(), stop_id_array(()), 0.0)
-    table.running[0].seen = Counters(5, 5, 2, 7, 1)
-    table.forget_counters()
-    assert table.running[0].seen == Counters.zero()
-
-
 def test_one_stop_id_rule():
     defaults = (2, 3)
     assert resolve_stop_ids(defaults) == (2, 3)

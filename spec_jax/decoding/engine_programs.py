@@ -91,7 +91,6 @@ class EnginePrograms:
         self.state_shardings = None
         if mesh is not None:
             self._place_on(mesh, sharding_rules)
-        self.stats_k = self.widest.k if self.widest is not None else 0  # the K the state's Stats have
         self.exes: dict[Any, Any] = {}
         self.tally = CompileTally()  # what this object compiled (not programs shared from another engine)
 
@@ -162,7 +161,7 @@ class EnginePrograms:
         return self.place(key) if self.mesh is not None else key
 
     def _compile(self, key: Any, fn: Any, args: tuple) -> Any:
-        """The program for `key` (("chunk", K) or ("admit", bucket, stats K)): this object's, else
+        """The program for `key` (("chunk", K) or ("admit", bucket)): this object's, else
         one an engine of the same configuration compiled, else compiled now."""
         exe = self.exes.get(key)
         if exe is None:
@@ -259,4 +258,4 @@ class EnginePrograms:
             merged = jax.tree_util.tree_map(put, axes.replace(stats=stats_axes), state, row)
             return merged.replace(step=state.step)  # the row's key went in with its other leaves
 
-        return ("admit", bucket, self.stats_k), admit, args
+        return ("admit", bucket), admit, args

@@ -197,11 +197,6 @@ class SlotTable:
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = 0.0, 0, 1.0
         return running
 
-    def forget_counters(self) -> None:
-        """The device counters restarted from zero (new Stats for another K)."""
-        for running in self.running.values():
-            running.seen = Counters.zero()
-
     def hand_out_first(self, slot: int, tokens: np.ndarray, now: float, logprobs: Any = None) -> EngineEvent:
         """The token an admitted slot's prefill sampled, handed out before the chunk runs (time
         to first token is the prefill's time, not prefill + a chunk). logprobs: the state's
