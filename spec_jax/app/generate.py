@@ -86,6 +86,24 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     )
     tok = target.tokenizer
     texts = [tok.decode(g, skip_special_tokens=True) if tok is not None else None for g in result.generated_ids]
+    if args.json:
+        return _payload(result, texts, prompt_ids, target, spec, drafter)
+    for i, (ids, text) in enumerate(zip(result.generated_ids, texts)):
+        if len(texts) > 1:
+            print(f"--- [{i}] ({result.finish_reasons[i]})")
+        print(text if text is not None else " ".join(map(str, ids)))
+    s = result.stats
+    log(
+        f"{result.num_generated} tokens in {result.generate_s:.2f}s = {result.tokens_per_second:.1f} tok/s"
+        f" (compile {result.compile_s:.1f}s); steps {s.steps}, tau {s.tau:.2f}, "
+        f"accepted {s.accepted}/{s.drafted} drafts"
+        + (f"; steps per depth {result.depth_counts}" if result.depth_counts is not None else "")
+    )
+    return None
+
+
+def _payload(result: Any, texts: list, prompt_ids: list, target: Any, spec: Any, drafter: Any) -> dict[str, Any]:
+    """--json: the whole result as one JSON-ready object."""
     payload = {
         "results": [
             {
@@ -113,20 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if result.depth_counts is not None:  # --k adaptive: steps taken at each depth
         payload["depth_counts"] = result.depth_counts
         payload["depth_costs"] = result.depth_costs
-    if args.json:
-        return payload
-    for i, (ids, text) in enumerate(zip(result.generated_ids, texts)):
-        if len(texts) > 1:
-            print(f"--- [{i}] ({result.finish_reasons[i]})")
-        print(text if text is not None else " ".join(map(str, ids)))
-    s = result.stats
-    log(
-        f"{result.num_generated} tokens in {result.generate_s:.2f}s = {result.tokens_per_second:.1f} tok/s"
-        f" (compile {result.compile_s:.1f}s); steps {s.steps}, tau {s.tau:.2f}, "
-        f"accepted {s.accepted}/{s.drafted} drafts"
-        + (f"; steps per depth {result.depth_counts}" if result.depth_counts is not None else "")
-    )
-    return None
+    return payload
 
 
 def _stream(args, target, prompt_ids, drafter, drafter_params, sampling, mesh) -> None:
