@@ -58,6 +58,11 @@ def test_training_lowers_the_loss_and_the_export_decodes_exactly_and_better(gemm
     assert exported.keys() == read.keys()
     for name, value in exported.items():
         np.testing.assert_array_equal(np.asarray(read[name]), value, err_msg=jax.tree_util.keystr(name))
+    # The export is an HF assistant checkpoint: transformers' own class reads every tensor of it.
+    from transformers import Gemma4AssistantForCausalLM
+
+    _, info = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "drafter", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     trained = generate(target, PROMPTS, drafter, loaded, max_new_tokens=NEW, ignore_eos=True)
     untrained = generate(target, PROMPTS, drafter, recipe.initial_params(target, CFG.seed, None),
                          max_new_tokens=NEW, ignore_eos=True)  # the same program, other params
