@@ -20,20 +20,11 @@ import json
 import statistics
 from pathlib import Path
 
-# Ordinary requests, not code (issue 41 asks for a mixed prompt set; these are the chat half).
-CHAT_PROMPTS = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Give me a simple recipe for pancakes.",
-    "List five tips for staying focused while working from home.",
-    "Write a polite email asking my landlord to fix a leaking tap.",
-    "What are the main causes of the French Revolution?",
-]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--chat", type=int, default=4, help="chat prompts (of the list above)")
+    p.add_argument("--chat", type=int, default=4, help="chat prompts (the first N of assets/chat_prompts.json)")
     p.add_argument("--humaneval", type=int, default=4, help="HumanEval prompts (the first N)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -44,6 +35,7 @@ def main() -> None:
 
     compilation_cache.configure(None)  # the command line's persistent cache: a rerun loads its programs
     from spec_jax import default_drafter, generate, load_target
+    from spec_jax.app.bench import chat_prompts
     from spec_jax.checkpoints import apply_chat_template
     from spec_jax.decoding.generate import with_tree
     from spec_jax.humaneval import humaneval_problems
@@ -55,7 +47,7 @@ def main() -> None:
     def chat(text):
         return apply_chat_template(target.tokenizer, [{"role": "user", "content": text}], target.chat_template)
 
-    prompts = [("chat", t, chat(t)) for t in CHAT_PROMPTS[: args.chat]]
+    prompts = [("chat", p.text, chat(p.text)) for p in chat_prompts(args.chat)]
     prompts += [("humaneval", prob["task_id"], chat("Complete this Python function:\n" + prob["prompt"]))
                 for prob in humaneval_problems()[: args.humaneval]]
     methods = {
