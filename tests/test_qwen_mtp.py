@@ -129,3 +129,12 @@ def test_a_checkpoint_without_the_head_is_a_clear_error(checkpoint, tmp_path):
     model.save_pretrained(tmp_path)  # transformers writes no mtp.* tensors
     with pytest.raises(CheckpointError, match="this checkpoint has no MTP head"):
         spec_jax.load_drafter("mtp", loaded, str(tmp_path))
+    # No path: the head is read from the target's own directory (it is loaded from `path`).
+    _, path, loaded, drafter, params = checkpoint
+    own, own_params = spec_jax.load_drafter("mtp", loaded, k=2)
+    assert own == drafter and str(loaded.source) == str(path)
+    for a, b in zip(jax.tree_util.tree_leaves(own_params), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    headless = spec_jax.load_target(tmp_path)  # a Qwen3.5 directory without the head: the clear error
+    with pytest.raises(CheckpointError, match="this checkpoint has no MTP head"):
+        spec_jax.load_drafter("mtp", headless)

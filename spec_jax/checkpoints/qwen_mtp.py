@@ -68,6 +68,18 @@ def _expected_shapes(cfg: QwenMtpConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def head_dir_of_target(target: Any) -> Path | None:
+    """The target's own directory when it is a local Qwen3.5 / Qwen3-Next checkpoint (`--drafter
+    mtp` with no path: the head is in the same safetensors; `load_qwen_mtp` says so clearly when
+    it is not there), else None."""
+    directory = Path(str(getattr(target, "source", ""))).expanduser()
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return directory if isinstance(hf, dict) and is_qwen_mtp_family(hf) else None
+
+
 def load_qwen_mtp(path: str | os.PathLike, dtype: str = "float32", k: int | None = None) -> tuple[QwenMtpDrafter, dict]:
     """(drafter, host numpy params) from a Qwen3.5 / Qwen3-Next checkpoint directory (or hub id)."""
     directory = resolve_hf_dir(path)

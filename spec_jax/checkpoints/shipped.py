@@ -56,11 +56,13 @@ def load_drafter(kind: str, target: LoadedModel, path: str | None = None, k: int
     """(drafter, drafter_params) for `generate` by kind (a `spec_jax.drafters.registry` name, or
     "KIND+ngram" for prompt lookup in front, "KIND+suffix" for the suffix lookup across requests,
     with an empty store); (None, None) for "none", the AR baseline. Without a
-    path, a kind that loads a checkpoint uses the one shipped for the default model. k=None keeps
+    path, a kind that loads a checkpoint uses the one inside the target's own checkpoint where it
+    has one (Qwen3.5 / Qwen3-Next's MTP head), else the one shipped for the default model. k=None keeps
     the kind's default K (a checkpoint's own for DFlash, EAGLE-3, Medusa)."""
     entry, front = registry.parse(kind)
     if entry.takes_path and path is None:
-        path = str(shipped_drafter_path(entry.name, target))
+        own = registry.resolve(entry.in_target)(target) if entry.in_target else None
+        path = str(own if own is not None else shipped_drafter_path(entry.name, target))
     drafter, params = entry.loader()(target, path, entry.default_k if k is None else k)
     if front == registry.LOOKUP:
         from spec_jax.drafters.lookup import LookupFirstDrafter

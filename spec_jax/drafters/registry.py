@@ -42,6 +42,9 @@ class DrafterKind:
     takes_path: bool = False  # loads a checkpoint (`--drafter KIND=PATH`)
     shipped: str | None = None  # asset dir (spec_jax/assets) of the default model's drafter of this kind
     not_shipped: str | None = None  # for a kind that takes a path and ships none: why, and how to get one
+    # "module:function" (target -> a path or None): the drafter inside the target's own checkpoint,
+    # used when no path is given (Qwen3.5's mtp.* head lives in the target's directory)
+    in_target: str | None = None
     default_k: int | None = None  # K when the caller names none; None: the checkpoint's
     drafts_trees: bool = False  # has `propose_tree` (`--tree N`)
     recipe: Any = None  # a `spec_jax.training.run.Recipe` class for `spec-jax train KIND`, or None
@@ -170,6 +173,7 @@ for _kind in (
                 "target's cache; the head inside a Qwen3.5 / Qwen3-Next checkpoint: PATH = the target's "
                 "directory)", "spec_jax.checkpoints.mtp:load_mtp_drafter", takes_path=True,
                 drafts_trees=True, recipe="spec_jax.training.mtp:MtpRecipe", lookup_first=True,
+                in_target="spec_jax.checkpoints.qwen_mtp:head_dir_of_target",
                 not_shipped="MTP drafters come with their model: pass the model's assistant checkpoint, "
                 "e.g. --drafter mtp=PATH/gemma-4-e2b-it-assistant for a Gemma 4 E2B target, or a Qwen3.5 / "
                 "Qwen3-Next target's own directory (its mtp.* head)."),
