@@ -153,8 +153,9 @@ def random_target(preset: str, dtype: str = "float32", seed: int = 0) -> LoadedM
         cfg = preset_config(preset, dtype)
     except ValueError as e:
         raise CheckpointError(f"{e} Pass --target random:<preset>.") from None
-    # Small weights keep activations finite in bfloat16 through many random layers.
-    params = jax.jit(functools.partial(init_params, cfg, scale=0.5))(jax.random.key(seed))
+    # Small weights keep activations finite in bfloat16 through many random layers. Called
+    # eagerly: each weight is drawn by a small program shared by every layer (`init_from_specs`).
+    params = init_params(cfg, jax.random.key(seed), scale=0.5)
     return LoadedModel(cfg, params, None, None, RANDOM_PREFIX + preset)
 
 
