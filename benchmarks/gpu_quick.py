@@ -29,7 +29,14 @@ measured (steps rewrite their JSON after every measurement), and the suite goes 
 --out as each step ends: NAME.json (status, seconds, budget, command, device, commit, results),
 NAME.log (the step's output), and summary.md / summary.json (one row per step so far).
 Compiled programs go to JAX's persistent compilation cache (--compile-cache, default
-OUT/jax_cache): a second run with the same --out compiles almost nothing.
+OUT/jax_cache), and XLA:GPU's autotuning results to OUT/autotune_cache: a second run with the same
+--out compiles almost nothing.
+
+Opt-in probes (issue 46 part 3; never in the default run): `--steps ar_profile` times the AR step
+and traces it with jax.profiler, reporting kernels per step, their busy time and the gaps between
+them; `--xla-flags="..."` runs the steps under extra XLA flags (a command-buffer variant, say) so
+two runs with different --out compare them. `--batches` / `--trees` resize dflash_trees, e.g.
+`--preset qwen3-8b --steps dflash_trees --batches 1 --trees 0,32` for the 8B step targets.
 
 The steps import spec_jax from this checkout (PYTHONPATH), not an installed copy, and need only
 jax, flax, optax, orbax, numpy and tqdm (and pytest for `exactness`): no gguf, fastapi, uvicorn,
@@ -116,7 +123,13 @@ STEPS = (  # priority order: the suite runs them in this order
     Step("engine", 90, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash"),
     Step("exactness", 75, None, "pytest: live attention, greedy speculative == AR (float32), trees"),
 )
-BY_NAME = {s.name: s for s in STEPS}
+# Opt-in steps (named in --steps, never in the default run): issue 46 part 3's probes of where
+# the GPU step's time goes, each a separate process so `--xla-flags` variants compile apart.
+EXTRA_STEPS = (
+    Step("ar_profile", 90, "qwen3-8b",
+         "plain decoding's step under jax.profiler: kernels per step, their busy time, the gaps between"),
+)
+BY_NAME = {s.name: s for s in STEPS + EXTRA_STEPS}
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -193,6 +206,78 @@ def step_ar_floor(rec: Recorder, target: Any, s: Settings, args: argparse.Namesp
     rec.update(f"AR {ar_ms:.3f} ms/step = {ar_ms / floor_ms:.2f}x the {floor_ms:.3f} ms floor ({gbs:.0f} GB/s copy)",
                ar_step_ms=ar_ms, ar_prefill_ms=1e3 * ar["prefill_s"], ar_over_floor=ar_ms / floor_ms,
                context=s.context, capacity=capacity)
+
+
+def step_ar_profile(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
+    """The AR step's wall time beside what the device did in it: two traced generations (1 and
+    s.new_tokens new tokens) give, by difference, kernels per step and their busy time; the rest
+    of the step is launch gaps and host work (what command buffers or a longer loop body could cut)."""
+    import numpy as np
+
+    from spec_jax.app.roofline import ar_loop_step
+    from spec_jax.decoding.generate import default_capacity, generate
+
+    capacity = default_capacity(s.context, s.new_tokens, 0)
+    ar = ar_loop_step(target, batch=1, context=s.context, capacity=capacity, new_tokens=s.new_tokens,
+                      repeats=s.repeats)  # compiles and warms both programs traced below
+    ar_ms = 1e3 * ar["step_s"]
+    rec.update(f"AR {ar_ms:.3f} ms/step", ar_step_ms=ar_ms, xla_flags=os.environ.get("XLA_FLAGS", ""))
+    prompts = np.random.default_rng(1).integers(0, target.cfg.vocab_size, (1, s.context)).tolist()  # ar_loop_step's
+
+    def traced(n: int) -> dict[str, Any]:
+        return device_activity(lambda: generate(target, prompts, max_new_tokens=n, ignore_eos=True, capacity=capacity))
+
+    short, long = traced(1), traced(s.new_tokens)
+    steps = s.new_tokens - 1
+    if not long["device_lines"]:
+        rec.update(f"AR {ar_ms:.3f} ms/step; the trace has no device activity (a CPU run)", trace=long)
+        return
+    kernels = (long["events"] - short["events"]) / steps
+    busy_ms = (long["busy_ns"] - short["busy_ns"]) / steps / 1e6
+    rec.update(f"AR {ar_ms:.3f} ms/step: {kernels:.0f} kernels busy {busy_ms:.3f} ms, gaps {ar_ms - busy_ms:.3f} ms",
+               kernels_per_step=kernels, busy_ms_per_step=busy_ms, gap_ms_per_step=ar_ms - busy_ms,
+               short_trace=short, long_trace=long)
+
+
+def device_activity(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run fn under jax.profiler and summarise the device planes: events and busy time (the union
+    of their intervals) on each stream line, and the costliest kernel names."""
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            jax.block_until_ready(fn())
+        planes = ProfileData.from_file(str(next(Path(tmp).rglob("*.xplane.pb")))).planes
+        device = [(plane.name, line.name, list(line.events)) for plane in planes
+                  if plane.name.startswith("/device:") for line in plane.lines]
+    # Kernels and copies sit on the "Stream #N" lines; the "XLA Modules" / "XLA Ops" lines repeat them.
+    streams = [d for d in device if d[1].lower().startswith("stream")] or [d for d in device if not d[1].startswith("XLA")]
+    intervals: list[tuple[int, int]] = []
+    by_name: dict[str, list[float]] = {}
+    for _, _, events in streams:
+        for e in events:
+            intervals.append((int(e.start_ns), int(e.start_ns + e.duration_ns)))
+            total = by_name.setdefault(e.name[:120], [0, 0.0])
+            total[0] += 1
+            total[1] += e.duration_ns
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"device_lines": {f"{p} {l}": len(e) for p, l, e in device}, "events": len(intervals),
+            "busy_ns": covered_ns(intervals),
+            "top_kernels": [{"name": n, "count": c, "ms": ns / 1e6} for n, (c, ns) in top]}
+
+
+def covered_ns(intervals: list[tuple[int, int]]) -> int:
+    """Nanoseconds covered by the union of [start, stop) intervals (streams may overlap)."""
+    busy, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    return busy
 
 
 def step_dflash_trees(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
@@ -339,6 +424,7 @@ def step_exactness(rec: Recorder, target: Any, s: Settings, args: argparse.Names
 STEP_FUNCTIONS: dict[str, Callable[[Recorder, Any, Settings, argparse.Namespace], None]] = {
     "ar_floor": step_ar_floor, "dflash_trees": step_dflash_trees, "verify_cost": step_verify_cost,
     "capacity": step_capacity, "engine": step_engine, "exactness": step_exactness,
+    "ar_profile": step_ar_profile,
 }
 
 
@@ -350,7 +436,12 @@ def run_one_step(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(args.out / f"{step.name}.json", step.name, spec)
     target = load_target(rec, spec, args.dtype) if spec is not None else None
-    STEP_FUNCTIONS[step.name](rec, target, SMOKE if args.smoke else FULL, args)
+    sizes = SMOKE if args.smoke else FULL
+    if args.batches:
+        sizes = dataclasses.replace(sizes, batches=args.batches)
+    if args.trees:
+        sizes = dataclasses.replace(sizes, trees=args.trees)
+    STEP_FUNCTIONS[step.name](rec, target, sizes, args)
     return 0
 
 
@@ -368,11 +459,13 @@ def step_command(step: Step, args: argparse.Namespace) -> list[str]:
     target = step_target(step, args)
     if target is not None:
         cmd += ["--target", target]
+    cmd += ["--batches", ",".join(map(str, args.batches))] if args.batches else []
+    cmd += ["--trees", ",".join(map(str, args.trees))] if args.trees else []
     return cmd + (["--smoke"] if args.smoke else [])
 
 
 def step_budgets(args: argparse.Namespace) -> dict[str, float]:
-    budgets = {s.name: s.budget_s * args.budget for s in STEPS}
+    budgets = {s.name: s.budget_s * args.budget for s in STEPS + EXTRA_STEPS}
     budgets.update(args.step_budget)
     return budgets
 
@@ -382,6 +475,13 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"  # the log shows each line as it happens
+    flags = [env.get("XLA_FLAGS", "")]
+    if args.compile_cache != "off" and "autotune_cache_dir" not in " ".join(flags + [args.xla_flags]):
+        # XLA:GPU autotunes each program's fusions; the H100 lease of 2026-11-26 spent ~27 s on each
+        # 1B loop compile. Kept on disk, what one program measured serves the next (same shapes).
+        flags.append(f"--xla_gpu_per_fusion_autotune_cache_dir={Path(args.out / 'autotune_cache').resolve()}")
+    flags.append(args.xla_flags)  # after the caller's own: XLA takes the last of a repeated flag
+    env["XLA_FLAGS"] = " ".join(filter(None, flags))
     if args.compile_cache == "off":
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
     else:
@@ -445,11 +545,13 @@ def skipped(step: Step, args: argparse.Namespace, reason: str) -> dict[str, Any]
 
 def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], started: str, wall_s: float) -> None:
     device = next((r["device"] for r in records if r.get("device")), "unknown")
-    summary = {"device": device, "commit": args.commit_id, "started": started, "wall_s": round(wall_s, 1),
+    summary = {"device": device, "commit": args.commit_id, "xla_flags": args.xla_flags,
+               "started": started, "wall_s": round(wall_s, 1),
                "budget_scale": args.budget, "smoke": args.smoke, "dtype": args.dtype, "steps": records}
     write_json(args.out / "summary.json", summary)
     lines = [f"# Quick GPU suite: {device}, commit {args.commit_id}",
              "", f"Started {started}; {wall_s:.0f} s so far; {args.dtype}"
+             + (f"; XLA_FLAGS += {args.xla_flags}" if args.xla_flags else "")
              + (" (--smoke sizes)" if args.smoke else "") + ". Each step's JSON and log sit beside this file.",
              "", "| # | step | target | status | s / budget | compiled (from cache) | result |",
              "|---|---|---|---|---|---|---|"]
@@ -468,7 +570,7 @@ def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str
     print(f"quick GPU suite: {len(selected)} steps, {total:.0f} s of budgets, at most {args.total:.0f} s "
           f"in all; results in {args.out}")
     print("env: " + " ".join(f"{k}={shlex.quote(env[k])}" for k in sorted(env)
-                             if k == "PYTHONPATH" or k.startswith("JAX_")))
+                             if k in ("PYTHONPATH", "XLA_FLAGS") or k.startswith("JAX_")))
     for i, step in enumerate(selected, 1):
         print(f"{i:2d}. {step.name:<13} {budgets[step.name]:5.0f} s  {step.what}")
         print(f"    {shlex.join(step_command(step, args))}")
@@ -533,6 +635,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = (-1,)
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 0, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("gpu_quick"), help="results directory (default: ./gpu_quick)")
@@ -540,8 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--preset", default=None, help="run every step on random:PRESET (default: each step's own)")
     which.add_argument("--target", default=None, help="run every step on this target (e.g. random:tiny)")
     p.add_argument("--dtype", default="bfloat16", help="target dtype (default: bfloat16; float32 on a CPU)")
-    p.add_argument("--steps", type=parse_steps, default=list(BY_NAME),
-                   help=f"comma list of steps to run, kept in priority order (default: all: {','.join(BY_NAME)})")
+    p.add_argument("--steps", type=parse_steps, default=[s.name for s in STEPS],
+                   help="comma list of steps to run, kept in priority order (default: "
+                        f"{','.join(s.name for s in STEPS)}; opt-in: {','.join(s.name for s in EXTRA_STEPS)})")
     p.add_argument("--budget", type=positive_float, default=1.0, help="scale every step's time budget (default: 1)")
     p.add_argument("--step-budget", type=parse_step_budget, action="append", default=[], metavar="STEP=SECONDS",
                    help="one step's budget in seconds, after --budget (repeatable)")
@@ -552,6 +665,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "checks the suite end to end on a CPU with --target random:tiny")
     p.add_argument("--compile-cache", default=None, metavar="DIR|off",
                    help="JAX persistent compilation cache for the steps (default: OUT/jax_cache)")
+    p.add_argument("--batches", type=int_list, default=None, help="dflash_trees' batch sizes (default: 1,8)")
+    p.add_argument("--trees", type=int_list, default=None,
+                   help="dflash_trees' trees, 0 = the chain (default: 0,16,32)")
+    p.add_argument("--xla-flags", default="", metavar="FLAGS",
+                   help="appended to every step's XLA_FLAGS (e.g. a command-buffer variant to compare)")
     p.add_argument("--commit", default=None, help="commit recorded with every result (default: git rev-parse HEAD)")
     p.add_argument("--dry-run", action="store_true", help="print every step's command and budget; run nothing")
     p.add_argument("--run-step", choices=list(BY_NAME), default=None,
@@ -564,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     args.step_budget = dict(args.step_budget)
     if args.run_step:
         return run_one_step(args)
-    selected = [s for s in STEPS if s.name in set(args.steps)]
+    selected = [s for s in STEPS + EXTRA_STEPS if s.name in set(args.steps)]
     if args.total is None:
         args.total = sum(step_budgets(args)[s.name] for s in selected)
     args.commit_id = commit_of(args)

@@ -165,6 +165,33 @@ def test_gpu_quick_dry_run_lists_every_step_with_its_budget_in_priority_order(tm
     assert out.stdout.count("--target random:tiny") == 2
 
 
+def test_gpu_quick_opt_in_probes_and_xla_flags(tmp_path):
+    """part 3's probes: `ar_profile` runs only when named, after the default steps' order, with
+    --xla-flags and the autotune cache in every step's XLA_FLAGS; --batches/--trees reach the step."""
+    out = run_quick("--dry-run", "--out", str(tmp_path / "q"), "--preset", "qwen3-8b", "--steps",
+                    "ar_profile,dflash_trees", "--batches", "1", "--trees", "0,32",
+                    "--xla-flags=--xla_gpu_graph_min_graph_size=1")
+    assert out.returncode == 0, out.stderr
+    assert [name for _, name, _ in re.findall(r"^ *(\d+)\. (\S+) +(\d+) s ", out.stdout, re.M)] == [
+        "dflash_trees", "ar_profile"]
+    # After the caller's own XLA_FLAGS (the suite's cheap CPU codegen here): XLA takes the last.
+    flags = f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'q' / 'autotune_cache'} " \
+            "--xla_gpu_graph_min_graph_size=1'"
+    assert "XLA_FLAGS=" in out.stdout and flags in out.stdout
+    assert "--batches 1 --trees 0,32" in out.stdout
+    default = run_quick("--dry-run")
+    assert "ar_profile" not in default.stdout
+
+
+def test_gpu_quick_device_busy_time_is_the_union_of_stream_intervals():
+    sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
+    from gpu_quick import covered_ns
+
+    assert covered_ns([]) == 0
+    assert covered_ns([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # overlaps counted once
+    assert covered_ns([(30, 40), (0, 10)]) == 20  # any order
+
+
 @pytest.mark.parametrize("args,message", [
     (["--steps", "ar_floor,bogus"], "unknown step(s) ['bogus']; the steps are ar_floor, dflash_trees"),
     (["--step-budget", "engine=0"], "--step-budget wants STEP=SECONDS"),
