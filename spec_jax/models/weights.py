@@ -240,9 +240,9 @@ def init_from_specs(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+@functools.partial(jax.jit, static_argnums=(1, 3))
 def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
-    # One small program per distinct (shape, std, dtype), reused by every layer: called eagerly,
+    # One small program per distinct (shape, dtype), reused by every layer: called eagerly,
     # an 8B model's init compiles a handful of these instead of one program holding all its
     # layers (37 s on this CPU, over 100 s on an H100 before its first step; issue 46).
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
