@@ -2,10 +2,13 @@
 
 Greedy output with the adaptive policy equals plain decoding for the n-gram, draft-model and
 DFlash drafters at batch 1 and 3 (through `generate`, `make_generate_fn` and `generate_stream`),
-with the depth changing mid-run (costs supplied so that it must); a drafter that is never right
-settles on K = 0, an always-right one (the target drafting for itself) on the largest depth; new
-costs, params and prompts never recompile; the draft model's cache stays current across K = 0 steps (the target drafting for
-itself accepts every draft even after runs of plain steps longer than its re-feed window).
+Medusa at batch 3 and EAGLE-3 at batch 8, with the depth changing mid-run (costs supplied so
+that it must; sampled output: test_sampling_stats; a mesh: test_sharding); a drafter that is
+never right settles on K = 0, an always-right one (the target drafting for itself) on the
+largest depth; new costs, params and prompts never recompile; the draft model's cache stays
+current across K = 0 steps (the target drafting for itself accepts every draft even after runs
+of plain steps longer than its re-feed window), and DFlash's context and EAGLE-3's pair cache
+after a plain step are what a longer prompt gives.
 Costs are always supplied, so nothing here measures time or touches the cost cache on disk,
 except the cache test, which times a stand-in function.
 """
@@ -22,7 +25,7 @@ import pytest
 
 from conftest import make_prompts
 from test_ar_generate import count_compiles
-from tiny_configs import TINY_DFLASH
+from tiny_configs import TINY_DFLASH, VOCAB
 from spec_jax.app.bench import parse_ks
 from spec_jax.app.common import drafter_spec_from_args, k_value
 from spec_jax.app.inputs import UsageError
@@ -32,6 +35,8 @@ from spec_jax.decoding.stream import generate_stream
 from spec_jax.decoding.depth import AdaptiveDepth
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import self_drafter
+from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
+from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params
 from spec_jax.drafters.ngram import NGramDrafter
 
 K = 2
@@ -207,4 +212,58 @@ def test_dflash_context_stays_current_across_a_plain_step(models):
     assert int(stepped.lengths[0]) == 10 and int(part.lengths[0]) == 9
     for want, blank, got in zip(whole.k + whole.v, part.k + part.v, stepped.k + stepped.v):
         assert not np.allclose(blank[..., 9, :], want[..., 9, :])
+        np.testing.assert_allclose(got[..., :10, :], want[..., :10, :], atol=1e-5)
+
+
+def test_adaptive_depth_exact_for_the_other_drafter_kinds(models):
+    """Medusa and EAGLE-3 (a pair-cache drafter, as Qwen's MTP head) with the depth switching
+    mid-run, at batch 3 and 8: greedy output equals plain decoding (a compile each; n-gram, the
+    draft model and DFlash are the test above's; the suffix drafter, the Gemma 4 assistant and
+    Qwen's MTP head ran once: benchmarks/RESULTS.md, issue 41)."""
+    medusa = MedusaConfig.for_target(models.cfg, num_heads=K)
+    eagle3 = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2), speculative_tokens=K)
+    cases = [  # (name, drafter, params, prompts)
+        ("medusa", MedusaDrafter(medusa, k=K), init_medusa_params(medusa, jax.random.key(6), scale=3.0),
+         make_prompts([7, 16, 2], seed=1)),
+        ("eagle3", Eagle3Drafter(eagle3, k=K), init_eagle3_params(eagle3, jax.random.key(5), scale=3.0),
+         make_prompts([3, 16, 1, 9, 12, 5, 8, 14], seed=3)),
+    ]
+    for name, drafter, params, prompts in cases:
+        ids, trace = _run(models, prompts, drafter, params, SWITCHING, "generate")
+        assert ids == _plain(models, prompts), name
+        assert len(set(trace)) == 2, (name, trace)  # the depth changed mid-run
+
+
+def test_pair_cache_stays_current_across_a_plain_step(models):
+    """EAGLE-3 (and the MTP head: the same `PairCacheDrafter`) before a K = 0 step runs its
+    pending pairs into its cache, and the step leaves the verified token's features pending: as
+    if the prompt had been one token longer all along."""
+    from spec_jax.decoding.depth import PlainStep
+    from spec_jax.decoding.loop import forward_capturing
+    from spec_jax.models.decoder import Decoder
+    from spec_jax.models.interface import Target
+
+    cfg = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2), speculative_tokens=K)
+    drafter, params = Eagle3Drafter(cfg, k=K), init_eagle3_params(cfg, jax.random.key(5), scale=3.0)
+    target = Target(models.params, Decoder(models.cfg))
+    tokens = jnp.asarray(make_prompts([11], seed=2), jnp.int32)  # [1, 11]
+
+    @jax.jit
+    def states(tokens):
+        positions = jnp.arange(11, dtype=jnp.int32)[None]
+        _, captured, _ = forward_capturing(target, tokens, positions, target.model.init_cache(1, 16),
+                                           drafter.capture_layers)
+        whole = drafter.init(params, target, tokens, jnp.asarray([11]), captured, 16)
+        # A 10-token prompt and its first token (position 10), then the plain step verifying it.
+        part = drafter.init(params, target, tokens, jnp.asarray([10]), captured, 16)
+        plain = PlainStep(drafter)
+        _, _, kept = plain.propose(params, target, part, tokens, jnp.asarray([11]), None, None)
+        return whole, plain.commit(params, target, kept, jnp.asarray([10]), jnp.zeros((1,), jnp.int32),
+                                   captured[:, 10:11])
+
+    whole, stepped = states(tokens)
+    assert int(stepped.cache.lengths[0]) == int(whole.cache.lengths[0]) == 10
+    assert stepped.pending.shape == whole.pending.shape == (1, K + 1, whole.pending.shape[-1])
+    np.testing.assert_allclose(stepped.pending[:, 0], whole.pending[:, 0], atol=1e-6)
+    for got, want in zip(stepped.cache.k + stepped.cache.v, whole.cache.k + whole.cache.v):
         np.testing.assert_allclose(got[..., :10, :], want[..., :10, :], atol=1e-5)

@@ -27,8 +27,10 @@ pass as wide as the longest run of plain steps). A K = 0 step calls the drafter'
 `keep_current(params, target, state, tokens, lengths)` before the target's pass (the draft model
 feeds its cache the one token that would otherwise fall out of its re-feed window), then its
 ordinary `commit` of a step that verified one token and accepted no drafts (DFlash writes that
-token's context entry; Medusa and the Gemma 4 assistant take its hidden state). Drafters whose
-state's shape depends on K (EAGLE-3's pending pairs) cannot switch depth and are refused.
+token's context entry; Medusa and the Gemma 4 assistant take its hidden state; EAGLE-3 and the
+MTP heads, `spec_jax.drafters.pair_cache`, run their pending pairs into their cache first and
+keep the pending buffer at the largest K's width). A drafter whose state's shape depends on K
+cannot switch depth and is refused.
 """
 
 from __future__ import annotations

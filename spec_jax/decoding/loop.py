@@ -486,7 +486,8 @@ def adaptive_steps(
     except TypeError as e:  # the step's state differs from the loop's
         raise ValueError(
             f"{type(drafter).__name__} cannot switch depth per step: its state's shape depends on K "
-            "(EAGLE-3's pending pairs do). Pin K (an int k) for this drafter.") from e
+            "(keep it at the largest K's shape, as the pair-cache drafters pad their pending pairs). "
+            "Pin K (an int k) for this drafter.") from e
     return state
 
 

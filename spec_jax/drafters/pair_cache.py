@@ -184,8 +184,21 @@ class PairCacheDrafter:
 
     def commit(self, params, target: Target, state: PairCacheState, start, num_accepted, verify_captured):
         # Pairs start .. start + n (their tokens are the accepted drafts and the bonus token) wait
-        # for propose; the cache already holds every pair before `start`.
-        return state.replace(pending=verify_captured.astype(state.pending.dtype))
+        # for propose; the cache already holds every pair before `start`. A step at a smaller
+        # adaptive depth verified fewer inputs: zeros pad them to the buffer's width (the loop's
+        # largest K + 1), past the last pair, where `run_pending` treats them as padding.
+        pending = verify_captured.astype(state.pending.dtype)
+        missing = state.pending.shape[1] - pending.shape[1]
+        if missing:
+            pending = jnp.pad(pending, ((0, 0), (0, missing), (0, 0)))
+        return state.replace(pending=pending)
+
+    def keep_current(self, params, target: Target, state: PairCacheState, tokens, lengths):
+        """Before a step that drafts nothing (the adaptive depth's K = 0,
+        `spec_jax.decoding.depth`): run the pending pairs into the cache now, since that step's
+        commit replaces them with its one verified input."""
+        cache, _, _ = self.run_pending(params, target, state, tokens, lengths)
+        return state.replace(cache=cache)
 
     def run_pending(self, params: Params, target: Target, state: PairCacheState, tokens, lengths):
         """Run the pending pairs (the verified tokens the cache has not seen): they attend to the
@@ -197,7 +210,7 @@ class PairCacheDrafter:
         rows = jnp.arange(batch)
         done = cache.lengths  # [B] pairs in the cache
         last_pair = lengths - 2  # [B] the newest complete pair: (features of L-2, token L-1)
-        window = self.k + 1
+        window = state.pending.shape[1]  # K + 1 (the largest K when the depth is adaptive)
         pairs = done[:, None] + jnp.arange(window, dtype=jnp.int32)  # [B, K+1]; > last_pair: padding
 
         hidden = self.pair_features(params, state.pending)
