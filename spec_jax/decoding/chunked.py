@@ -6,6 +6,10 @@ split into a jitted prefill and a jitted chunk of at most S steps. A chunk is on
 `lax.while_loop` with no host sync inside; its state is donated, so the caches are updated in
 place from chunk to chunk. S is traced: any chunk size runs the same program.
 
+A long prompt can be prefilled in chunks too (`prefill_chunk`, the engine's chunked prefill): each
+chunk extends the target's cache as a verify pass does, keeps the chunk's captured hidden states
+for the drafter, and `loop.start_state` then starts the row exactly as `prefill` does.
+
 A chunk consumes the PRNG exactly as `generate_loop` does (prefill splits once, each step splits
 `state.key`), and it stops at the same condition, so prefill + chunks give token for token what
 `generate` gives, sampled or greedy, whatever the chunk sizes.
@@ -19,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.decoding.depth import AdaptiveDepth
-from spec_jax.decoding.loop import LoopInputs, LoopState, adaptive_steps, prefill, speculative_step, with_depth_state
+from spec_jax.decoding.loop import (LoopInputs, LoopState, adaptive_steps, forward_capturing, prefill,
+                                   speculative_step, with_depth_state)
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.interface import Target, TargetModel
 from spec_jax.models.resolve import as_target_model
@@ -39,6 +44,35 @@ def prefill_state(
         inputs.key, inputs.sampling, inputs.max_new_tokens, inputs.stop_ids, capacity,
     )
     return with_depth_state(state, depth, inputs.depth_costs)
+
+
+def prefill_chunk(
+    target: Target,
+    cache: Any,
+    captured: jax.Array | None,
+    last_hidden: jax.Array,
+    tokens: jax.Array,
+    starts: jax.Array,
+    valid: jax.Array,
+    capture: tuple[int, ...],
+) -> tuple[Any, jax.Array | None, jax.Array]:
+    """One chunk of R prompts: their next tokens [R, W] at positions starts .. starts + W - 1,
+    of which the first valid [R] are prompt (the rest padding; valid 0: the row waits).
+
+    cache: the target's cache of the R rows, committed at starts (empty for a row at 0); captured: [R, capacity, n*H]
+    the prompt's captured hidden states so far (None when the drafter captures none);
+    last_hidden: [R, H] the hidden state of each row's last prompt token so far.
+    -> (cache committed at starts + valid, captured, last_hidden) with this chunk's written in."""
+    rows, width = tokens.shape
+    positions = starts[:, None] + jnp.arange(width, dtype=jnp.int32)
+    hidden, chunk_captured, cache = forward_capturing(target, tokens, positions, cache, capture)
+    cache = target.model.commit(cache, starts + valid)
+    index = jnp.arange(rows)
+    if captured is not None:  # positions past the capacity are dropped
+        captured = captured.at[index[:, None], positions].set(chunk_captured.astype(captured.dtype), mode="drop")
+    ended = hidden[index, jnp.maximum(valid - 1, 0)]
+    last_hidden = jnp.where((valid > 0)[:, None], ended.astype(last_hidden.dtype), last_hidden)
+    return cache, captured, last_hidden
 
 
 def run_chunk(

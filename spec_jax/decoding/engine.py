@@ -5,7 +5,10 @@ The engine holds one `LoopState` of `slots` rows at a fixed cache capacity. Each
      `prefill` at the prompt's bucket, scattered into the slot's row of every state leaf (tokens,
      target cache, drafter state, stats) by one jitted, donated update;
      Each admitted row's first token (sampled by its prefill) goes out at once, so time to first
-     token is the prefill's time, not prefill + a chunk;
+     token is the prefill's time, not prefill + a chunk. With `prefill_chunk_tokens`, prompts
+     prefill in chunks instead (`prefill_plan`): one pass of at most that many tokens per step,
+     several waiting prompts together, a long one over several steps, so running streams never
+     wait for more than one such pass;
   2. runs one chunk of up to `chunk_steps` speculative steps over all rows (free rows are `done`
      and write nothing);
   3. reads each row's new tokens and hands them out as `EngineEvent`s; a finished row frees its slot.
@@ -47,6 +50,7 @@ from spec_jax.decoding.depth import AdaptiveDepth, as_adaptive_depth
 from spec_jax.decoding.engine_programs import EnginePrograms
 from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, round_capacity, stop_id_array, with_k
 from spec_jax.decoding.loop import LoopState, check_adaptive, tree_budget
+from spec_jax.decoding.prefill_plan import DEFAULT_PREFILL_ROWS, PrefillPlan
 from spec_jax.decoding.programs import CompileTally
 from spec_jax.decoding.scheduler import Scheduler
 from spec_jax.decoding.slots import Counters, EngineEvent, PositionTotals, RequestParams, RequestStats, SlotTable
@@ -119,8 +123,12 @@ class Engine:
     `generate`'s; the state's rows are split over `data`. seed: where the fresh seeds of requests
     that bring none come from. max_logprobs: None (requests cannot ask for logprobs), or the
     most top tokens per position a request may ask for (`decoding.logprobs`: the target's
-    log-probabilities, kept by the loop only for rows that ask). `submit` and `cancel` may be
-    called from other threads.
+    log-probabilities, kept by the loop only for rows that ask). prefill_chunk_tokens: None (each
+    admitted prompt prefills in one pass while running streams wait), or the most prompt tokens
+    (padding included, >= 16) one step prefills: waiting prompts, up to `prefill_rows` of them,
+    prefill together in one pass per step, a long one in chunks between decode chunks, so running
+    streams never wait longer than one such pass (`prefill_plan`; it keeps `prefill_rows` extra
+    rows of target cache). `submit` and `cancel` may be called from other threads.
 
     Its parts: `slot_table` (which request holds which row, host side: `live`, `slot_of`),
     `scheduler` (waiting requests, cancellations, admissions, `max_admits_per_step`), `programs`
@@ -144,6 +152,8 @@ class Engine:
         sharding_rules: Any = None,
         seed: int = 0,
         max_logprobs: int | None = None,
+        prefill_chunk_tokens: int | None = None,
+        prefill_rows: int = DEFAULT_PREFILL_ROWS,
     ):
         resolved, _ = resolve_target(target)
         self.model = resolved.model
@@ -156,6 +166,10 @@ class Engine:
             max_logprobs = validation.check_int("max_logprobs", max_logprobs, minimum=0, maximum=MAX_LOGPROBS)
         self.max_logprobs = max_logprobs
         validation.check_mesh(mesh)
+        self.prefill_plan = None if prefill_chunk_tokens is None else PrefillPlan(prefill_chunk_tokens, prefill_rows)
+        if self.prefill_plan is not None and mesh is not None:
+            raise ValueError("chunked prefill (prefill_chunk_tokens) does not run on a mesh yet; "
+                             "leave prefill_chunk_tokens unset with mesh=.")
         drafter_params = with_store(drafter, drafter_params)
         validation.check_drafter_params(drafter, drafter_params)
         # A suffix drafter's store of finished requests' text: one per engine, read by every chunk.
@@ -181,12 +195,14 @@ class Engine:
         self.programs = EnginePrograms(self.model, self.drafters, resolved.params, drafter_params,
                                        capacity=self.capacity, slots=self.slots, mesh=mesh,
                                        sharding_rules=sharding_rules, top_logprobs=max_logprobs,
-                                       depth=None if self.depth is None else self.depth.static())
+                                       depth=None if self.depth is None else self.depth.static(),
+                                       prefill_rows=None if self.prefill_plan is None else self.prefill_plan.rows)
         depth_costs = None
         if self.depth is not None:
             depth_costs = self.depth.costs or self._measure_depth_costs(target, drafter, drafter_params)
             self.depth = dataclasses.replace(self.depth, costs=tuple(depth_costs))
         self.state: LoopState = self.programs.initial_state(depth_costs)
+        self.prefill_state = None if self.prefill_plan is None else self.programs.initial_prefill_rows()
         # Seeds for requests that bring none (each gets a fresh one; the engine's seed makes a batch run repeatable).
         self._fresh_seeds = np.random.default_rng(validation.check_int("seed", seed, minimum=0,
                                                                        maximum=validation.SEED_MAX))
@@ -197,6 +213,7 @@ class Engine:
         self.k_chunks: collections.Counter[int] = collections.Counter()  # chunks run per K
         self.depth_counts: collections.Counter[int] = collections.Counter()  # steps run per depth (adaptive)
         self.positions = PositionTotals()  # drafts offered and accepted per position (/metrics)
+        self.prefill_passes: collections.Counter[tuple[int, int]] = collections.Counter()  # passes run per [r, W]
 
     def _measure_depth_costs(self, target: Any, drafter: Drafter, drafter_params: Any) -> tuple[float, ...]:
         """Each depth's step time at this engine's batch and capacity, as `generate` measures it
@@ -269,7 +286,7 @@ class Engine:
         self.scheduler.cancel(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work(bool(self.slot_table.running))
+        return self.scheduler.has_work(bool(self.slot_table.running or self.prefill_plan and self.prefill_plan.active))
 
     @property
     def num_live(self) -> int:
@@ -277,8 +294,8 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def warmup(self, prompt_lengths: Sequence[int] | None = None, workers: int = WARMUP_WORKERS) -> CompileTally:
-        """Compile every program requests can need: the chunk, and one admit per
-        prompt bucket (of `prompt_lengths`, default every bucket a request can reach: prompts of
+        """Compile every program requests can need: the chunk, and one admit (with chunked
+        prefill: one finish, and every prefill pass shape) per prompt bucket (of `prompt_lengths`, default every bucket a request can reach: prompts of
         1 .. max_model_len - 1 tokens), `workers` programs at a time -> what this call compiled
         (programs, wall seconds, persistent-cache hits; programs an engine of the same
         configuration compiled before are reused and not counted)."""
@@ -292,15 +309,23 @@ class Engine:
         probe = RequestParams(prompt_ids=(0,), max_new_tokens=1)
         jobs = [self.programs.chunk_job(self.k, self.programs.chunk_args(self.state, self.slot_table,
                                                                          self.chunk_steps))]
+        plan = self.prefill_plan
         for bucket in buckets:
-            jobs.append(self.programs.admit_job(bucket, self.programs.admit_args(self.state, 0, probe, bucket)))
+            if plan is None:
+                jobs.append(self.programs.admit_job(bucket, self.programs.admit_args(self.state, 0, probe, bucket)))
+            else:
+                jobs.append(self.programs.finish_job(bucket, self.programs.finish_args(
+                    self.state, self.prefill_state, 0, 0, probe, bucket)))
+        for rows, width in [] if plan is None else plan.shapes():
+            jobs.append(self.programs.prefill_pass_job(self.programs.prefill_pass_args(
+                self.prefill_state, np.arange(rows), np.zeros((rows, width)), np.zeros((rows,)), np.zeros((rows,)))))
         self.programs.compile_all(jobs, workers)
         return self.programs.tally.since(before, time.perf_counter() - t0)
 
     def step(self) -> list[EngineEvent]:
         """Admit, run one chunk, hand out new tokens; see the module docstring."""
         events = self._cancel_requests()
-        admitted = self._admit_waiting()
+        admitted = self._admit_waiting() if self.prefill_plan is None else self._prefill_waiting()
         if not self.slot_table.running:
             return events
         if admitted:
@@ -313,6 +338,9 @@ class Engine:
         cancelled, dropped = self.scheduler.take_cancelled()
         events = [EngineEvent(rid, [], "cancelled", RequestStats(len(params.prompt_ids))) for rid, params in dropped]
         for rid in cancelled:
+            prefilling = None if self.prefill_plan is None else self.prefill_plan.drop(rid)
+            if prefilling is not None:
+                events.append(EngineEvent(rid, [], "cancelled", RequestStats(len(prefilling.params.prompt_ids))))
             slot = self.slot_table.slot_of.get(rid)
             if slot is not None:
                 events.append(EngineEvent(rid, [], "cancelled", self.slot_table.release(slot).stats))
@@ -328,6 +356,31 @@ class Engine:
             self.slot_table.occupy(slot, rid, params, stop_id_array(params.stop_ids), submitted_at)
             self.positions.restart(slot)
         return [slot for slot, *_ in admissions]
+
+    def _prefill_waiting(self) -> list[int]:
+        """Chunked prefill: waiting requests into free prefill rows (each reserving a free slot),
+        one prefill pass over the rows in progress, and the rows it completed into their slots
+        -> the slots admitted."""
+        plan = self.prefill_plan
+        reserved = plan.reserved_slots
+        free = [slot for slot in self.slot_table.free_slots() if slot not in reserved]
+        for slot, rid, params, submitted_at in self.scheduler.admissions(free[: len(plan.free_rows())]):
+            plan.start(rid, params, submitted_at, slot)
+        chunk = plan.next_pass()
+        if chunk is None:
+            return []
+        args = self.programs.prefill_pass_args(self.prefill_state, chunk.rows, chunk.tokens, chunk.starts, chunk.valid)
+        self.prefill_state = self.programs.prefill_pass(args)(*args)
+        self.prefill_passes[chunk.tokens.shape] += 1
+        admitted = []
+        for p in plan.advance(chunk):
+            bucket = min(prompt_bucket(len(p.params.prompt_ids)), self.capacity)
+            args = self.programs.finish_args(self.state, self.prefill_state, p.row, p.slot, p.params, bucket)
+            self.state = self.programs.finish_prefill(bucket, args)(*args)
+            self.slot_table.occupy(p.slot, p.rid, p.params, stop_id_array(p.params.stop_ids), p.submitted_at)
+            self.positions.restart(p.slot)
+            admitted.append(p.slot)
+        return admitted
 
     def _logprobs_wanted(self, slots: Any) -> Any:
         """The state's `TokenLogprobs` when a request in `slots` asked for them (else None: not read)."""

@@ -5,7 +5,11 @@ with the state donated:
   - the chunk: up to `chunk_steps` speculative steps over every row (`run_chunk`; with an adaptive
     `depth`, each step picks its depth, and the state carries the policy's `DepthState`);
   - an admit per prompt bucket: a 1-row `prefill` scattered into one slot's row of every state
-    leaf (tokens, target cache, drafter state, stats, the row's acceptance EMAs).
+    leaf (tokens, target cache, drafter state, stats, the row's acceptance EMAs);
+  - with chunked prefill (`prefill_rows`), instead of admits: a prefill pass per shape [r, W]
+    (`chunked.prefill_chunk` on r of the `PrefillRows`' rows: their target caches and captured
+    hidden states, kept apart from the running rows), and a finish per prompt bucket
+    (`loop.start_state` on a prefilled row, scattered into its slot as an admit is).
 Programs are shared between engines of the same configuration (a process that builds several
 engines compiles each program once).
 """
@@ -18,12 +22,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from spec_jax.decoding import saved_programs
-from spec_jax.decoding.chunked import NO_STEP_CAP, run_chunk
+from spec_jax.decoding.chunked import NO_STEP_CAP, prefill_chunk, run_chunk
 from spec_jax.decoding.generate import stop_id_array
 from spec_jax.decoding.depth import AdaptiveDepth
-from spec_jax.decoding.loop import LoopInputs, LoopState, prefill, with_depth_state
+from spec_jax.decoding.loop import LoopInputs, LoopState, forward_capturing, prefill, start_state, with_depth_state
 from spec_jax.decoding.programs import CompileTally, ProgramCache, signature
 from spec_jax.decoding.slots import RequestParams
 from spec_jax.drafters.base import Drafter
@@ -69,20 +74,52 @@ def zeros_like_abstract(abstract: Any) -> Any:
     return jax.tree_util.tree_map(zeros, abstract)
 
 
+@struct.dataclass
+class PrefillRows:
+    """The rows prompts are prefilled in, chunk by chunk, before they join the running rows.
+
+    cache:       the target's cache for R rows (committed up to each row's prompt so far)
+    captured:    [R, capacity, n*H] the captured hidden states of each row's prompt so far (None
+                 when the drafter captures none): what `Drafter.init` reads at the finish
+    last_hidden: [R, H] the hidden state of each row's last prompt token so far"""
+
+    cache: Any
+    captured: Any
+    last_hidden: jax.Array
+
+
+def take_rows(tree: Any, axes: Any, rows: jax.Array) -> Any:
+    """Rows `rows` [r] of each leaf along its batch axis (leaves without one are kept)."""
+    return jax.tree_util.tree_map(lambda axis, x: x if axis == NO_BATCH_AXIS else jnp.take(x, rows, axis), axes, tree)
+
+
+def put_rows(tree: Any, axes: Any, rows: jax.Array, part: Any) -> Any:
+    """`tree` with rows `rows` [r] of each leaf replaced by `part`'s."""
+    def put(axis, full, new):
+        if axis == NO_BATCH_AXIS:
+            return full
+        moved = jnp.moveaxis(full, axis, 0).at[rows].set(jnp.moveaxis(new, axis, 0).astype(full.dtype))
+        return jnp.moveaxis(moved, 0, axis)
+
+    return jax.tree_util.tree_map(put, axes, tree, part)
+
+
 class EnginePrograms:
     """The state layout, its placement on a mesh, and the compiled chunk and admit programs.
 
     drafters: {K: the drafter at K, or None for plain decoding} (one entry). top_logprobs: None,
     or the state keeps `TokenLogprobs` with this many top tokens per position (for requests that
     ask for logprobs). depth: the adaptive depth policy's static part (None: K is fixed); its
-    costs travel in the state (`initial_state`). `tally` (`compiles`, `compile_s`) counts the programs
+    costs travel in the state (`initial_state`). prefill_rows: None (prompts prefill in one
+    pass, an admit), or R: prompts prefill in chunks in R `PrefillRows` (`initial_prefill_rows`). `tally` (`compiles`, `compile_s`) counts the programs
     compiled by this object (not ones shared from another engine)."""
 
     def __init__(self, model: Any, drafters: dict[int, Drafter | None], target_params: Any, drafter_params: Any,
                  *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None,
-                 top_logprobs: int | None = None, depth: AdaptiveDepth | None = None):
+                 top_logprobs: int | None = None, depth: AdaptiveDepth | None = None,
+                 prefill_rows: int | None = None):
         self.model, self.drafters, self.capacity, self.slots, self.mesh = model, drafters, capacity, slots, mesh
-        self.top_logprobs, self.depth = top_logprobs, depth
+        self.top_logprobs, self.depth, self.prefill_rows = top_logprobs, depth, prefill_rows
         self.target_params, self.drafter_params = target_params, drafter_params
         self.widest = drafters[max(drafters)]  # the drafter at the largest K: admits use its layout
         abstract_one = self._abstract_prefill(1, self.widest)
@@ -161,17 +198,20 @@ class EnginePrograms:
         return self.place(key) if self.mesh is not None else key
 
     def _compile(self, key: Any, fn: Any, args: tuple) -> Any:
-        """The program for `key` (("chunk", K) or ("admit", bucket)): this object's, else
+        """The program for `key` (("chunk", K), ("admit", bucket), ("prefill_pass", rows, width) or
+        ("finish_prefill", bucket)): this object's, else
         one an engine of the same configuration compiled, else compiled now."""
         exe = self.exes.get(key)
         if exe is None:
             drafter = self.drafters[key[1]] if key[0] == "chunk" else self.widest
+            if key[0] == "prefill_pass":  # it reads only the layers the drafter captures
+                drafter = self._capture_layers()
             config = (key, self.model, drafter, self.capacity, self.slots, self.mesh, str(self.state_shardings),
                       signature(args, self.mesh), self.depth)
             kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
             # What `fn` closes over (chunk_job / admit_job), so a saved program is found only by its
             # own configuration.
-            closed_over = (self.model, drafter, self.capacity, self.batch_axes if key[0] == "admit" else None,
+            closed_over = (self.model, drafter, self.capacity, self.batch_axes if key[0] != "chunk" else None,
                            self.top_logprobs) + (() if self.depth is None else (self.depth,))
             exe, _ = _SHARED_PROGRAMS.get_or_compile(
                 config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh, tally=self.tally,
@@ -246,16 +286,102 @@ class EnginePrograms:
                           key, sampling, max_new, stop_ids, capacity, top)
             # The row's acceptance EMAs restart from the prior (the policy's shared leaves stay).
             row = with_depth_state(row, depth, None if depth is None else state.depth.costs)
-            row = row.replace(stats=jax.tree_util.tree_map(
-                lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), state.stats))
-
-            def put(axis, full, part):
-                if axis == NO_BATCH_AXIS:
-                    return full
-                return jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), slot, axis)
-
-            stats_axes = jax.tree_util.tree_map(lambda _: 0, state.stats)
-            merged = jax.tree_util.tree_map(put, axes.replace(stats=stats_axes), state, row)
-            return merged.replace(step=state.step)  # the row's key went in with its other leaves
+            return merge_row(state, row, slot, axes)
 
         return ("admit", bucket), admit, args
+
+    # ------------------------------------------------------------------ chunked prefill
+    def initial_prefill_rows(self) -> PrefillRows:
+        """`prefill_rows` empty rows (each pass starts a new prompt's row from an empty cache)."""
+        return zeros_like_abstract(self._abstract_prefill_rows())
+
+    def _capture_layers(self) -> tuple[int, ...]:
+        return self.widest.capture_layers if self.widest is not None else ()
+
+    def _abstract_prefill_rows(self) -> PrefillRows:
+        rows, capacity, model, capture = self.prefill_rows, self.capacity, self.model, self._capture_layers()
+
+        def fn(params):
+            cache = model.init_cache(rows, capacity)
+            hidden, captured, _ = forward_capturing(Target(params, model), jnp.zeros((rows, 1), jnp.int32),
+                                                    jnp.zeros((rows, 1), jnp.int32), cache, capture)
+            return PrefillRows(
+                cache=cache,
+                captured=None if captured is None else jnp.zeros((rows, capacity, captured.shape[-1]), captured.dtype),
+                last_hidden=hidden[:, 0])
+
+        return jax.eval_shape(fn, self.target_params)
+
+    def prefill_pass_args(self, prefill_rows: PrefillRows, rows: np.ndarray, tokens: np.ndarray,
+                          starts: np.ndarray, valid: np.ndarray) -> tuple:
+        """A prefill pass's arguments: which rows [r] (distinct), their next tokens [r, W], where
+        each starts [r] (0: a new prompt) and how many of its W tokens are prompt [r]."""
+        return (prefill_rows, self.target_params, *(self.place(np.asarray(x, np.int32))
+                                                    for x in (rows, tokens, starts, valid)))
+
+    def prefill_pass(self, args: tuple) -> Any:
+        return self._compile(*self.prefill_pass_job(args))
+
+    def prefill_pass_job(self, args: tuple) -> tuple[Any, Any, tuple]:
+        """(key, function, arguments) of the prefill pass at the arguments' shape [r, W]."""
+        model, capture, cache_axes = self.model, self._capture_layers(), self.batch_axes.cache
+
+        def prefill_pass(prefill_rows, target_params, rows, tokens, starts, valid):
+            cache = take_rows(prefill_rows.cache, cache_axes, rows)
+            fresh = model.init_cache(rows.shape[0], self.capacity)
+            cache = jax.tree_util.tree_map(  # a row at 0 starts a new prompt: an empty cache
+                lambda axis, old, new: old if axis == NO_BATCH_AXIS else jnp.where(
+                    (starts == 0).reshape([-1 if d == axis else 1 for d in range(old.ndim)]), new, old),
+                cache_axes, cache, fresh)
+            captured = None if prefill_rows.captured is None else prefill_rows.captured[rows]
+            cache, captured, last_hidden = prefill_chunk(
+                Target(target_params, model), cache, captured, prefill_rows.last_hidden[rows], tokens, starts,
+                valid, capture)
+            return PrefillRows(
+                cache=put_rows(prefill_rows.cache, cache_axes, rows, cache),
+                captured=None if captured is None else prefill_rows.captured.at[rows].set(captured),
+                last_hidden=prefill_rows.last_hidden.at[rows].set(last_hidden))
+
+        return ("prefill_pass", *args[3].shape), prefill_pass, args  # args[3]: tokens [r, W]
+
+    def finish_args(self, state: LoopState, prefill_rows: PrefillRows, row: int, slot: int,
+                    params: RequestParams, bucket: int) -> tuple:
+        """A finish's arguments: the admit's (`admit_args`), with the prefilled row."""
+        admit = self.admit_args(state, slot, params, bucket)
+        return (admit[0], prefill_rows, self.place(np.asarray([row], np.int32)), *admit[1:])
+
+    def finish_prefill(self, bucket: int, args: tuple) -> Any:
+        return self._compile(*self.finish_job(bucket, args))
+
+    def finish_job(self, bucket: int, args: tuple) -> tuple[Any, Any, tuple]:
+        """(key, function, arguments) of the finish for this prompt bucket: the row's first token,
+        its drafter started from the whole prompt, the row put into its slot."""
+        model, drafter, capacity, axes, top = self.model, self.widest, self.capacity, self.batch_axes, self.top_logprobs
+        depth = self.depth
+
+        def finish_prefill(state, prefill_rows, row, slot, target_params, drafter_params, prompt, prompt_length,
+                           key, sampling, max_new, stop_ids):
+            captured = None if prefill_rows.captured is None else prefill_rows.captured[row][:, : prompt.shape[1]]
+            started = start_state(Target(target_params, model), drafter, drafter_params, prompt, prompt_length,
+                                  prefill_rows.last_hidden[row], captured,
+                                  take_rows(prefill_rows.cache, axes.cache, row), key, sampling, max_new,
+                                  stop_ids, capacity, top)
+            started = with_depth_state(started, depth, None if depth is None else state.depth.costs)
+            return merge_row(state, started, slot, axes)
+
+        return ("finish_prefill", bucket), finish_prefill, args
+
+
+def merge_row(state: LoopState, row: LoopState, slot: Any, axes: Any) -> LoopState:
+    """`state` with slot `slot`'s row of every leaf replaced by the 1-row `row`'s, its stats
+    zeroed (the policy's shared leaves and the step counter stay)."""
+    row = row.replace(stats=jax.tree_util.tree_map(lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), state.stats))
+
+    def put(axis, full, part):
+        if axis == NO_BATCH_AXIS:
+            return full
+        return jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), slot, axis)
+
+    stats_axes = jax.tree_util.tree_map(lambda _: 0, state.stats)
+    merged = jax.tree_util.tree_map(put, axes.replace(stats=stats_axes), state, row)
+    return merged.replace(step=state.step)  # the row's key went in with its other leaves

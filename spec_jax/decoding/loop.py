@@ -216,7 +216,6 @@ def prefill(
     """Run the prompt through the target, sample the first token, start the drafter.
     top_logprobs (static): None, or keep `TokenLogprobs` with this many top tokens per position."""
     batch, prompt_len = prompt_tokens.shape
-    k = drafter.k if drafter is not None else 0
     capture = drafter.capture_layers if drafter is not None else ()
     rows = jnp.arange(batch)
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
@@ -229,7 +228,36 @@ def prefill(
         hidden, captured, cache = forward_capturing(target, prompt_tokens, positions, empty, capture)
         # The LM head at each row's last prompt position only: [B, P, V] logits would cost P times
         # the head's FLOPs and, at batch 512 x 512 positions, tens of GB.
-        logits = target.logits(hidden[rows, prompt_lengths - 1])  # [B, V]
+        last_hidden = hidden[rows, prompt_lengths - 1]  # [B, H]
+    return start_state(target, drafter, drafter_params, prompt_tokens, prompt_lengths, last_hidden, captured,
+                       cache, key, sampling, max_new_tokens, stop_ids, capacity, top_logprobs)
+
+
+def start_state(
+    target: Target,
+    drafter: Drafter | None,
+    drafter_params: Any,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    last_hidden: jax.Array,
+    captured: jax.Array | None,
+    cache: Any,
+    key: jax.Array,
+    sampling: SamplingParams,
+    max_new_tokens: jax.Array,
+    stop_ids: jax.Array,
+    capacity: int,
+    top_logprobs: int | None = None,
+) -> LoopState:
+    """The loop's state once the prompt has run through the target, in one pass (`prefill`) or
+    in chunks (`chunked.prefill_chunk`, the engine's chunked prefill): sample the first token from
+    the last prompt position's hidden state [B, H], start the drafter from the whole prompt's
+    captured hidden states [B, P, n*H], commit the prompt in the target's cache."""
+    batch, prompt_len = prompt_tokens.shape
+    k = drafter.k if drafter is not None else 0
+    rows = jnp.arange(batch)
+    with jax.named_scope("prefill"):
+        logits = target.logits(last_hidden)  # [B, V]
     key, first_key = draw_keys(key, prompt_lengths, 2)
     first = sample(first_key, warp(logits, sampling))  # [B]
     tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_len].set(prompt_tokens)
@@ -248,7 +276,7 @@ def prefill(
         prompt_lengths=prompt_lengths,
         done=is_stop | hit_length,
         finish_reason=finish.astype(jnp.int32),
-        cache=model.commit(cache, prompt_lengths),
+        cache=target.model.commit(cache, prompt_lengths),
         drafter_state=drafter_state,
         key=key,
         step=jnp.zeros((), jnp.int32),
