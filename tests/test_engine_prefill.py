@@ -66,6 +66,48 @@ def test_chunked_batched_prefill_equals_generate_for_drafters_and_a_recurrent_ta
         assert compiles == [], name
         # Two prompts prefilled together in 16-token chunks, later ones alone in one pass.
         assert engine.prefill_passes[(2, 16)] >= 2 and engine.prefill_passes[(1, 32)] >= 1, (name, engine.prefill_passes)
+    # A request cancelled mid-prefill frees its prefill row and its reserved slot.
+    rids = [engine.submit(p, max_new_tokens=2) for p in PROMPTS[:2]]
+    assert engine.step() == [] and engine.prefill_plan.reserved_slots
+    engine.cancel(rids[1])
+    events = engine.step()
+    assert [e.finish_reason for e in events if e.request_id == rids[1]] == ["cancelled"]
+    engine.run_all()
+    assert not engine.has_work() and not engine.prefill_plan.active and not engine.slot_table.running
+
+
+def test_serve_flags_reach_the_engine(monkeypatch):
+    """`spec-jax serve --prefill-chunk-tokens N --prefill-rows R` reach the engine; nothing loads
+    or compiles (the engine is stood in for); a budget under one prompt bucket is a usage error."""
+    import argparse
+    from types import SimpleNamespace
+
+    from spec_jax.app import inputs, serve
+    from spec_jax.decoding import engine as engine_module
+    from spec_jax.decoding import prefill_plan
+    from spec_jax.decoding.generate import MIN_PROMPT_BUCKET
+
+    assert (serve.DEFAULT_PREFILL_ROWS, serve.MIN_PREFILL_CHUNK) == (prefill_plan.DEFAULT_PREFILL_ROWS, MIN_PROMPT_BUCKET)
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def fake_engine(*args, **kwargs):
+        built.append(kwargs)
+        raise Built
+
+    monkeypatch.setattr(inputs, "load_target_or_fail", lambda *a, **k: SimpleNamespace(tokenizer=object(), source="tiny"))
+    monkeypatch.setattr(inputs, "build_drafter", lambda spec, target: (None, None))
+    monkeypatch.setattr(engine_module, "Engine", fake_engine)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with pytest.raises(Built):
+        serve.build_state(parser.parse_args(["--drafter", "none", "--no-warmup", "--prefill-chunk-tokens", "256",
+                                             "--prefill-rows", "2"]))
+    assert (built[-1]["prefill_chunk_tokens"], built[-1]["prefill_rows"]) == (256, 2)
+    with pytest.raises(inputs.UsageError, match="prefill-chunk-tokens"):
+        serve.check_args(parser.parse_args(["--prefill-chunk-tokens", "8"]))
 
 
 def test_prefill_plan_keeps_each_pass_within_the_budget():

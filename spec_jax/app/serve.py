@@ -34,6 +34,8 @@ from spec_jax.app import http_limits, inputs
 from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_from_args, log
 
 MAX_LOGPROBS = 20  # as the engine's bound (spec_jax.decoding.engine.MAX_LOGPROBS; not imported: --help stays light)
+DEFAULT_PREFILL_ROWS = 4  # as spec_jax.decoding.prefill_plan's (not imported: --help stays light)
+MIN_PREFILL_CHUNK = 16  # the smallest prompt bucket (spec_jax.decoding.generate.MIN_PROMPT_BUCKET)
 EXIT_ENGINE_FAILED = 1  # the process's status after an engine failure (a supervisor restarts it)
 END_GRACE_S = 5.0  # past --drain-timeout: time for the ended requests to write their last bytes
 
@@ -56,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="verify steps between hand-outs (default 4; lower = smoother streams)")
     p.add_argument("--max-admits", type=int, default=None,
                    help="prefills between two chunks (default: every free slot; fewer = smoother running streams)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None, metavar="N",
+                   help="prefill waiting prompts in passes of at most N tokens between two chunks, several "
+                   "prompts together and a long one over several steps, so running streams never wait longer "
+                   "than one such pass (default: each prompt in one pass while running streams wait)")
+    p.add_argument("--prefill-rows", type=int, default=DEFAULT_PREFILL_ROWS,
+                   help=f"with --prefill-chunk-tokens: prompts prefilled together (default {DEFAULT_PREFILL_ROWS}; "
+                   "each holds a row of the target's cache)")
     p.add_argument("--k-choices", default=None, metavar="0,2,4",
                    help="the depths --k adaptive chooses from each step (0 = a plain step; default 0, 2, "
                    "about K/2 and K)")
@@ -105,6 +114,8 @@ def check_args(args: argparse.Namespace) -> list[int] | None:
     _cli_int("--slots", args.slots, 1)
     _cli_int("--max-admits", args.max_admits, 1)
     _cli_int("--chunk-steps", args.chunk_steps, 1)
+    _cli_int("--prefill-chunk-tokens", args.prefill_chunk_tokens, MIN_PREFILL_CHUNK)
+    _cli_int("--prefill-rows", args.prefill_rows, 1)
     _cli_int("--max-model-len", args.max_model_len, 2)
     _cli_int("--max-queued-requests", args.max_queued_requests, 0)
     _cli_int("--max-logprobs", args.max_logprobs, -1, MAX_LOGPROBS)
@@ -148,7 +159,8 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     engine = Engine(target, drafter, drafter_params, slots=args.slots, max_model_len=args.max_model_len,
                     chunk_steps=args.chunk_steps, max_admits_per_step=args.max_admits,
                     k=None if not spec.adaptive else AdaptiveDepth(depths=tuple(k_choices) if k_choices else None),
-                    mesh=mesh, max_logprobs=None if args.max_logprobs < 0 else args.max_logprobs)
+                    mesh=mesh, max_logprobs=None if args.max_logprobs < 0 else args.max_logprobs,
+                    prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_rows=args.prefill_rows)
     warm = engine.warmup() if args.warmup else None
     label = spec.label if spec.kind != "none" else "none"
     log(f"engine: {args.slots} slots, max model length {engine.max_model_len}, drafter {label} "
