@@ -11,7 +11,8 @@ usage: python tests/sharding_worker.py MODEL CASE[,CASE...]     CASE = DRAFTER@M
   DRAFTER: ar | ngram | draft_model | dflash | dflash_vocab | eagle3 | table (a test-only drafter)
            | gemma4_mtp (a Gemma 4 assistant on the tiny Gemma 4 target, whatever MODEL is: the
              case's own target and unsharded baseline) | qwen_mtp (an MTP head on a recurrent,
-             Qwen3.5-style target, likewise);  MESH: DxM (data x model), e.g. 2x4
+             Qwen3.5-style target, likewise); DRAFTER+adaptive: that drafter with the adaptive
+             depth (K = 0 or 3 per step, `SWITCHING`);  MESH: DxM (data x model), e.g. 2x4
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from spec_jax.decoding.depth import AdaptiveDepth  # noqa: E402
 from spec_jax.decoding.generate import generate  # noqa: E402
 from spec_jax.decoding.loop import MAX_STOP_IDS, LoopInputs, prefill  # noqa: E402
 from spec_jax.decoding.placement import place_generate_inputs  # noqa: E402
@@ -61,6 +63,9 @@ MODELS = {
 CAPACITY = 64
 MAX_NEW = 12
 K = 3
+# The adaptive cases' policy: an optimistic prior drafts K first; drafts that miss bring K = 0
+# steps, with a probe at K after 4 x 1.3 of them (test_adaptive_depth's SWITCHING at this K).
+SWITCHING = AdaptiveDepth(depths=(0, K), costs=(1.0, 1.3), prior=0.9, probe_every=4)
 # Repetitive prompts so the n-gram drafter finds matches; 4 rows split over data=2 and data=4.
 PROMPTS = [
     [1, 2, 3, 4, 5, 1, 2, 3],
@@ -210,7 +215,9 @@ def main() -> None:
     baseline = generate(target, PROMPTS, **common).generated_ids
     out["baseline_s"] = round(time.perf_counter() - t0, 2)
     out["baseline"] = process_baseline = baseline
-    for drafter_name, mesh_name in cases:
+    for case_name, mesh_name in cases:
+        drafter_name, _, adaptive = case_name.partition("+")
+        depth = SWITCHING if adaptive else None
         cfg, params, baseline = process_cfg, process_params, process_baseline
         if drafter_name in OWN_TARGETS:
             cfg = OWN_TARGETS[drafter_name]
@@ -223,7 +230,7 @@ def main() -> None:
         if mesh_name not in out["shards"] and drafter_name not in OWN_TARGETS:
             out["shards"][mesh_name] = shard_report(cfg, params, mesh)
         t0 = time.perf_counter()
-        result = generate(target, PROMPTS, drafter, drafter_params, mesh=mesh, **common)
+        result = generate(target, PROMPTS, drafter, drafter_params, mesh=mesh, k=depth, **common)
         compiled = list(generate_module._COMPILED.values())[-1]
         hlo = compiled.as_text()
         expect_cache = kv_cache_shardings(
@@ -242,7 +249,10 @@ def main() -> None:
         cache_elems = [int(b) * CAPACITY * int(kv) * cfg.head_dim for b, kv in cache_types]
         # The compiled loop again, on inputs committed to the mesh by explicit device_put:
         # with transfers disallowed, any host round trip in the loop would raise.
-        inputs = place_generate_inputs(loop_inputs(params, drafter_params), Decoder(cfg), drafter, mesh)
+        inputs = loop_inputs(params, drafter_params)
+        if depth is not None:
+            inputs = inputs.replace(depth_costs=np.asarray(depth.costs, np.float32))
+        inputs = place_generate_inputs(inputs, Decoder(cfg), drafter, mesh)
         with jax.transfer_guard("disallow"):
             again = compiled(inputs)
             jax.block_until_ready(again)
@@ -250,7 +260,8 @@ def main() -> None:
             [int(t) for t in row[len(p): len(p) + MAX_NEW]]
             for row, p in zip(np.asarray(again.tokens), PROMPTS)
         ]
-        out["cases"][f"{drafter_name}@{mesh_name}"] = {
+        out["cases"][f"{case_name}@{mesh_name}"] = {
+            "depths": sorted(set(result.depth_trace or [])),
             "equal": result.generated_ids == baseline,
             "guarded_equal": again_ids == baseline,
             "compile_s": round(result.compile_s, 2),

@@ -190,7 +190,8 @@ MESHES = ["2x4", "4x2", "1x8"]
 
 # Default: each model meets every mesh and, between the two models, every drafter.
 DEFAULT_CASES = {
-    "divisible": ["ar@1x8", "ngram@4x2", "dflash_vocab@2x4", "table@2x4", "eagle3@4x2"],
+    "divisible": ["ar@1x8", "ngram@4x2", "dflash_vocab@2x4", "table@2x4", "eagle3@4x2",
+                  "ngram+adaptive@2x4"],  # the adaptive depth: rows over data, the depth batch-wide
     "nondivisible": ["draft_model@2x4", "ngram@1x8", "dflash@4x2", "eagle3@2x4"],
     "moe": ["ngram@1x8",  # one expert per device
             "gemma4_mtp@2x4",  # the tiny Gemma 4 (its own target) with its assistant reading the sharded cache
@@ -242,6 +243,8 @@ def test_sharded_generate_matches_unsharded(worker_results, model):
         assert case["cache_within_rule"], (name, case["cache_per_device"], case["cache_types_in_hlo"])
         # Drafter weights follow their own WeightSpec trees (same head counts as the target).
         drafter_name, mesh_name = name.split("@")
+        if drafter_name.endswith("+adaptive"):  # drafts accepted, then K = 0 steps (issue 41)
+            assert case["depths"] == [0, 3] and case["accepted"] > 0, (name, case)
         if drafter_name in ("draft_model", "dflash", "dflash_vocab", "eagle3"):
             assert case["drafter_wq_spec"] == EXPECTED_SHARDS[(model, mesh_name)][0], name
         if drafter_name == "gemma4_mtp":  # the assistant's 4 query heads split where they divide

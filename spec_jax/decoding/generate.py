@@ -381,17 +381,21 @@ def generate(
         stop_ids=stop_ids, ignore_eos=ignore_eos,
     )
     model, inputs = call.target.model, call.inputs
-    if mesh is not None:
-        if call.depth is not None:
-            raise ValueError("k='adaptive' does not run on a mesh yet; pin K (an int k) with mesh=.")
+
+    def placed(x: LoopInputs) -> LoopInputs:  # committed to the mesh (unsharded: as they are)
+        if mesh is None:
+            return x
         from spec_jax.decoding.placement import place_generate_inputs  # only for mesh runs
 
-        inputs = place_generate_inputs(inputs, model, call.drafter, mesh, sharding_rules)
+        return place_generate_inputs(x, model, call.drafter, mesh, sharding_rules)
+
+    inputs = placed(inputs)
     compiled, compile_s = compiled_loop(model, call.drafter, call.capacity, inputs, mesh, call.depth)
     if call.measure_costs:
         from spec_jax.decoding.depth_costs import costs_for  # measured once, then read from disk
 
-        inputs = inputs.replace(depth_costs=jnp.asarray(costs_for(compiled, call), jnp.float32))
+        costs = costs_for(lambda x: compiled(placed(x)), call)
+        inputs = placed(inputs.replace(depth_costs=jnp.asarray(costs, jnp.float32)))
     t0 = time.perf_counter()
     out = compiled(inputs)
     jax.block_until_ready(out)

@@ -2,9 +2,10 @@
 
 `generate(..., mesh=mesh)` calls `place_generate_inputs` before compiling: target and drafter params
 follow their WeightSpec trees, prompts and prompt lengths are split over `data`, the rest
-(PRNG key, sampling values, caps, stop ids) is replicated. With every argument committed to the
-mesh, XLA propagates those shardings through prefill and the while loop: the KV caches come out
-[B/data, Kv/model, S, D] per layer and device without any constraint inside the loop.
+(PRNG key, sampling values, caps, stop ids, the adaptive depth's costs) is replicated. With every
+argument committed to the mesh, XLA propagates those shardings through prefill and the while
+loop: the KV caches come out [B/data, Kv/model, S, D] per layer and device without any
+constraint inside the loop.
 
 This sits in `decoding` (it knows the loop's inputs) and uses `spec_jax.sharding`'s rules; the
 sharding package never imports the loop.
@@ -76,4 +77,5 @@ def place_generate_inputs(
         sampling=jax.tree_util.tree_map(lambda x: place(x, rep), inputs.sampling),
         max_new_tokens=place(inputs.max_new_tokens, rep),
         stop_ids=place(inputs.stop_ids, rep),
+        depth_costs=None if inputs.depth_costs is None else place(inputs.depth_costs, rep),
     )
