@@ -10,6 +10,12 @@ output token after the first (TPOT) p50. A multi-token event (a step that accept
 gap, so ITL is per event and TPOT per token.
 
     python benchmarks/load_test.py --concurrency 1 4 16 --out benchmarks/results/load_test
+
+--long-prompt-gap N measures instead what chunked prefill is for (issue 45): running streams'
+longest gap between two hand-outs while one N-token prompt is admitted, in the engine itself (no
+HTTP), for the one-pass admit and for each --prefill-chunk-tokens budget:
+
+    python benchmarks/load_test.py --long-prompt-gap 2000 --prefill-chunk-tokens 128 256
 """
 
 from __future__ import annotations
@@ -155,6 +161,57 @@ def plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def long_prompt_gap(target, args) -> list[dict]:
+    """Three streams decode (plain, greedy, --chunk-steps per step); then one --long-prompt-gap
+    token prompt arrives. Per prefill mode (one pass, or chunks of each --prefill-chunk-tokens
+    budget): the streams' gap between two hand-outs before it arrived (p50) and while it was
+    admitted (the longest, until its first token), and its time to first token."""
+    from spec_jax.decoding.engine import Engine
+
+    rng = np.random.RandomState(0)
+    vocab = int(target.model.vocab_size)
+    streams = [rng.randint(3, vocab, 32).tolist() for _ in range(3)]
+    long_prompt = rng.randint(3, vocab, args.long_prompt_gap).tolist()
+    stream_tokens = 160
+    rows = []
+    for budget in [None, *args.prefill_chunk_tokens]:
+        engine = Engine(target, slots=4, max_model_len=args.long_prompt_gap + 64, chunk_steps=args.chunk_steps,
+                        prefill_chunk_tokens=budget, prefill_rows=2)
+        t0 = time.perf_counter()
+        engine.warmup([32, args.long_prompt_gap])
+        compile_s = time.perf_counter() - t0
+        rids = {engine.submit(p, max_new_tokens=stream_tokens, ignore_eos=True) for p in streams}
+        handouts, long_rid, first_token_at, submitted_at = [], None, None, None
+        while first_token_at is None:
+            events = engine.step()
+            now = time.perf_counter()
+            if any(e.request_id in rids and e.new_ids for e in events):
+                handouts.append(now)
+            if long_rid is None and len(handouts) >= 6:  # the streams are under way: the long prompt arrives
+                submitted_at = now
+                long_rid = engine.submit(long_prompt, max_new_tokens=8)
+                arrived = len(handouts)
+            elif long_rid is not None and any(e.request_id == long_rid and e.new_ids for e in events):
+                first_token_at = now
+        for rid in [*rids, long_rid]:
+            engine.cancel(rid)
+        engine.run_all()
+        before = np.diff(handouts[:arrived])
+        during = np.diff(handouts[arrived - 1:])
+        row = {
+            "prefill": "one pass" if budget is None else f"chunks of {budget} tokens",
+            "long_prompt_tokens": args.long_prompt_gap, "streams": len(streams),
+            "gap_before_p50_ms": 1e3 * float(np.median(before)),
+            "longest_gap_while_admitting_ms": 1e3 * float(during.max()),
+            "long_prompt_ttft_ms": 1e3 * (first_token_at - submitted_at),
+            "prefill_passes": {f"{r}x{w}": n for (r, w), n in sorted(engine.prefill_passes.items())},
+            "compile_s": compile_s,
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -169,6 +226,10 @@ def main() -> None:
     p.add_argument("--k-choices", type=int, nargs="+", default=[1, 2, 4, 7])
     p.add_argument("--max-admits", type=int, default=None, help="the engine's max_admits_per_step")
     p.add_argument("--out", default=None, help="directory for load_test.json and load_test.png")
+    p.add_argument("--long-prompt-gap", type=int, default=None, metavar="N",
+                   help="measure the streams' longest gap while one N-token prompt is admitted (see above)")
+    p.add_argument("--prefill-chunk-tokens", type=int, nargs="+", default=[256],
+                   help="with --long-prompt-gap: the chunked-prefill budgets to measure beside the one-pass admit")
     args = p.parse_args()
 
     from spec_jax.app.inputs import build_drafter, parse_drafter_spec
@@ -177,6 +238,12 @@ def main() -> None:
     from spec_jax.humaneval import humaneval_problems
 
     target = load_target(None, dtype="float32")
+    if args.long_prompt_gap is not None:
+        rows = long_prompt_gap(target, args)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "long_prompt_gap.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
+        return
     problems = humaneval_problems()
     # Mixed prompt lengths: every 7th HumanEval problem (short and long ones alternate).
     bodies = []

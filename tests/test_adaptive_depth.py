@@ -2,8 +2,9 @@
 
 Greedy output with the adaptive policy equals plain decoding for the n-gram, draft-model and
 DFlash drafters at batch 1 and 3 (through `generate`, `make_generate_fn` and `generate_stream`),
-Medusa at batch 3 and EAGLE-3 at batch 8, with the depth changing mid-run (costs supplied so
-that it must; sampled output: test_sampling_stats; a mesh: test_sharding); a drafter that is
+and trees (Medusa's static tree at batch 3, EAGLE-3's budget tree at batch 8) at three depths,
+with the depth changing mid-run (costs supplied so that it must; sampled output:
+test_sampling_stats; a mesh: test_sharding); a drafter that is
 never right settles on K = 0, an always-right one (the target drafting for itself) on the
 largest depth; new costs, params and prompts never recompile; the draft model's cache stays
 current across K = 0 steps (the target drafting for itself accepts every draft even after runs
@@ -32,7 +33,7 @@ from spec_jax.app.inputs import UsageError
 from spec_jax.decoding import generate, make_generate_fn, prepare_inputs
 from spec_jax.decoding.loop import generate_jit
 from spec_jax.decoding.stream import generate_stream
-from spec_jax.decoding.depth import AdaptiveDepth
+from spec_jax.decoding.depth import AdaptiveDepth, drafter_at_depth
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import self_drafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
@@ -156,6 +157,7 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     assert parse_ks("4,adaptive") == [4, "adaptive"] and k_value("Adaptive") == "adaptive"
     args = argparse.Namespace(k="adaptive", drafter="ngram", tree=None, target=None)
     assert drafter_spec_from_args(args, adaptive_ok=True).adaptive
+    assert drafter_spec_from_args(argparse.Namespace(**{**vars(args), "tree": 8}), adaptive_ok=True).tree == 8
     with pytest.raises(UsageError, match="generate, bench and serve"):
         drafter_spec_from_args(args)
 
@@ -215,23 +217,35 @@ def test_dflash_context_stays_current_across_a_plain_step(models):
         np.testing.assert_allclose(got[..., :10, :], want[..., :10, :], atol=1e-5)
 
 
-def test_adaptive_depth_exact_for_the_other_drafter_kinds(models):
-    """Medusa and EAGLE-3 (a pair-cache drafter, as Qwen's MTP head) with the depth switching
-    mid-run, at batch 3 and 8: greedy output equals plain decoding (a compile each; n-gram, the
-    draft model and DFlash are the test above's; the suffix drafter, the Gemma 4 assistant and
-    Qwen's MTP head ran once: benchmarks/RESULTS.md, issue 41)."""
-    medusa = MedusaConfig.for_target(models.cfg, num_heads=K)
-    eagle3 = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2), speculative_tokens=K)
+# Trees: three depths, so a middle one drafts a smaller tree (a budget scaled by depth / K, a
+# static tree's paths no deeper than the depth): the first steps draft K = 4, then 2, then 0.
+TREE_K = 4
+TREES = AdaptiveDepth(depths=(0, 2, TREE_K), costs=(1.0, 1.2, 1.5), prior=0.9, probe_every=4)
+
+
+def test_adaptive_depth_exact_with_trees(models):
+    """Medusa's static tree at batch 3 and EAGLE-3's budget tree (a pair-cache drafter, as the
+    MTP heads) at batch 8, each step at depth 4, 2 or 0: greedy output equals plain decoding (a
+    compile each; the chains of n-gram, the draft model and DFlash are the test above's; Medusa
+    and EAGLE-3 chains, the suffix drafter, the Gemma 4 assistant, Qwen's MTP head and the
+    other tree drafters ran once: benchmarks/RESULTS.md, issue 41)."""
+    medusa = MedusaConfig.for_target(models.cfg, num_heads=TREE_K)
+    eagle3 = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2),
+                          speculative_tokens=TREE_K)
+    static_tree = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0))
     cases = [  # (name, drafter, params, prompts)
-        ("medusa", MedusaDrafter(medusa, k=K), init_medusa_params(medusa, jax.random.key(6), scale=3.0),
-         make_prompts([7, 16, 2], seed=1)),
-        ("eagle3", Eagle3Drafter(eagle3, k=K), init_eagle3_params(eagle3, jax.random.key(5), scale=3.0),
+        ("medusa", MedusaDrafter(medusa, k=TREE_K, tree=static_tree),
+         init_medusa_params(medusa, jax.random.key(6), scale=3.0), make_prompts([7, 16, 2], seed=1)),
+        ("eagle3", Eagle3Drafter(eagle3, k=TREE_K, tree=8), init_eagle3_params(eagle3, jax.random.key(5), scale=3.0),
          make_prompts([3, 16, 1, 9, 12, 5, 8, 14], seed=3)),
     ]
     for name, drafter, params, prompts in cases:
-        ids, trace = _run(models, prompts, drafter, params, SWITCHING, "generate")
+        ids, trace = _run(models, prompts, drafter, params, TREES, "generate")
         assert ids == _plain(models, prompts), name
-        assert len(set(trace)) == 2, (name, trace)  # the depth changed mid-run
+        assert sorted(set(trace)) == [0, 2, TREE_K], (name, trace)
+    # A shallower step's tree: a budget scaled by depth / K; a static tree cut at the depth.
+    assert drafter_at_depth(cases[1][1], 2, TREE_K).tree == 4
+    assert drafter_at_depth(cases[0][1], 2, TREE_K).tree == ((0,), (1,), (0, 0), (0, 1))
 
 
 def test_pair_cache_stays_current_across_a_plain_step(models):

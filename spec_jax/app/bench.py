@@ -69,8 +69,8 @@ def expand_methods(
     for spec in specs:
         for k in ks:
             for tree in trees:
-                if k == "adaptive":  # the drafter's own K the largest depth, a chain
-                    method = dataclasses.replace(spec, k=None, tree=0, adaptive=True)
+                if k == "adaptive":  # the drafter's own K the largest depth, a chain unless --tree
+                    method = dataclasses.replace(spec, k=None, tree=tree or 0, adaptive=True)
                 else:
                     method = dataclasses.replace(spec, k=k, tree=tree)
                 if method not in methods:

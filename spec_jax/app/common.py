@@ -157,9 +157,7 @@ def drafter_spec_from_args(
     k = None if adaptive else args.k
     if adaptive and not adaptive_ok:
         raise UsageError("--k adaptive is for generate, bench and serve; pass a number of drafts per step.")
-    if adaptive:
-        if tree:
-            raise UsageError("--k adaptive chooses the depth of a chain; drop --tree (or pass --tree 0).")
+    if adaptive and tree is None:  # a chain unless --tree asks for trees (their budget scales with depth)
         tree = 0
     if args.drafter is None:
         spec = default_drafter_spec(args.target, k, batch=batch,

@@ -13,6 +13,8 @@ drafts tried: a step accepting n of K tries n + 1 drafts, or K when all are acce
 the loop state, and cost(K) the measured time of a step at depth K (`spec_jax.decoding.depth_costs`
 measures it once per device kind, model and batch bucket, or the caller supplies it). The batch
 shares one depth per step: per-row depths would cost every row the widest row's verify anyway.
+A tree drafter (node budget N) at depth d < K drafts a tree of ceil(N d / K) nodes, a static
+tree its paths no deeper than d (`tree_at_depth`): a shallower step verifies fewer tokens.
 
 Exactness: the depth depends only on the acceptance history (committed tokens), never on the
 current step's drafts, so each step is an ordinary speculative step at a depth fixed before it
@@ -41,6 +43,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from spec_jax.drafters.tree import tree_budget
 
 ADAPTIVE = "adaptive"
 
@@ -203,7 +207,19 @@ def drafter_at_depth(drafter: Any, depth: int, max_depth: int) -> Any:
         drafter, k=max_depth)
     if depth == 0:
         return PlainStep(top)
+    tree = getattr(top, "tree", 0)
+    if depth < max_depth and tree_budget(tree):  # the shallower tree first: K = depth must fit it
+        top = dataclasses.replace(top, tree=tree_at_depth(tree, depth, max_depth))
     return top.at_depth(depth, max_depth) if hasattr(top, "at_depth") else dataclasses.replace(top, k=depth)
+
+
+def tree_at_depth(tree: Any, depth: int, max_depth: int) -> Any:
+    """A tree drafter's setting for a step at `depth` of a loop whose deepest steps draft `tree`:
+    a node budget scaled by depth / max_depth (rounded up), a static tree's paths no longer than
+    `depth`, so a shallower step's verify is narrower too."""
+    if isinstance(tree, (tuple, list)):
+        return tuple(tuple(path) for path in tree if len(path) <= depth)
+    return -(-int(tree) * depth // max_depth)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -454,11 +454,9 @@ def _tree_step(state, target, drafter, drafter_params, sampling, draft_key, acce
 
 
 def check_adaptive(drafter: Drafter | None, depth: AdaptiveDepth) -> None:
-    """Host-side checks of an adaptive-depth loop: a chain drafter whose K is the largest depth."""
+    """Host-side checks of an adaptive-depth loop: a drafter whose K is the largest depth."""
     if drafter is None:
         raise ValueError("the adaptive depth needs a drafter: plain decoding has no depth to choose.")
-    if tree_budget(drafter) > 0:
-        raise ValueError("the adaptive depth chooses among chains; pass tree=0 (or pin K for a tree).")
     if depth.depths is None or drafter.k != depth.max_depth:
         raise ValueError(f"the drafter's K ({drafter.k}) must be the adaptive policy's largest depth "
                          f"({None if depth.depths is None else depth.max_depth}).")
