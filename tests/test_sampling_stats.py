@@ -275,6 +275,28 @@ def sampled_joint_counts(target, drafter, drafter_params, temperature, top_k, to
     return counts, accepted
 
 
+def test_adaptive_depth_keeps_the_target_distribution(e2e):
+    """The adaptive depth (issue 41), its choice made from acceptance the rows' own samples
+    produced: the first step drafts K = 2 (an optimistic prior); rows that accepted nothing take
+    their third token from a plain step (their acceptance rate fell below what a drafting step's
+    cost pays for); the joint of 3 tokens stays the target's."""
+    from spec_jax.decoding.depth import AdaptiveDepth
+
+    params, draft_params, logits = e2e
+    temperature, top_k, top_p = SAMPLING[1]
+    depth = AdaptiveDepth(depths=(0, K_E2E), costs=(1.0, 2.0), prior=0.9)
+    counts, accepted = np.zeros((V_E2E,) * HORIZON), 0
+    for seed in range(3):
+        r = generate((E2E_CFG, params), [PROMPT] * ROWS, DraftModelDrafter(E2E_DRAFT_CFG, K_E2E), draft_params,
+                     k=depth, max_new_tokens=HORIZON, temperature=temperature, top_k=top_k, top_p=top_p,
+                     seed=seed, capacity=32)
+        assert r.depth_trace == [K_E2E, 0], r.depth_trace
+        np.add.at(counts, tuple(np.asarray(r.generated_ids).T), 1)
+        accepted += r.stats.accepted
+    assert accepted > 0
+    chi_square_ok(counts, exact_joint(logits, temperature, top_k, top_p), "joint of 3 tokens, adaptive depth")
+
+
 # A mixture-of-experts target: each token through 2 of 4 experts, its own routing in every pass.
 E2E_MOE_CFG = E2E_CFG.replace(moe=MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=32,
                                             normalize_top_k=True))
