@@ -213,9 +213,9 @@ def test_every_drafter_kind_on_a_mesh():
         assert r["tau"] >= 1.0
 
 
-def test_serve_k_adaptive_builds_an_adaptive_engine(monkeypatch):
-    """`spec-jax serve --k adaptive` (and --k-choices, its depths) reach the engine as its policy;
-    nothing loads or compiles (the engine is stood in for)."""
+def serve_engine_kwargs(monkeypatch, argv: list[str]) -> dict:
+    """The keywords `spec-jax serve ARGV` builds its Engine with; nothing loads or compiles (the
+    target, the drafter (n-gram) and the engine are stood in for)."""
     import argparse
     from types import SimpleNamespace
 
@@ -236,10 +236,15 @@ def test_serve_k_adaptive_builds_an_adaptive_engine(monkeypatch):
     monkeypatch.setattr(engine_module, "Engine", fake_engine)
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
+    with pytest.raises(Built):
+        serve.build_state(parser.parse_args(["--drafter", "ngram", "--no-warmup", *argv]))
+    return built[-1]
+
+
+def test_serve_k_adaptive_builds_an_adaptive_engine(monkeypatch):
+    """`spec-jax serve --k adaptive` (and --k-choices, its depths) reach the engine as its policy."""
     for argv, depths in ((["--k", "adaptive"], None), (["--k-choices", "0,2,4"], (0, 2, 4)), (["--k", "3"], "fixed")):
-        with pytest.raises(Built):
-            serve.build_state(parser.parse_args(["--drafter", "ngram", "--no-warmup", *argv]))
-        k = built[-1]["k"]
+        k = serve_engine_kwargs(monkeypatch, argv)["k"]
         assert k is None if depths == "fixed" else isinstance(k, AdaptiveDepth) and k.depths == depths, (argv, k)
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_prompts
-from test_engine import backend_compiles
+from test_engine import backend_compiles, serve_engine_kwargs
 from tiny_configs import TINY_DRAFT, VOCAB
 
 from spec_jax.decoding.engine import Engine
@@ -77,35 +77,19 @@ def test_chunked_batched_prefill_equals_generate_for_drafters_and_a_recurrent_ta
 
 
 def test_serve_flags_reach_the_engine(monkeypatch):
-    """`spec-jax serve --prefill-chunk-tokens N --prefill-rows R` reach the engine; nothing loads
-    or compiles (the engine is stood in for); a budget under one prompt bucket is a usage error."""
+    """`spec-jax serve --prefill-chunk-tokens N --prefill-rows R` reach the engine (stood in for);
+    a budget under one prompt bucket is a usage error."""
     import argparse
-    from types import SimpleNamespace
 
     from spec_jax.app import inputs, serve
-    from spec_jax.decoding import engine as engine_module
     from spec_jax.decoding import prefill_plan
     from spec_jax.decoding.generate import MIN_PROMPT_BUCKET
 
     assert (serve.DEFAULT_PREFILL_ROWS, serve.MIN_PREFILL_CHUNK) == (prefill_plan.DEFAULT_PREFILL_ROWS, MIN_PROMPT_BUCKET)
-    built = []
-
-    class Built(Exception):
-        pass
-
-    def fake_engine(*args, **kwargs):
-        built.append(kwargs)
-        raise Built
-
-    monkeypatch.setattr(inputs, "load_target_or_fail", lambda *a, **k: SimpleNamespace(tokenizer=object(), source="tiny"))
-    monkeypatch.setattr(inputs, "build_drafter", lambda spec, target: (None, None))
-    monkeypatch.setattr(engine_module, "Engine", fake_engine)
+    kwargs = serve_engine_kwargs(monkeypatch, ["--prefill-chunk-tokens", "256", "--prefill-rows", "2"])
+    assert (kwargs["prefill_chunk_tokens"], kwargs["prefill_rows"]) == (256, 2)
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    with pytest.raises(Built):
-        serve.build_state(parser.parse_args(["--drafter", "none", "--no-warmup", "--prefill-chunk-tokens", "256",
-                                             "--prefill-rows", "2"]))
-    assert (built[-1]["prefill_chunk_tokens"], built[-1]["prefill_rows"]) == (256, 2)
     with pytest.raises(inputs.UsageError, match="prefill-chunk-tokens"):
         serve.check_args(parser.parse_args(["--prefill-chunk-tokens", "8"]))
 
