@@ -6,7 +6,8 @@ in its own process under a hard time budget, each result on disk the moment its 
     python benchmarks/gpu_quick.py --target random:tiny --dtype float32 --smoke --out /tmp/q   # CPU check
     tpu_scripts/gpu_host.sh --quick [--host USER@HOST]            # the same over ssh, results copied back
 
-The steps (default budgets sum to 450 s, so the whole suite ends inside 8 minutes, compiles included):
+The steps (default budgets sum to 450 s; with the warm phase the suite is capped at 470 s, so it ends
+inside 8 minutes, compiles included):
  1. ar_floor      plain decoding (the real loop, batch 1) against the weight-bandwidth floor
                   (parameter bytes / measured copy bandwidth); Qwen3-8B shapes
  2. dflash_trees  the loop's DFlash step (block 16, 5 layers) as a chain and as trees of 16 and 32
@@ -22,6 +23,11 @@ budget on two compiles. `--preset`/`--target` puts every step on one target inst
 `--preset qwen3-8b --steps dflash_trees --budget 3` on a longer lease). Targets are random-weight
 models of real shapes (`random:PRESET`), so nothing but the repository travels; with random
 weights a drafter accepts (almost) nothing, so the DFlash figures are step costs, not speedups.
+
+Before the steps, a warm phase (--warm-budget, default 150 s; 0 = none) starts every step but
+exactness at once, dflash_trees as one process per (batch, tree), each measurement run once, so
+their programs compile side by side into the persistent cache; the timed steps then load them.
+A cold H100 run without it spent every budget compiling (about 25 s per 1B loop program).
 
 Each step runs `python benchmarks/gpu_quick.py --run-step NAME ...` in a new process group; at
 its budget the group is killed and the step is recorded as "timed out" with whatever it had
@@ -69,6 +75,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
 MIN_START_S = 5.0  # a step is not started with less time than this left in --total
+WARM_BUDGET_S = 150.0  # the warm phase: the slowest group of compiles (an 8B loop: 30-50 s) and its load
+DEFAULT_TOTAL_S = 470.0  # with a warm phase: the whole suite inside 8 minutes
 NEEDED_MODULES = ("jax", "flax", "optax", "orbax", "numpy", "tqdm")
 
 
@@ -433,14 +441,19 @@ def run_one_step(args: argparse.Namespace) -> int:
     step = BY_NAME[args.run_step]
     sys.path.insert(0, str(SCRIPT.parent))  # the sibling benchmark modules the steps reuse
     spec = step_target(step, args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    rec = Recorder(args.out / f"{step.name}.json", step.name, spec)
+    out = args.out / "warm" if args.warm else args.out
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "".join(f"-{k}{','.join(map(str, v))}" for k, v in (("b", args.batches), ("t", args.trees))
+                  if v and args.warm)
+    rec = Recorder(out / f"{step.name}{tag}.json", step.name, spec)
     target = load_target(rec, spec, args.dtype) if spec is not None else None
     sizes = SMOKE if args.smoke else FULL
     if args.batches:
         sizes = dataclasses.replace(sizes, batches=args.batches)
     if args.trees:
         sizes = dataclasses.replace(sizes, trees=args.trees)
+    if args.warm:  # the same programs, each measurement run once: the compiles are the point
+        sizes = dataclasses.replace(sizes, repeats=1)
     STEP_FUNCTIONS[step.name](rec, target, sizes, args)
     return 0
 
@@ -454,14 +467,63 @@ def step_target(step: Step, args: argparse.Namespace) -> str | None:
     return args.target or f"random:{args.preset or step.preset}"
 
 
-def step_command(step: Step, args: argparse.Namespace) -> list[str]:
+def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] | None = None,
+                 trees: tuple[int, ...] | None = None, warm: bool = False) -> list[str]:
     cmd = [sys.executable, str(SCRIPT), "--run-step", step.name, "--dtype", args.dtype, "--out", str(args.out)]
     target = step_target(step, args)
     if target is not None:
         cmd += ["--target", target]
-    cmd += ["--batches", ",".join(map(str, args.batches))] if args.batches else []
-    cmd += ["--trees", ",".join(map(str, args.trees))] if args.trees else []
-    return cmd + (["--smoke"] if args.smoke else [])
+    batches, trees = batches or args.batches, trees or args.trees
+    cmd += ["--batches", ",".join(map(str, batches))] if batches else []
+    cmd += ["--trees", ",".join(map(str, trees))] if trees else []
+    return cmd + (["--smoke"] if args.smoke else []) + (["--warm"] if warm else [])
+
+
+def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """The warm phase's processes: every selected step but `exactness` (pytest compiles its own
+    programs), dflash_trees split into one process per (batch, tree) so its programs, the
+    suite's most, compile side by side."""
+    sizes = SMOKE if args.smoke else FULL
+    commands = []
+    for step in selected:
+        if step.name == "exactness":
+            continue
+        if step.name == "dflash_trees":
+            for batch in args.batches or sizes.batches:
+                for tree in args.trees or sizes.trees:
+                    commands.append((f"{step.name}-b{batch}-t{tree}",
+                                     step_command(step, args, (batch,), (tree,), warm=True)))
+        else:
+            commands.append((step.name, step_command(step, args, warm=True)))
+    return commands
+
+
+def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
+    """Compile every step's programs at once, each group in its own process, into the persistent
+    cache, so the timed steps after it load programs instead of compiling them one after another.
+    A cold H100 run spent its budgets compiling (RESULTS.md, issue 46): about 25 s per 1B loop
+    program, 4 to 10 programs a step, while 15 of the host's 16 cores sat idle."""
+    folder = args.out / "warm"
+    folder.mkdir(parents=True, exist_ok=True)
+    # Several processes share one GPU: none may take 75% of its memory up front.
+    env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    t0 = time.monotonic()
+    running = []
+    for name, cmd in warm_commands(selected, args):
+        log = open(folder / f"{name}.log", "w")
+        running.append((name, log, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)))
+    statuses = {}
+    for name, log, proc in running:
+        try:
+            left = max(budget - (time.monotonic() - t0), 0.1)
+            statuses[name] = "ok" if proc.wait(timeout=left) == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            statuses[name] = "timed out"
+        log.close()
+    return {"seconds": round(time.monotonic() - t0, 1), "budget_s": round(budget, 1), "processes": statuses}
 
 
 def step_budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -546,12 +608,14 @@ def skipped(step: Step, args: argparse.Namespace, reason: str) -> dict[str, Any]
 def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], started: str, wall_s: float) -> None:
     device = next((r["device"] for r in records if r.get("device")), "unknown")
     summary = {"device": device, "commit": args.commit_id, "xla_flags": args.xla_flags,
+               "warm": getattr(args, "warm_record", None),
                "started": started, "wall_s": round(wall_s, 1),
                "budget_scale": args.budget, "smoke": args.smoke, "dtype": args.dtype, "steps": records}
     write_json(args.out / "summary.json", summary)
     lines = [f"# Quick GPU suite: {device}, commit {args.commit_id}",
              "", f"Started {started}; {wall_s:.0f} s so far; {args.dtype}"
              + (f"; XLA_FLAGS += {args.xla_flags}" if args.xla_flags else "")
+             + (f"; warm phase {args.warm_record['seconds']:.0f} s" if getattr(args, "warm_record", None) else "")
              + (" (--smoke sizes)" if args.smoke else "") + ". Each step's JSON and log sit beside this file.",
              "", "| # | step | target | status | s / budget | compiled (from cache) | result |",
              "|---|---|---|---|---|---|---|"]
@@ -571,6 +635,12 @@ def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str
           f"in all; results in {args.out}")
     print("env: " + " ".join(f"{k}={shlex.quote(env[k])}" for k in sorted(env)
                              if k in ("PYTHONPATH", "XLA_FLAGS") or k.startswith("JAX_")))
+    if args.warm_budget > 0 and args.compile_cache != "off":
+        commands = warm_commands(selected, args)
+        print(f" 0. warm phase  {args.warm_budget:5.0f} s  {len(commands)} processes side by side compile every "
+              "step's programs into the cache (each measurement run once)")
+        for name, cmd in commands:
+            print(f"    {shlex.join(cmd)}")
     for i, step in enumerate(selected, 1):
         print(f"{i:2d}. {step.name:<13} {budgets[step.name]:5.0f} s  {step.what}")
         print(f"    {shlex.join(step_command(step, args))}")
@@ -588,6 +658,11 @@ def run_suite(args: argparse.Namespace, selected: list[Step]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env, records = child_env(args), []
     started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.monotonic()
+    if args.warm_budget > 0 and args.compile_cache != "off":
+        args.warm_record = warm_caches(selected, args, env, min(args.warm_budget, args.total - MIN_START_S))
+        done = sum(v == "ok" for v in args.warm_record["processes"].values())
+        print(f"{'warm phase':<13} {done}/{len(args.warm_record['processes'])} ok {args.warm_record['seconds']:6.1f} s / "
+              f"{args.warm_record['budget_s']:.0f} s  (programs compiled side by side into the cache)", flush=True)
     for step in selected:
         left = args.total - (time.monotonic() - t0)
         if left < MIN_START_S:
@@ -659,7 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-budget", type=parse_step_budget, action="append", default=[], metavar="STEP=SECONDS",
                    help="one step's budget in seconds, after --budget (repeatable)")
     p.add_argument("--total", type=positive_float, default=None,
-                   help="seconds for the whole suite; a step starts only with time left (default: the sum of budgets)")
+                   help="seconds for the whole suite; a step starts only with time left (default: the sum of "
+                        f"budgets and the warm phase, at most {DEFAULT_TOTAL_S:.0f} at the default budgets)")
     p.add_argument("--smoke", action="store_true",
                    help="the smallest sizes (batch 1, one tree, two verify widths, one exactness test): "
                         "checks the suite end to end on a CPU with --target random:tiny")
@@ -670,6 +746,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dflash_trees' trees, 0 = the chain (default: 0,16,32)")
     p.add_argument("--xla-flags", default="", metavar="FLAGS",
                    help="appended to every step's XLA_FLAGS (e.g. a command-buffer variant to compare)")
+    p.add_argument("--warm-budget", type=float, default=WARM_BUDGET_S, metavar="SECONDS",
+                   help=f"seconds for the warm phase, which compiles every step's programs side by side "
+                        f"before the timed steps (default: {WARM_BUDGET_S:.0f}; 0 = none)")
+    p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # a warm-phase child
     p.add_argument("--commit", default=None, help="commit recorded with every result (default: git rev-parse HEAD)")
     p.add_argument("--dry-run", action="store_true", help="print every step's command and budget; run nothing")
     p.add_argument("--run-step", choices=list(BY_NAME), default=None,
@@ -683,8 +763,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_step:
         return run_one_step(args)
     selected = [s for s in STEPS + EXTRA_STEPS if s.name in set(args.steps)]
-    if args.total is None:
+    if args.total is None:  # the budgets' sum; at the default budgets, inside 8 minutes in all
         args.total = sum(step_budgets(args)[s.name] for s in selected)
+        if args.warm_budget > 0 and args.compile_cache != "off":
+            args.total += args.warm_budget
+            if args.budget == 1 and not args.step_budget:
+                args.total = min(args.total, DEFAULT_TOTAL_S)
     args.commit_id = commit_of(args)
     return run_suite(args, selected)
 

@@ -50,7 +50,8 @@ def records(out: Path) -> dict[str, dict]:
 
 def test_every_step_runs_on_the_cpu_under_its_budget(tmp_path):
     out = tmp_path / "quick"
-    run = run_quick(out, "--budget", "1.5")  # the GPU budgets, with room for a CPU other tests load
+    # The GPU budgets, with room for a CPU other tests load (the warm phase: the next test).
+    run = run_quick(out, "--budget", "1.5", "--warm-budget", "0")
     assert run.returncode == 0, run.stdout + run.stderr
     summary = records(out)
     assert list(summary) == STEPS
@@ -72,9 +73,25 @@ def test_every_step_runs_on_the_cpu_under_its_budget(tmp_path):
     assert all(f"| {name} |" in table for name in STEPS)
 
 
+def test_the_warm_phase_compiles_what_the_timed_steps_then_load(tmp_path):
+    """Its own empty cache, so every hit below is the warm phase's doing (dflash_trees' split
+    into one process per batch and tree is checked in the --dry-run test)."""
+    out = tmp_path / "quick"
+    run = run_quick(out, "--steps", "ar_floor,capacity", "--warm-budget", "600", "--budget", "1.5",
+                    "--compile-cache", str(tmp_path / "cache"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    warm = json.loads((out / "summary.json").read_text())["warm"]
+    assert warm["processes"] == {"ar_floor": "ok", "capacity": "ok"}, warm
+    assert {p.name for p in (out / "warm").glob("*.json")} == {"ar_floor.json", "capacity.json"}
+    summary = records(out)
+    for name in ["ar_floor", "capacity"]:
+        tally = summary[name]["compilation"]
+        assert tally["programs"] >= 1 and tally["cache_hits"] == tally["programs"], (name, tally)
+
+
 def test_a_step_over_its_budget_is_recorded_and_the_suite_goes_on(tmp_path):
     out = tmp_path / "quick"
-    run = run_quick(out, "--steps", "ar_floor,verify_cost", "--step-budget", "ar_floor=1")
+    run = run_quick(out, "--steps", "ar_floor,verify_cost", "--step-budget", "ar_floor=1", "--warm-budget", "0")
     assert run.returncode == 1, run.stdout + run.stderr  # not every step passed
     summary = records(out)
     assert summary["ar_floor"]["status"] == "timed out" and summary["ar_floor"]["seconds"] < 30
@@ -85,7 +102,8 @@ def test_a_step_over_its_budget_is_recorded_and_the_suite_goes_on(tmp_path):
 
 def test_no_step_starts_once_the_suites_time_is_spent(tmp_path):
     out = tmp_path / "quick"
-    run = run_quick(out, "--steps", "ar_floor,verify_cost", "--step-budget", "ar_floor=0.5", "--total", "5.2")
+    run = run_quick(out, "--steps", "ar_floor,verify_cost", "--step-budget", "ar_floor=0.5", "--total", "5.2",
+                    "--warm-budget", "0")
     summary = records(out)
     assert [s["status"] for s in summary.values()] == ["timed out", "skipped"], run.stdout
     assert summary["verify_cost"]["reason"] == "the suite's 5 s were spent"

@@ -150,19 +150,25 @@ def test_gpu_quick_dry_run_lists_every_step_with_its_budget_in_priority_order(tm
     assert [name for _, name, _ in plan] == QUICK_STEPS
     budgets = {name: int(seconds) for _, name, seconds in plan}
     assert sum(budgets.values()) <= 450  # the whole suite inside 8 minutes on a lent GPU
-    commands = [line.strip() for line in out.stdout.splitlines() if "--run-step" in line]
+    commands = [line.strip() for line in out.stdout.splitlines() if "--run-step" in line and "--warm" not in line]
     assert [c.split("--run-step ")[1].split()[0] for c in commands] == QUICK_STEPS
     assert "--target random:qwen3-8b" in commands[0]
     assert all("--target random:llama-3.2-1b" in c for c in commands[1:5]) and "--target" not in commands[5]
     assert f"JAX_COMPILATION_CACHE_DIR={tmp_path / 'q' / 'jax_cache'}" in out.stdout
     assert not (tmp_path / "q").exists()  # ran nothing
 
+    # The warm phase first: every step but exactness, dflash_trees one process per (batch, tree).
+    warm = [line.strip() for line in out.stdout.splitlines() if line.strip().endswith("--warm")]
+    assert len(warm) == 1 + 2 * 3 + 3 and re.search(r"^ 0\. warm phase +150 s ", out.stdout, re.M)
+    assert sum("--run-step dflash_trees" in c for c in warm) == 6 and "--batches 8 --trees 32 --warm" in warm[6]
+    assert "at most 470 s in all" in out.stdout  # warm phase + steps, inside the 8-minute lease
+
     # Steps stay in priority order whatever order --steps names them; budgets scale and override.
     out = run_quick("--dry-run", "--steps", "engine,ar_floor", "--budget", "2", "--step-budget", "engine=7",
                     "--target", "random:tiny")
     plan = re.findall(r"^ *(\d+)\. (\S+) +(\d+) s ", out.stdout, re.M)
     assert plan == [("1", "ar_floor", str(2 * budgets["ar_floor"])), ("2", "engine", "7")]
-    assert out.stdout.count("--target random:tiny") == 2
+    assert out.stdout.count("--target random:tiny") == 4  # the two steps, each also in the warm phase
 
 
 def test_gpu_quick_opt_in_probes_and_xla_flags(tmp_path):
