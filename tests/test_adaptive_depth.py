@@ -1,10 +1,9 @@
 """The per-step speculation depth (`k="adaptive"`, spec_jax/decoding/depth.py).
 
 Greedy output with the adaptive policy equals plain decoding for the n-gram, draft-model and
-DFlash drafters at batch 1 and 3 (through `generate`, `make_generate_fn` and `generate_stream`),
-and trees (Medusa's static tree at batch 3, EAGLE-3's budget tree at batch 8) at three depths,
-with the depth changing mid-run (costs supplied so that it must; sampled output:
-test_sampling_stats; a mesh: test_sharding); a drafter that is
+DFlash drafters at batch 1 and 3 (through `generate`, `make_generate_fn` and `generate_stream`)
+and EAGLE-3's tree at batch 8 at three depths, with the depth changing mid-run (costs supplied
+so that it must; sampled output: test_sampling_stats; a mesh: test_sharding); a drafter that is
 never right settles on K = 0, an always-right one (the target drafting for itself) on the
 largest depth; new costs, params and prompts never recompile; the draft model's cache stays
 current across K = 0 steps (the target drafting for itself accepts every draft even after runs
@@ -37,7 +36,7 @@ from spec_jax.decoding.depth import AdaptiveDepth, drafter_at_depth
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import self_drafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
-from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params
+from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 
 K = 2
@@ -224,28 +223,24 @@ TREES = AdaptiveDepth(depths=(0, 2, TREE_K), costs=(1.0, 1.2, 1.5), prior=0.9, p
 
 
 def test_adaptive_depth_exact_with_trees(models):
-    """Medusa's static tree at batch 3 and EAGLE-3's budget tree (a pair-cache drafter, as the
-    MTP heads) at batch 8, each step at depth 4, 2 or 0: greedy output equals plain decoding (a
-    compile each; the chains of n-gram, the draft model and DFlash are the test above's; Medusa
-    and EAGLE-3 chains, the suffix drafter, the Gemma 4 assistant, Qwen's MTP head and the
-    other tree drafters ran once: benchmarks/RESULTS.md, issue 41)."""
-    medusa = MedusaConfig.for_target(models.cfg, num_heads=TREE_K)
-    eagle3 = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2),
-                          speculative_tokens=TREE_K)
-    static_tree = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0))
-    cases = [  # (name, drafter, params, prompts)
-        ("medusa", MedusaDrafter(medusa, k=TREE_K, tree=static_tree),
-         init_medusa_params(medusa, jax.random.key(6), scale=3.0), make_prompts([7, 16, 2], seed=1)),
-        ("eagle3", Eagle3Drafter(eagle3, k=TREE_K, tree=8), init_eagle3_params(eagle3, jax.random.key(5), scale=3.0),
-         make_prompts([3, 16, 1, 9, 12, 5, 8, 14], seed=3)),
-    ]
-    for name, drafter, params, prompts in cases:
-        ids, trace = _run(models, prompts, drafter, params, TREES, "generate")
-        assert ids == _plain(models, prompts), name
-        assert sorted(set(trace)) == [0, 2, TREE_K], (name, trace)
+    """EAGLE-3's budget tree (a pair-cache drafter, as the MTP heads) at batch 8, each step at
+    depth 4, 2 (a tree of half the nodes) or 0: greedy output equals plain decoding (one compile;
+    the chains of n-gram, the draft model and DFlash are the test above's; Medusa's static tree,
+    the other tree drafters, Medusa and EAGLE-3 chains, the suffix drafter, the Gemma 4 assistant
+    and Qwen's MTP head ran once: benchmarks/RESULTS.md, issue 41)."""
+    cfg = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2),
+                       speculative_tokens=TREE_K)
+    drafter = Eagle3Drafter(cfg, k=TREE_K, tree=8)
+    prompts = make_prompts([3, 16, 1, 9, 12, 5, 8, 14], seed=3)
+    ids, trace = _run(models, prompts, drafter, init_eagle3_params(cfg, jax.random.key(5), scale=3.0), TREES,
+                      "generate")
+    assert ids == _plain(models, prompts)
+    assert sorted(set(trace)) == [0, 2, TREE_K], trace
     # A shallower step's tree: a budget scaled by depth / K; a static tree cut at the depth.
-    assert drafter_at_depth(cases[1][1], 2, TREE_K).tree == 4
-    assert drafter_at_depth(cases[0][1], 2, TREE_K).tree == ((0,), (1,), (0, 0), (0, 1))
+    assert drafter_at_depth(drafter, 2, TREE_K).tree == 4
+    medusa = MedusaDrafter(MedusaConfig.for_target(models.cfg, num_heads=TREE_K), k=TREE_K,
+                           tree=((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)))
+    assert drafter_at_depth(medusa, 2, TREE_K).tree == ((0,), (1,), (0, 0), (0, 1))
 
 
 def test_pair_cache_stays_current_across_a_plain_step(models):
