@@ -290,12 +290,14 @@ class Engine:
 
     @property
     def num_live(self) -> int:
-        return len(self.slot_table.running)
+        """Slots held by a request: running, or (chunked prefill) reserved while its prompt prefills."""
+        return len(self.slot_table.running) + (0 if self.prefill_plan is None else len(self.prefill_plan.active))
 
     # ------------------------------------------------------------------ the loop
     def warmup(self, prompt_lengths: Sequence[int] | None = None, workers: int = WARMUP_WORKERS) -> CompileTally:
-        """Compile every program requests can need: the chunk, and one admit (with chunked
-        prefill: one finish, and every prefill pass shape) per prompt bucket (of `prompt_lengths`, default every bucket a request can reach: prompts of
+        """Compile every program requests can need: the chunk, and one admit per prompt bucket
+        (with chunked prefill: one finish per bucket, and every prefill pass shape) (of
+        `prompt_lengths`, default every bucket a request can reach: prompts of
         1 .. max_model_len - 1 tokens), `workers` programs at a time -> what this call compiled
         (programs, wall seconds, persistent-cache hits; programs an engine of the same
         configuration compiled before are reused and not counted)."""
