@@ -30,14 +30,16 @@ from spec_jax.app.bench import parse_ks
 from spec_jax.app.common import drafter_spec_from_args, k_value
 from spec_jax.app.inputs import UsageError
 from spec_jax.decoding import generate, make_generate_fn, prepare_inputs
-from spec_jax.decoding.loop import generate_jit
+from spec_jax.decoding.loop import forward_capturing, generate_jit
 from spec_jax.decoding.stream import generate_stream
-from spec_jax.decoding.depth import AdaptiveDepth, drafter_at_depth
+from spec_jax.decoding.depth import AdaptiveDepth, PlainStep, drafter_at_depth
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import self_drafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter
 from spec_jax.drafters.ngram import NGramDrafter
+from spec_jax.models.decoder import Decoder
+from spec_jax.models.interface import Target
 
 K = 2
 DEPTHS = (0, K)  # two branches: each depth is a whole step to compile
@@ -184,24 +186,25 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     assert shallower_never_dearer((0.04, 0.11, 0.12, 0.14)) == (0.04, 0.11, 0.12, 0.14)
 
 
+def _prompt_captured(models, drafter, length: int):
+    """-> (the target, a [1, length] prompt, the hidden states the drafter captures over it)."""
+    target = Target(models.params, Decoder(models.cfg))
+    tokens = jnp.asarray(make_prompts([length], seed=2), jnp.int32)
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+    _, captured, _ = jax.jit(lambda t: forward_capturing(target, t, positions, target.model.init_cache(1, 16),
+                                                         drafter.capture_layers))(tokens)
+    return target, tokens, captured
+
+
 def test_dflash_context_stays_current_across_a_plain_step(models):
     """A K = 0 step gives DFlash the verified token's context entry (its commit of a step that
     accepted nothing), as if the token had been part of its context all along."""
-    from spec_jax.decoding.depth import PlainStep
-    from spec_jax.decoding.loop import forward_capturing
-    from spec_jax.models.decoder import Decoder
-    from spec_jax.models.interface import Target
-
     drafter = DFlashDrafter(TINY_DFLASH, K)
     dflash_params = init_dflash_params(TINY_DFLASH, jax.random.key(3), scale=3.0)
-    target = Target(models.params, Decoder(models.cfg))
-    tokens = jnp.asarray(make_prompts([10], seed=2), jnp.int32)  # [1, 10]
+    target, tokens, captured = _prompt_captured(models, drafter, 10)
 
     @jax.jit
-    def contexts(tokens):
-        positions = jnp.arange(10, dtype=jnp.int32)[None]
-        _, captured, _ = forward_capturing(target, tokens, positions, target.model.init_cache(1, 16),
-                                           drafter.capture_layers)
+    def contexts(captured):
         whole = drafter.init(dflash_params, target, tokens, jnp.asarray([10]), captured, 16)
         # Context of 9 tokens, position 9's entry blank; then the plain step that verifies token 9.
         part = drafter.init(dflash_params, target, tokens, jnp.asarray([9]), captured.at[:, 9].set(0), 16)
@@ -209,7 +212,7 @@ def test_dflash_context_stays_current_across_a_plain_step(models):
                                             jnp.zeros((1,), jnp.int32), captured[:, 9:10])
         return whole, part, stepped
 
-    whole, part, stepped = contexts(tokens)
+    whole, part, stepped = contexts(captured)
     assert int(stepped.lengths[0]) == 10 and int(part.lengths[0]) == 9
     for want, blank, got in zip(whole.k + whole.v, part.k + part.v, stepped.k + stepped.v):
         assert not np.allclose(blank[..., 9, :], want[..., 9, :])
@@ -247,21 +250,12 @@ def test_pair_cache_stays_current_across_a_plain_step(models):
     """EAGLE-3 (and the MTP head: the same `PairCacheDrafter`) before a K = 0 step runs its
     pending pairs into its cache, and the step leaves the verified token's features pending: as
     if the prompt had been one token longer all along."""
-    from spec_jax.decoding.depth import PlainStep
-    from spec_jax.decoding.loop import forward_capturing
-    from spec_jax.models.decoder import Decoder
-    from spec_jax.models.interface import Target
-
     cfg = Eagle3Config(layer=models.draft_cfg, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2), speculative_tokens=K)
     drafter, params = Eagle3Drafter(cfg, k=K), init_eagle3_params(cfg, jax.random.key(5), scale=3.0)
-    target = Target(models.params, Decoder(models.cfg))
-    tokens = jnp.asarray(make_prompts([11], seed=2), jnp.int32)  # [1, 11]
+    target, tokens, captured = _prompt_captured(models, drafter, 11)
 
     @jax.jit
-    def states(tokens):
-        positions = jnp.arange(11, dtype=jnp.int32)[None]
-        _, captured, _ = forward_capturing(target, tokens, positions, target.model.init_cache(1, 16),
-                                           drafter.capture_layers)
+    def states(captured):
         whole = drafter.init(params, target, tokens, jnp.asarray([11]), captured, 16)
         # A 10-token prompt and its first token (position 10), then the plain step verifying it.
         part = drafter.init(params, target, tokens, jnp.asarray([10]), captured, 16)
@@ -270,7 +264,7 @@ def test_pair_cache_stays_current_across_a_plain_step(models):
         return whole, plain.commit(params, target, kept, jnp.asarray([10]), jnp.zeros((1,), jnp.int32),
                                    captured[:, 10:11])
 
-    whole, stepped = states(tokens)
+    whole, stepped = states(captured)
     assert int(stepped.cache.lengths[0]) == int(whole.cache.lengths[0]) == 10
     assert stepped.pending.shape == whole.pending.shape == (1, K + 1, whole.pending.shape[-1])
     np.testing.assert_allclose(stepped.pending[:, 0], whole.pending[:, 0], atol=1e-6)
