@@ -66,6 +66,18 @@ def test_chunked_batched_prefill_equals_generate_for_drafters_and_a_recurrent_ta
         assert compiles == [], name
         # Two prompts prefilled together in 16-token chunks, later ones alone in one pass.
         assert engine.prefill_passes[(2, 16)] >= 2 and engine.prefill_passes[(1, 32)] >= 1, (name, engine.prefill_passes)
+    # A seeded sampled request draws the same tokens prefilled in chunks as in one pass (the
+    # first token's key is folded with the prompt length either way).
+    target, drafter, drafter_params = cases["draft model"]
+    one_pass = Engine(target, drafter, drafter_params, slots=3, max_model_len=48, chunk_steps=2)
+    chunked = Engine(target, drafter, drafter_params, slots=3, max_model_len=48, chunk_steps=2,
+                     prefill_chunk_tokens=BUDGET, prefill_rows=ROWS)
+    sampled = []
+    for e in (one_pass, chunked):
+        rid = e.submit(PROMPTS[1], max_new_tokens=MAX_NEW, temperature=0.8, seed=5)
+        sampled.append(e.run_all()[rid].new_ids)
+    assert sampled[0] == sampled[1]
+    engine = chunked
     # A request cancelled mid-prefill frees its prefill row and its reserved slot.
     rids = [engine.submit(p, max_new_tokens=2) for p in PROMPTS[:2]]
     assert engine.step() == [] and engine.num_live == 2  # both hold a slot while they prefill
