@@ -7,8 +7,9 @@ general, not Qwen-specific:
 
 - check_target passes (prefill + steps = one full forward, rollback after a partly accepted
   draft, a tree pass = the chain passes of its branches and a tree commit follows the path);
-- greedy speculative decoding equals plain decoding with n-gram, a draft model and a DFlash tree
-  at batch 4 and DFlash chain at batch 1;
+- greedy speculative decoding equals plain decoding with every drafter: n-gram, a draft model,
+  a DFlash tree of 16, EAGLE-3 and Medusa at batch 4, n-gram, the draft model and DFlash chain at
+  batch 1;
 - an oracle drafter that hides the true continuation behind decoy siblings forces deep and
   shallow acceptances per row: after every commit each row's state equals plain decoding's state
   over the same tokens (1e-5, float32), and the output equals plain decoding.
@@ -155,25 +156,34 @@ def test_check_target_passes_with_the_recurrent_checks(recurrent_target):
 
 
 def test_speculative_equals_plain_with_every_drafter(recurrent_target):
-    """n-gram, a draft model (the built-in tiny decoder) and DFlash tree at batch 4 (random
-    drafters: rows reject at different depths in the same step), DFlash chain at batch 1."""
+    """Every drafter kind at batch 4 (random drafters: rows reject at different depths in the same
+    step); n-gram, the draft model and DFlash chain at batch 1."""
     model, params = recurrent_target
     prompts = make_prompts([5, 12, 3, 9], seed=3)
     draft_params = init_params(TINY_DRAFT, jax.random.key(1))
     dflash_params = spec_jax.init_dflash_params(TINY_DFLASH, jax.random.key(2))
+    # EAGLE-3 reads both layers (aux ids 1, 2: the outputs of layers 0, 1), Medusa the last.
+    eagle3 = spec_jax.Eagle3Config(layer=TINY_DRAFT, draft_vocab_size=VOCAB, aux_layer_ids=(1, 2),
+                                   own_embedding=False, num_target_layers=model.num_layers)
+    medusa = spec_jax.MedusaConfig(num_heads=3, hidden_size=model.hidden_size,
+                                   num_target_layers=model.num_layers, vocab_size=VOCAB)
+    ngram = (spec_jax.NGramDrafter(k=3), None)
+    draft_model = (spec_jax.DraftModelDrafter(TINY_DRAFT, k=3), draft_params)
     cases = {
-        "ngram": (spec_jax.NGramDrafter(k=3), None),
-        "draft model": (spec_jax.DraftModelDrafter(TINY_DRAFT, k=3), draft_params),
-        "dflash tree": (spec_jax.DFlashDrafter(TINY_DFLASH, tree=8), dflash_params),
+        "ngram": (ngram, 4), "draft model": (draft_model, 4),
+        "dflash tree": ((spec_jax.DFlashDrafter(TINY_DFLASH, tree=16), dflash_params), 4),
+        "eagle3": ((spec_jax.Eagle3Drafter(eagle3, k=3), spec_jax.init_eagle3_params(eagle3, jax.random.key(3), scale=3.0)), 4),
+        "medusa": ((spec_jax.MedusaDrafter(medusa, k=3), spec_jax.init_medusa_params(medusa, jax.random.key(4), scale=3.0)), 4),
+        "ngram b1": (ngram, 1), "draft model b1": (draft_model, 1),
+        "dflash chain b1": ((spec_jax.DFlashDrafter(TINY_DFLASH), dflash_params), 1),
     }
     common = dict(max_new_tokens=16, capacity=64, ignore_eos=True)
     plain = spec_jax.generate((model, params), prompts, **common).generated_ids
-    for name, (drafter, drafter_params) in cases.items():
-        out = spec_jax.generate((model, params), prompts, drafter, drafter_params, **common)
-        assert out.generated_ids == plain, name
+    for name, ((drafter, drafter_params), batch) in cases.items():
+        rows = slice(0, 4) if batch == 4 else slice(1, 2)
+        out = spec_jax.generate((model, params), prompts[rows], drafter, drafter_params, **common)
+        assert out.generated_ids == plain[rows], name
         assert out.stats.drafted > 0, name
-    one = spec_jax.generate((model, params), prompts[1:2], spec_jax.DFlashDrafter(TINY_DFLASH), dflash_params, **common)
-    assert one.generated_ids == plain[1:2] and one.stats.drafted > 0
 
 
 def _decoy(token):
