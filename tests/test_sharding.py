@@ -190,8 +190,9 @@ MESHES = ["2x4", "4x2", "1x8"]
 
 # Default: each model meets every mesh and, between the two models, every drafter.
 DEFAULT_CASES = {
-    "divisible": ["ar@1x8", "ngram@4x2", "dflash_vocab@2x4", "table@2x4", "eagle3@4x2",
-                  "ngram+adaptive@2x4"],  # the adaptive depth: rows over data, the depth batch-wide
+    # ngram+adaptive: the adaptive depth (rows over data, the depth batch-wide; n-gram at a fixed
+    # K is the other models' case)
+    "divisible": ["ar@1x8", "ngram+adaptive@4x2", "dflash_vocab@2x4", "table@2x4", "eagle3@4x2"],
     "nondivisible": ["draft_model@2x4", "ngram@1x8", "dflash@4x2", "eagle3@2x4"],
     "moe": ["ngram@1x8",  # one expert per device
             "gemma4_mtp@2x4",  # the tiny Gemma 4 (its own target) with its assistant reading the sharded cache
