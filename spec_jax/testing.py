@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +104,7 @@ def check_target(
     if check_positions:
         checker.positions_honoured(cache, pos)
         passed.append("positions honoured")
-    _check_tree(model, params, probe, checker.run, atol, rtol)
+    _check_tree(checker)
     passed += ["tree mask equals chains", "tree commit"]
     return passed
 
@@ -137,6 +137,9 @@ class _Checker:
         seq_len = probe.tokens.shape[1]
         self.positions_full = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (2, seq_len))
         self._forward = jax.jit(self._raw_forward, static_argnames="capture")
+        # commit under jit, as the loop runs it: eagerly, each op of a many-layer cache's commit
+        # compiles on its own (over a hundred tiny programs for a 2-layer Qwen3.5).
+        self.commit = jax.jit(model.commit)
 
     def _raw_forward(self, params, tokens, positions, cache, mask, capture):
         return self.model.forward(params, tokens, positions, cache, mask=mask, capture=capture)
@@ -229,7 +232,7 @@ class _Checker:
         model, prefix, seq_len = self.model, self.probe.prefix, self.probe.tokens.shape[1]
         cache = self.run(self.probe.tokens[:, : prefix.max()], self.positions_full[:, : prefix.max()],
                          self.empty_cache()).cache
-        cache = model.commit(cache, jnp.asarray(prefix))
+        cache = self.commit(cache, jnp.asarray(prefix))
         if np.asarray(model.cache_lengths(cache)).tolist() != prefix.tolist():
             _fail("commit lengths", f"after commit(cache, {prefix.tolist()}) cache_lengths is "
                   f"{np.asarray(model.cache_lengths(cache)).tolist()}.")
@@ -241,7 +244,7 @@ class _Checker:
                 "must write its keys/values at its own slot cache_lengths[b] (not one shared index), "
                 "read only its committed slots, and rotate by the given positions.")
             pos = pos + 1
-            cache = model.commit(out.cache, jnp.asarray(pos))
+            cache = self.commit(out.cache, jnp.asarray(pos))
         return cache, pos
 
     def rollback_by_length(self, full_logits: np.ndarray, cache, pos: np.ndarray,
@@ -249,7 +252,7 @@ class _Checker:
         """5. Rejected drafts roll back by length: junk written past the committed length is unseen."""
         junk = rng.integers(0, int(self.model.vocab_size), (2, 3)).astype(np.int32)
         out = self.run(junk, pos[:, None] + np.arange(3), cache)
-        rolled = self.model.commit(out.cache, jnp.asarray(pos))  # keep nothing of the junk pass
+        rolled = self.commit(out.cache, jnp.asarray(pos))  # keep nothing of the junk pass
         self.step_matches_full(
             full_logits, rolled, pos, "rollback by length",
             "after a pass that was not committed, the next step differs from the full forward (max diff "
@@ -263,12 +266,12 @@ class _Checker:
         model, prefix = self.model, self.probe.prefix
         cache = self.run(self.probe.tokens[:, : prefix.max()], self.positions_full[:, : prefix.max()],
                          self.empty_cache()).cache
-        cache = model.commit(cache, jnp.asarray(prefix))
+        cache = self.commit(cache, jnp.asarray(prefix))
         rows = np.arange(2)
         true = self.probe.tokens[rows[:, None], prefix[:, None] + np.arange(2)]
         junk = rng.integers(0, int(model.vocab_size), (2, 1)).astype(np.int32)
         out = self.run(np.concatenate([true, junk], axis=1), prefix[:, None] + np.arange(3), cache)
-        kept = model.commit(out.cache, jnp.asarray(prefix + 2))
+        kept = self.commit(out.cache, jnp.asarray(prefix + 2))
         self.step_matches_full(
             full_logits, kept, prefix + 2, "rollback after a partly accepted draft",
             "after a 3-token pass of which 2 tokens were committed, the next step differs from the "
@@ -285,7 +288,7 @@ class _Checker:
         if len(types) != model.num_layers:
             _fail("cache view", f"layer_types has {len(types)} entries for {model.num_layers} layers.")
         full = self.run(self.probe.tokens[:, : pos.max()], self.positions_full[:, : pos.max()], self.empty_cache())
-        full_cache = model.commit(full.cache, jnp.asarray(pos))
+        full_cache = self.commit(full.cache, jnp.asarray(pos))
         junk = rng.integers(0, int(model.vocab_size), (2, 2)).astype(np.int32)
         after_junk = self.run(junk, pos[:, None] + np.arange(2), cache).cache
         for kind in ("sliding_attention", "full_attention"):
@@ -333,16 +336,18 @@ class _Checker:
                   "encoding at all: pass check_positions=False.)")
 
 
-def _check_tree(model: TargetModel, params: Any, probe: _Probe, run: Callable, atol, rtol) -> None:
+def _check_tree(checker: _Checker) -> None:
     """7. A tree pass equals the chain passes of its branches, and commit keeps the chosen path.
 
     root r -> {a, b}, a -> c: nodes [r, a, b, c] at depths [0, 1, 1, 2]; each node's output
     must equal the chain pass of its own branch ([r, a, c] or [r, b]) after the same prefix."""
+    model, params, probe, run = checker.model, checker.params, checker.probe, checker.run
+    commit, atol, rtol = checker.commit, checker.atol, checker.rtol
     start = probe.prefix  # [2] committed lengths; the root sits at position `start`
     base = run(probe.tokens[:, : start.max()],
                jnp.broadcast_to(jnp.arange(start.max(), dtype=jnp.int32), (2, start.max())),
-               model.init_cache(2, probe.capacity)).cache
-    base = model.commit(base, jnp.asarray(start))
+               checker.empty_cache()).cache
+    base = commit(base, jnp.asarray(start))
     rng = np.random.default_rng(1)
     r = probe.tokens[np.arange(2), start]
     a, b, c = (rng.integers(0, model.vocab_size, 2).astype(np.int32) for _ in range(3))
@@ -371,9 +376,9 @@ def _check_tree(model: TargetModel, params: Any, probe: _Probe, run: Callable, a
     # the next step must equal the same step after committing the chain of those tokens (a
     # recurrent layer's state follows the path, not the pass order).
     for path, kept_len, chain_out in (([0, 2], 2, out_b), ([0, 1, 3], 3, out_ac), ([0, 1, 3], 2, out_ac)):
-        kept = model.commit(tree.cache, jnp.asarray(start + kept_len), jnp.asarray([path] * 2, jnp.int32))
+        kept = commit(tree.cache, jnp.asarray(start + kept_len), jnp.asarray([path] * 2, jnp.int32))
         after_tree = run(nxt, (start + kept_len)[:, None], kept)
-        after_chain = run(nxt, (start + kept_len)[:, None], model.commit(chain_out.cache, jnp.asarray(start + kept_len)))
+        after_chain = run(nxt, (start + kept_len)[:, None], commit(chain_out.cache, jnp.asarray(start + kept_len)))
         same, diff = _close(model.logits(params, after_tree.hidden), model.logits(params, after_chain.hidden),
                             atol, rtol)
         if not same:
