@@ -7,6 +7,8 @@ transformers on tiny random checkpoints (float32).
   the gated delta rule;
 - the text decoders of a multimodal Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration) and of
   Qwen3.5-MoE load and match;
+- the Qwen3.5 decoder passes check_target with its recurrent checks (rollback after a partly
+  accepted draft, a tree pass = its branches' chains, a tree commit along the path);
 - 64 greedy tokens equal transformers' `generate`, and greedy DFlash tree decoding (the Gated
   DeltaNet states follow the accepted path) equals plain decoding at batch 4.
 """
@@ -24,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 import spec_jax  # noqa: E402
 from spec_jax.checkpoints.hf import load_hf_dir  # noqa: E402
 from spec_jax.models import Decoder  # noqa: E402
+from spec_jax.testing import check_target  # noqa: E402
 from tiny_configs import TINY_DFLASH, VOCAB  # noqa: E402
 
 TEXT = dict(
@@ -109,6 +112,12 @@ def test_prefill_steps_and_a_mixed_pass_match_transformers(checkpoints):
             check(out, pos[:, None], "decode step")
             pos = pos + 1
             cache = decoder.commit(out.cache, jnp.asarray(pos))
+
+
+def test_qwen3_5_decoder_passes_check_target_with_the_recurrent_checks(checkpoints):
+    _, decoder, params = checkpoints["qwen3_5"]
+    passed = check_target(decoder, params, seq_len=8, capacity=16)
+    assert "rollback after a partly accepted draft" in passed and "tree commit" in passed
 
 
 def test_multimodal_and_moe_qwen3_5_checkpoints_load(tmp_path):
