@@ -89,7 +89,7 @@ def test_prefill_steps_and_a_mixed_pass_match_transformers(checkpoints):
     tokens = np.random.RandomState(0).randint(0, VOCAB, (2, prefill + 6))
     for family, (model, decoder, params) in checkpoints.items():
         want = hf_logits(model, tokens)
-        run = jax.jit(decoder.forward)
+        run, commit = jax.jit(decoder.forward), jax.jit(decoder.commit)  # eager commit: a compile per op
         rows = np.arange(2)
 
         def check(out, at, what):
@@ -101,17 +101,17 @@ def test_prefill_steps_and_a_mixed_pass_match_transformers(checkpoints):
         out = run(params, jnp.asarray(tokens[:, :prefill]), positions, decoder.init_cache(2, 80))
         check(out, np.asarray(positions), "prefill")
         start = np.asarray([prefill, prefill - 3])
-        cache = decoder.commit(out.cache, jnp.asarray(start))
+        cache = commit(out.cache, jnp.asarray(start))
         mixed = start[:, None] + np.arange(3)
         out = run(params, jnp.asarray(tokens[rows[:, None], mixed]), jnp.asarray(mixed), cache)
         check(out, mixed, "mixed pass")
         pos = start + 2
-        cache = decoder.commit(out.cache, jnp.asarray(pos))
+        cache = commit(out.cache, jnp.asarray(pos))
         for _ in range(3):
             out = run(params, jnp.asarray(tokens[rows, pos][:, None]), jnp.asarray(pos[:, None]), cache)
             check(out, pos[:, None], "decode step")
             pos = pos + 1
-            cache = decoder.commit(out.cache, jnp.asarray(pos))
+            cache = commit(out.cache, jnp.asarray(pos))
 
 
 def test_qwen3_5_decoder_passes_check_target_with_the_recurrent_checks(checkpoints):
