@@ -16,7 +16,6 @@ the drafter's own `lm_head.weight` [Vd, H] and the `d2t` / `t2d` maps (speculato
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -33,6 +32,7 @@ from spec_jax.checkpoints.hf import (
     expected_hf_layer_shapes,
     from_hf,
     hf_shape,
+    read_config_json,
     refuse_to_clobber,
     resolve_hf_dir,
     layers_from_hf,
@@ -54,8 +54,8 @@ from spec_jax.models.config import (
     SLIDING_ATTENTION,
     ModelConfig,
     gpt_oss_defaults,
+    layer_stack_to_hf,
     rope_from_hf,
-    rope_scaling_to_hf,
 )
 from spec_jax.models.weights import check_params_match_specs
 
@@ -233,16 +233,7 @@ def dflash_config_to_hf(cfg: DFlashConfig) -> dict[str, Any]:
     hf: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "num_hidden_layers": layer.num_layers,
-        "hidden_size": layer.hidden_size,
-        "num_attention_heads": layer.num_heads,
-        "num_key_value_heads": layer.num_kv_heads,
-        "head_dim": layer.head_dim,
-        "intermediate_size": layer.intermediate_size,
-        "rms_norm_eps": layer.rms_norm_eps,
-        "rope_theta": layer.rope_theta,
-        "max_position_embeddings": layer.max_position_embeddings,
-        "hidden_act": "silu",
+        **layer_stack_to_hf(layer),
         "attention_bias": layer.qkv_bias,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
@@ -252,10 +243,7 @@ def dflash_config_to_hf(cfg: DFlashConfig) -> dict[str, Any]:
         "max_window_layers": layer.num_layers,
         "block_size": cfg.block_size,
         "dflash_config": dflash_config,
-        "torch_dtype": layer.dtype,
     }
-    if layer.rope_scaling is not None:
-        hf["rope_scaling"] = rope_scaling_to_hf(layer.rope_scaling)
     if cfg.num_target_layers is not None:
         hf["num_target_layers"] = cfg.num_target_layers
     if cfg.vocab_size is not None:
@@ -267,15 +255,7 @@ def dflash_config_to_hf(cfg: DFlashConfig) -> dict[str, Any]:
 
 def read_dflash_config(directory: Path, dtype: str = "float32") -> DFlashConfig:
     config_file = directory / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(
-            f"{directory} has no config.json; a DFlash checkpoint dir needs config.json next to "
-            "model.safetensors."
-        )
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file} is not valid JSON ({e}); fix or re-download it.") from e
+    hf = read_config_json(directory, "a DFlash checkpoint dir needs config.json next to model.safetensors.")
     kind = hf.get("speculators_model_type")
     if kind is not None and kind != "dflash":
         raise CheckpointError(

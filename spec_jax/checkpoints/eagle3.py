@@ -20,7 +20,6 @@ vocabulary. Both are checked for consistency on load.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,6 +36,7 @@ from spec_jax.checkpoints.hf import (
     hf_shape,
     layers_from_hf,
     layers_to_hf,
+    read_config_json,
     refuse_to_clobber,
     resolve_hf_dir,
     to_hf,
@@ -70,16 +70,7 @@ def _canonical(name: str) -> str:
 
 
 def _read_config(directory: Path) -> dict[str, Any]:
-    config_file = directory / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(
-            f"{directory} has no config.json; an EAGLE-3 checkpoint dir needs config.json next to "
-            "its safetensors weights."
-        )
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file} is not valid JSON ({e}); fix or re-download it.") from e
+    return read_config_json(directory, "an EAGLE-3 checkpoint dir needs config.json next to its safetensors weights.")
 
 
 def is_eagle3_checkpoint(hf: Mapping[str, Any]) -> bool:

@@ -23,15 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from spec_jax.checkpoints.errors import CheckpointError
-from spec_jax.checkpoints.hf import (
-    SafetensorsFiles,
-    check_hf_tensors,
-    from_hf,
-    hf_shape,
-    save_dir,
-    to_hf,
-    write_checkpoint_dir,
-)
+from spec_jax.checkpoints.hf import named_hf_tensors, read_named_tensors, save_dir, write_checkpoint_dir
 from spec_jax.drafters.gemma4_assistant import (
     Gemma4AssistantConfig,
     Gemma4AssistantDrafter,
@@ -195,15 +187,13 @@ def load_gemma4_assistant(
         raise CheckpointError(f"{config_file}: {e}") from e
     source = f"{directory} (Gemma 4 assistant)"
     names = list(_names(cfg))
+    # The tied head is model.embed_tokens; a separate lm_head.weight copy of it may be saved too.
+    ignore = ["lm_head.weight"] if cfg.tie_embeddings else []
+    integer = {name: np.int32 for (_, key), name, _, _ in names if key == "token_ordering"}
+    values = read_named_tensors(directory, [entry[1:] for entry in names], source, dtype, ignore, integer)
     params: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
-    with SafetensorsFiles(directory) as files:
-        # The tied head is model.embed_tokens; a separate lm_head.weight copy of it may be saved too.
-        ignore = ["lm_head.weight"] if cfg.tie_embeddings else []
-        check_hf_tensors(files.shapes, {name: hf_shape(shape, ax) for _, name, shape, ax in names}, source, ignore)
-        for (layer, key), name, shape, in_axes in names:
-            integer = key == "token_ordering"
-            value = from_hf(files.get_tensor(name, np.int32 if integer else dtype), shape, in_axes)
-            (params if layer is None else params["layers"][layer])[key] = value
+    for ((layer, key), *_), value in zip(names, values):
+        (params if layer is None else params["layers"][layer])[key] = value
     check_params_match_specs(params, assistant_weight_specs(cfg), what=source)
     return Gemma4AssistantDrafter(cfg), params
 
@@ -213,10 +203,10 @@ def save_gemma4_assistant(
 ) -> Path:
     """config.json + model.safetensors (+ generation_config.json with the default K), atomically."""
     path = save_dir(path, params, assistant_weight_specs(cfg), "Gemma 4 assistant params", overwrite)
-    tensors = {}
-    for (layer, key), name, _, in_axes in _names(cfg):
-        value = (params if layer is None else params["layers"][layer])[key]
-        value = np.asarray(value, np.int64 if key == "token_ordering" else np.float32)
-        tensors[name] = np.ascontiguousarray(to_hf(value, in_axes))
+    tensors = named_hf_tensors(
+        (name, np.asarray((params if layer is None else params["layers"][layer])[key],
+                          np.int64 if key == "token_ordering" else np.float32), in_axes)
+        for (layer, key), name, _, in_axes in _names(cfg)
+    )
     return write_checkpoint_dir(path, assistant_config_to_hf(cfg), tensors,
                                 json_files={"generation_config.json": {"num_assistant_tokens": cfg.num_assistant_tokens}})

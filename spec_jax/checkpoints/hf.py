@@ -390,17 +390,21 @@ class SafetensorsFiles(contextlib.AbstractContextManager):
         return None
 
 
-def read_hf_config(directory: Path, dtype: str = "float32") -> tuple[dict[str, Any], ModelConfig]:
+def read_config_json(directory: Path, needs: str, remedy: str = "fix or re-download it") -> Any:
+    """`directory`/config.json, parsed. A missing file is a CheckpointError that says what a
+    checkpoint dir `needs`; one that is not JSON, one that names the file and the `remedy`."""
     config_file = directory / "config.json"
     if not config_file.exists():
-        raise CheckpointError(
-            f"{directory} has no config.json; an HF checkpoint dir needs config.json next to its "
-            "*.safetensors files."
-        )
+        raise CheckpointError(f"{directory} has no config.json; {needs}")
     try:
-        hf = json.loads(config_file.read_text(encoding="utf-8"))
+        return json.loads(config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_file} is not valid JSON ({e}); fix or re-download it.") from e
+        raise CheckpointError(f"{config_file} is not valid JSON ({e}); {remedy}.") from e
+
+
+def read_hf_config(directory: Path, dtype: str = "float32") -> tuple[dict[str, Any], ModelConfig]:
+    config_file = directory / "config.json"
+    hf = read_config_json(directory, "an HF checkpoint dir needs config.json next to its *.safetensors files.")
     check_config_fields(hf, config_file)
     try:
         cfg = ModelConfig.from_hf_config(hf, dtype=dtype)
@@ -515,6 +519,28 @@ def save_dir(path: str | os.PathLike, params: Any, specs: Any, what: str, overwr
     path = Path(path).expanduser().absolute()
     refuse_to_clobber(path, overwrite)
     return path
+
+
+def read_named_tensors(
+    directory: Path,
+    names: Sequence[tuple[str, tuple[int, ...], int]],
+    source: str,
+    dtype: str,
+    ignore: Iterable[str] = (),
+    dtypes: Mapping[str, Any] | None = None,
+) -> list[np.ndarray]:
+    """The tensors `names` lists ((HF name, shape in our layout, in_axes) each) of a checkpoint
+    dir, in our layout and in that order; every name and shape is checked (`check_hf_tensors`)
+    before any tensor is read. `dtypes` gives some names a dtype other than `dtype`."""
+    dtypes = dtypes or {}
+    with SafetensorsFiles(directory) as files:
+        check_hf_tensors(files.shapes, {name: hf_shape(shape, ax) for name, shape, ax in names}, source, ignore)
+        return [from_hf(files.get_tensor(name, dtypes.get(name, dtype)), shape, ax) for name, shape, ax in names]
+
+
+def named_hf_tensors(named: Iterable[tuple[str, np.ndarray, int]]) -> dict[str, np.ndarray]:
+    """(HF name, weight in our layout, in_axes) -> {HF name: contiguous tensor in HF layout}."""
+    return {name: np.ascontiguousarray(to_hf(value, in_axes)) for name, value, in_axes in named}
 
 
 def write_checkpoint_dir(

@@ -14,7 +14,6 @@ int8 with scales (`spec_jax.checkpoints.quantized`) load like float ones.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,12 +22,10 @@ import numpy as np
 
 from spec_jax.checkpoints.errors import CheckpointError
 from spec_jax.checkpoints.hf import (
-    SafetensorsFiles,
-    check_hf_tensors,
-    from_hf,
-    hf_shape,
+    named_hf_tensors,
+    read_config_json,
+    read_named_tensors,
     save_dir,
-    to_hf,
     write_checkpoint_dir,
 )
 from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, medusa_weight_specs
@@ -91,15 +88,8 @@ def read_medusa_config(directory: str | os.PathLike, dtype: str = "float32") -> 
             "and model.safetensors (e.g. runs/medusa/drafter from `spec-jax train medusa`)."
         )
     config_file = directory / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(
-            f"{directory} has no config.json; a Medusa checkpoint dir needs config.json next to its "
-            "model.safetensors (written by `spec-jax train medusa` / save_medusa)."
-        )
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file} is not valid JSON ({e}); fix or re-export it.") from e
+    hf = read_config_json(directory, "a Medusa checkpoint dir needs config.json next to its model.safetensors "
+                          "(written by `spec-jax train medusa` / save_medusa).", "fix or re-export it")
     if not isinstance(hf, dict) or not is_medusa_checkpoint(hf):
         raise CheckpointError(
             f"{config_file} is not a Medusa heads config (architectures [{ARCHITECTURE!r}], "
@@ -122,16 +112,14 @@ def load_medusa(
     cfg = read_medusa_config(directory, dtype)
     source = f"{directory} (Medusa heads)"
     names = list(_names(cfg))
-    with SafetensorsFiles(directory) as files:
-        check_hf_tensors(files.shapes, {name: hf_shape(shape, ax) for _, name, shape, ax in names}, source)
-        heads: list[dict[str, Any]] = [{"blocks": [{} for _ in range(cfg.num_res_blocks)]}
-                                       for _ in range(cfg.num_heads)]
-        for (i, j, key), name, shape, in_axes in names:
-            value = from_hf(files.get_tensor(name, dtype), shape, in_axes)
-            if j is None:
-                heads[i][key] = value
-            else:
-                heads[i]["blocks"][j][key] = value
+    values = read_named_tensors(directory, [entry[1:] for entry in names], source, dtype)
+    heads: list[dict[str, Any]] = [{"blocks": [{} for _ in range(cfg.num_res_blocks)]}
+                                   for _ in range(cfg.num_heads)]
+    for ((i, j, key), *_), value in zip(names, values):
+        if j is None:
+            heads[i][key] = value
+        else:
+            heads[i]["blocks"][j][key] = value
     params = {"heads": heads}
     check_params_match_specs(params, medusa_weight_specs(cfg), what=source)
     return MedusaDrafter(cfg, k=k), params
@@ -142,9 +130,9 @@ def save_medusa(
 ) -> Path:
     """Write config.json + model.safetensors atomically (see hf.write_checkpoint_dir)."""
     path = save_dir(path, params, medusa_weight_specs(cfg), "Medusa params", overwrite)
-    tensors = {}
-    for (i, j, key), name, _, in_axes in _names(cfg):
-        head = params["heads"][i]
-        value = np.asarray(head[key] if j is None else head["blocks"][j][key], np.float32)
-        tensors[name] = np.ascontiguousarray(to_hf(value, in_axes))
+    heads = params["heads"]
+    tensors = named_hf_tensors(
+        (name, np.asarray(heads[i][key] if j is None else heads[i]["blocks"][j][key], np.float32), in_axes)
+        for (i, j, key), name, _, in_axes in _names(cfg)
+    )
     return write_checkpoint_dir(path, medusa_config_to_hf(cfg), tensors)

@@ -468,22 +468,10 @@ class ModelConfig:
             "architectures": [arch_name],
             "model_type": model_type,
             "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
+            **layer_stack_to_hf(self),
             "tie_word_embeddings": self.tie_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
             "attention_bias": False,
-            "torch_dtype": self.dtype,
         }
-        if self.rope_scaling is not None:
-            hf["rope_scaling"] = rope_scaling_to_hf(self.rope_scaling)
         if self.bos_token_id is not None:
             hf["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -513,6 +501,27 @@ class ModelConfig:
                 else self.num_layers
             )
         return hf
+
+
+def layer_stack_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json fields of a stack of decoder layers (sizes, heads, norm, RoPE, dtype): a
+    target's config and a DFlash drafter's (`checkpoints.dflash`) both start from these."""
+    hf: dict[str, Any] = {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": cfg.dtype,
+    }
+    if cfg.rope_scaling is not None:
+        hf["rope_scaling"] = rope_scaling_to_hf(cfg.rope_scaling)
+    return hf
 
 
 # MoE family -> the dense family whose attention and config fields it shares.
