@@ -167,7 +167,7 @@ def test_request_values_take_integral_numbers_the_one_way():
 def fake_engine(max_model_len=48, default_stop_ids=(2,)):
     """What `Engine.check_request` reads of an engine (no model, nothing compiled)."""
     return types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=101), max_model_len=max_model_len,
-                                 default_stop_ids=default_stop_ids)
+                                 default_stop_ids=default_stop_ids, pages=None)
 
 
 def test_engine_requests_honour_stop_ids_with_ignore_eos():

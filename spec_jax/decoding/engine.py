@@ -50,12 +50,14 @@ from spec_jax.decoding.depth import AdaptiveDepth, as_adaptive_depth
 from spec_jax.decoding.engine_programs import EnginePrograms
 from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, round_capacity, stop_id_array, with_k
 from spec_jax.decoding.loop import LoopState, check_adaptive, tree_budget
+from spec_jax.decoding.pages import PagePool
 from spec_jax.decoding.prefill_plan import DEFAULT_PREFILL_ROWS, PrefillPlan
 from spec_jax.decoding.programs import CompileTally
 from spec_jax.decoding.scheduler import Scheduler
 from spec_jax.decoding.slots import Counters, EngineEvent, PositionTotals, RequestParams, RequestStats, SlotTable
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.suffix import host_store, with_store
+from spec_jax.models.paged import PAGE_SIZE
 from spec_jax.models.resolve import resolve_target
 from spec_jax.sharding.placement import gather_to_host
 
@@ -103,6 +105,26 @@ def model_length_and_capacity(max_model_len: Any, pass_max: int, max_positions: 
     return max_model_len, min(capacity, max_positions)
 
 
+def check_paged(model: Any, kv_pages: Any, page_size: Any, mesh: Any, prefill_chunk_tokens: Any) -> None:
+    """A paged engine's settings (`kv_pages`), checked before anything compiles."""
+    if kv_pages is None:
+        return
+    validation.check_int("kv_pages", kv_pages, minimum=1)
+    page_size = validation.check_int("kv_page_size", page_size, minimum=1)
+    if CAPACITY_MULTIPLE % page_size:
+        raise ValueError(f"kv_page_size {page_size} must divide {CAPACITY_MULTIPLE} (the live attention's block "
+                         "and the engine's capacity multiple); use 128, 64, 32, ...")
+    if mesh is not None:
+        raise ValueError("a paged KV cache (kv_pages) does not run on a mesh yet: its pool has no row axis to "
+                         "split over `data`; leave kv_pages unset with mesh=.")
+    if prefill_chunk_tokens is not None:
+        raise ValueError("a paged KV cache (kv_pages) does not take chunked prefill yet (its prefill rows keep "
+                         "a dense cache); leave prefill_chunk_tokens unset with kv_pages.")
+    if not callable(getattr(model, "init_paged_cache", None)):
+        raise ValueError(f"kv_pages needs a target whose cache can be paged; {type(model).__name__} offers no "
+                         "`init_paged_cache` (spec_jax's own decoder does): leave kv_pages unset for this target.")
+
+
 class Engine:
     """Continuous batching over `slots` rows; see the module docstring.
 
@@ -128,7 +150,12 @@ class Engine:
     (padding included, >= 16) one step prefills: waiting prompts, up to `prefill_rows` of them,
     prefill together in one pass per step, a long one in chunks between decode chunks, so running
     streams never wait longer than one such pass (`prefill_plan`; it keeps `prefill_rows` extra
-    rows of target cache). `submit` and `cancel` may be called from other threads.
+    rows of target cache). kv_pages: None (each slot holds a dense target cache of the whole
+    capacity), or the target's cache is a shared pool of that many pages of `kv_page_size` slots
+    (`spec_jax.models.paged`): a request takes pages as it grows and gives them back when it
+    ends, so the same memory holds many more short requests; a request waits in the queue until
+    the pool covers its worst case (`decoding.pages`; `pages` is the pool). Drafter caches stay
+    dense per slot. `submit` and `cancel` may be called from other threads.
 
     Its parts: `slot_table` (which request holds which row, host side: `live`, `slot_of`),
     `scheduler` (waiting requests, cancellations, admissions, `max_admits_per_step`), `programs`
@@ -154,6 +181,8 @@ class Engine:
         max_logprobs: int | None = None,
         prefill_chunk_tokens: int | None = None,
         prefill_rows: int = DEFAULT_PREFILL_ROWS,
+        kv_pages: int | None = None,
+        kv_page_size: int = PAGE_SIZE,
     ):
         resolved, _ = resolve_target(target)
         self.model = resolved.model
@@ -170,6 +199,7 @@ class Engine:
         if self.prefill_plan is not None and mesh is not None:
             raise ValueError("chunked prefill (prefill_chunk_tokens) does not run on a mesh yet; "
                              "leave prefill_chunk_tokens unset with mesh=.")
+        check_paged(self.model, kv_pages, kv_page_size, mesh, prefill_chunk_tokens)
         drafter_params = with_store(drafter, drafter_params)
         validation.check_drafter_params(drafter, drafter_params)
         # A suffix drafter's store of finished requests' text: one per engine, read by every chunk.
@@ -196,7 +226,13 @@ class Engine:
                                        capacity=self.capacity, slots=self.slots, mesh=mesh,
                                        sharding_rules=sharding_rules, top_logprobs=max_logprobs,
                                        depth=None if self.depth is None else self.depth.static(),
-                                       prefill_rows=None if self.prefill_plan is None else self.prefill_plan.rows)
+                                       prefill_rows=None if self.prefill_plan is None else self.prefill_plan.rows,
+                                       kv_pages=kv_pages, page_size=kv_page_size)
+        # Paged: the pool, and the most slots one chunk can write past a row's committed tokens.
+        self.pages = None if kv_pages is None else PagePool(kv_pages, kv_page_size, self.slots,
+                                                             self.capacity // kv_page_size)
+        self.chunk_overshoot = self.chunk_steps * (pass_max + 1)
+        self._row_lengths = np.zeros((self.slots,), np.int64)  # each row's tokens at the last read
         depth_costs = None
         if self.depth is not None:
             depth_costs = self.depth.costs or self._measure_depth_costs(target, drafter, drafter_params)
@@ -268,7 +304,17 @@ class Engine:
                 f"{self.max_model_len}; shorten the prompt or lower max_new_tokens.",
             )
         params = RequestParams.of(prompt, values, logprobs=logprobs)
+        if self.pages is not None and self.pages.pages_for(self.worst_tokens(params)) > self.pages.num_pages:
+            raise validation.ArgumentError(
+                "max_new_tokens", f"max_new_tokens: the prompt's {len(prompt)} tokens + max_new_tokens="
+                f"{values.max_new_tokens} need {self.pages.pages_for(self.worst_tokens(params))} KV pages and the "
+                f"engine's pool has {self.pages.num_pages}; lower max_new_tokens or raise kv_pages.")
         return params if seed is not None else dataclasses.replace(params, seed=None)
+
+    def worst_tokens(self, params: RequestParams) -> int:
+        """The most cache slots a request can write: its prompt and new tokens, and one chunk's
+        overshoot past them (paged: what `PagePool.reserve` sets aside)."""
+        return len(params.prompt_ids) + params.max_new_tokens + self.chunk_overshoot
 
     def submit(self, prompt_ids: Sequence[int], **kwargs: Any) -> int:
         """Queue a request (see `check_request` for the keywords, or pass `params=` already
@@ -309,12 +355,14 @@ class Engine:
                 prompt_lengths.append(2 * prompt_bucket(prompt_lengths[-1]))
         buckets = sorted({min(prompt_bucket(n), self.capacity) for n in prompt_lengths})
         probe = RequestParams(prompt_ids=(0,), max_new_tokens=1)
+        table = None if self.pages is None else self.pages.table
         jobs = [self.programs.chunk_job(self.k, self.programs.chunk_args(self.state, self.slot_table,
-                                                                         self.chunk_steps))]
+                                                                         self.chunk_steps, table))]
         plan = self.prefill_plan
         for bucket in buckets:
             if plan is None:
-                jobs.append(self.programs.admit_job(bucket, self.programs.admit_args(self.state, 0, probe, bucket)))
+                jobs.append(self.programs.admit_job(bucket, self.programs.admit_args(
+                    self.state, 0, probe, bucket, None if table is None else table[0])))
             else:
                 jobs.append(self.programs.finish_job(bucket, self.programs.finish_args(
                     self.state, self.prefill_state, 0, 0, probe, bucket)))
@@ -327,6 +375,7 @@ class Engine:
     def step(self) -> list[EngineEvent]:
         """Admit, run one chunk, hand out new tokens; see the module docstring."""
         events = self._cancel_requests()
+        self._release_pages()
         admitted = self._admit_waiting() if self.prefill_plan is None else self._prefill_waiting()
         if not self.slot_table.running:
             return events
@@ -350,10 +399,16 @@ class Engine:
 
     def _admit_waiting(self) -> list[int]:
         """Prefill waiting requests into free slots -> the slots admitted."""
-        admissions = self.scheduler.admissions(self.slot_table.free_slots())
+        claim = None if self.pages is None else lambda slot, params: self.pages.reserve(slot, self.worst_tokens(params))
+        admissions = self.scheduler.admissions(self.slot_table.free_slots(), claim)
         for slot, rid, params, submitted_at in admissions:
             bucket = min(prompt_bucket(len(params.prompt_ids)), self.capacity)
-            args = self.programs.admit_args(self.state, slot, params, bucket)
+            page_row = None
+            if self.pages is not None:  # the pages its prompt and first token fill
+                self.pages.grow(slot, len(params.prompt_ids) + 1)
+                page_row = self.pages.table[slot]
+            self._row_lengths[slot] = len(params.prompt_ids) + 1
+            args = self.programs.admit_args(self.state, slot, params, bucket, page_row)
             self.state = self.programs.admit(bucket, args)(*args)
             self.slot_table.occupy(slot, rid, params, stop_id_array(params.stop_ids), submitted_at)
             self.positions.restart(slot)
@@ -393,7 +448,12 @@ class Engine:
 
     def _run_chunk(self) -> list[EngineEvent]:
         """One chunk over every row -> each request's new tokens (and finish)."""
-        args = self.programs.chunk_args(self.state, self.slot_table, self.chunk_steps)
+        table = None
+        if self.pages is not None:  # each running row gets the pages this chunk can write
+            for slot in self.slot_table.running:
+                self.pages.grow(slot, int(self._row_lengths[slot]) + self.chunk_overshoot)
+            table = self.pages.table
+        args = self.programs.chunk_args(self.state, self.slot_table, self.chunk_steps, table)
         self.state = self.programs.chunk(self.k, args)(*args)
         state = self.state
         tokens, lengths, finish, done, stats, logprobs, depth_counts = self._host(
@@ -406,9 +466,19 @@ class Engine:
         self.positions.add(stats.steps, stats.position_accepted)
         if self.suffix_store is not None:
             self._feed_suffix_store(tokens, lengths, done)
+        self._row_lengths[:] = lengths
         events, _ = self.slot_table.collect(tokens, lengths, finish, done, Counters.of_rows(stats, self.k),
                                             time.perf_counter(), logprobs)
+        self._release_pages()
         return events
+
+    def _release_pages(self) -> None:
+        """Free slots' pages back to the pool (finished and cancelled requests)."""
+        if self.pages is None:
+            return
+        for slot in np.flatnonzero(self.pages.reserved).tolist():
+            if slot not in self.slot_table.running:
+                self.pages.release(slot)
 
     def _feed_suffix_store(self, tokens: Any, lengths: Any, done: Any) -> None:
         """Finished requests' prompt + output go into the suffix drafter's store (a new array of the

@@ -33,6 +33,7 @@ from spec_jax.decoding.programs import CompileTally, ProgramCache, signature
 from spec_jax.decoding.slots import RequestParams
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.interface import Target
+from spec_jax.models.paged import PAGE_SIZE
 from spec_jax.sampling import SamplingParams
 
 NO_BATCH_AXIS = -1
@@ -111,14 +112,19 @@ class EnginePrograms:
     or the state keeps `TokenLogprobs` with this many top tokens per position (for requests that
     ask for logprobs). depth: the adaptive depth policy's static part (None: K is fixed); its
     costs travel in the state (`initial_state`). prefill_rows: None (prompts prefill in one
-    pass, an admit), or R: prompts prefill in chunks in R `PrefillRows` (`initial_prefill_rows`). `tally` (`compiles`, `compile_s`) counts the programs
-    compiled by this object (not ones shared from another engine)."""
+    pass, an admit), or R: prompts prefill in chunks in R `PrefillRows` (`initial_prefill_rows`).
+    kv_pages: None (each row holds a dense cache of `capacity` slots), or the target's cache is a
+    pool of that many pages of `page_size` slots (`spec_jax.models.paged`): the chunk and the
+    admits then take the host's page table (`decoding.pages.PagePool`) as their last argument.
+    `tally` (`compiles`, `compile_s`) counts the programs compiled by this object (not ones
+    shared from another engine)."""
 
     def __init__(self, model: Any, drafters: dict[int, Drafter | None], target_params: Any, drafter_params: Any,
                  *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None,
                  top_logprobs: int | None = None, depth: AdaptiveDepth | None = None,
-                 prefill_rows: int | None = None):
+                 prefill_rows: int | None = None, kv_pages: int | None = None, page_size: int = PAGE_SIZE):
         self.model, self.drafters, self.capacity, self.slots, self.mesh = model, drafters, capacity, slots, mesh
+        self.kv_pages, self.page_size = kv_pages, page_size
         self.top_logprobs, self.depth, self.prefill_rows = top_logprobs, depth, prefill_rows
         self.target_params, self.drafter_params = target_params, drafter_params
         self.widest = drafters[max(drafters)]  # the drafter at the largest K: admits use its layout
@@ -140,6 +146,14 @@ class EnginePrograms:
         return self.tally.seconds
 
     def _abstract_prefill(self, batch: int, drafter: Drafter | None) -> LoopState:
+        dense = self._abstract_dense_prefill(batch, drafter)
+        if self.kv_pages is None:
+            return dense
+        # The paged layout: the same state, its target cache a page pool with a table per row.
+        return dense.replace(cache=jax.eval_shape(
+            lambda: self.model.init_paged_cache(batch, self.capacity, self.kv_pages, self.page_size)))
+
+    def _abstract_dense_prefill(self, batch: int, drafter: Drafter | None) -> LoopState:
         def fn(params, drafter_params):
             state = prefill(
                 Target(params, self.model), drafter, drafter_params,
@@ -178,6 +192,9 @@ class EnginePrograms:
             lengths=jnp.ones((self.slots,), jnp.int32),
         )
         state = with_depth_state(state, self.depth, depth_costs)
+        if self.kv_pages is not None:  # no row holds a page yet
+            state = state.replace(cache=state.cache.replace(
+                page_table=jnp.full(state.cache.page_table.shape, self.kv_pages, jnp.int32)))
         if self.state_shardings is not None:
             from spec_jax.sharding.rules import place
 
@@ -232,14 +249,21 @@ class EnginePrograms:
             for _ in pool.map(lambda job: self._compile(*job), jobs):
                 pass  # re-raises a compile's error here
 
-    def chunk_args(self, state: LoopState, slot_table: Any, chunk_steps: int) -> tuple:
-        """The chunk's arguments: the state and the slots' per-row request values."""
+    def chunk_args(self, state: LoopState, slot_table: Any, chunk_steps: int, page_table: Any = None) -> tuple:
+        """The chunk's arguments: the state and the slots' per-row request values (and, paged,
+        the page table [slots, pages_per_row])."""
         sampling = SamplingParams(slot_table.temperature, slot_table.top_k, slot_table.top_p)
         return (
             state, self.place(slot_table.live), self.place(slot_table.wants_logprobs), self.target_params,
             self.drafter_params, jax.tree_util.tree_map(self.place, sampling), self.place(slot_table.max_new),
             self.place(slot_table.stop), self.place(np.int32(chunk_steps)),
-        )
+        ) + self._page_args(page_table)
+
+    def _page_args(self, page_table: Any) -> tuple:
+        """() for a dense cache; (the page table,) for a paged one."""
+        if self.kv_pages is None:
+            return ()
+        return (self.place(np.asarray(page_table, np.int32)),)
 
     def chunk(self, k: int, args: tuple) -> Any:
         """The chunk program at K (compiled on first use)."""
@@ -249,7 +273,9 @@ class EnginePrograms:
         """(key, function, arguments) of the chunk program at K."""
         model, drafter, depth = self.model, self.drafters[k], self.depth
 
-        def chunk(state, live, wants_logprobs, target_params, drafter_params, sampling, max_new, stop_ids, max_steps):
+        def chunk(state, live, wants_logprobs, target_params, drafter_params, sampling, max_new, stop_ids, max_steps,
+                  *page_table):
+            state = with_page_table(state, page_table)
             state = state.replace(done=state.done | ~live)  # freed rows stop at once
             if state.logprobs is not None:  # only rows whose request asks record them
                 state = state.replace(logprobs=state.logprobs.replace(wanted=wants_logprobs))
@@ -258,8 +284,10 @@ class EnginePrograms:
 
         return ("chunk", k), chunk, args
 
-    def admit_args(self, state: LoopState, slot: int, params: RequestParams, bucket: int) -> tuple:
-        """The admit's arguments: the prompt right-padded to `bucket`, and the request's values."""
+    def admit_args(self, state: LoopState, slot: int, params: RequestParams, bucket: int,
+                   page_row: Any = None) -> tuple:
+        """The admit's arguments: the prompt right-padded to `bucket`, and the request's values
+        (and, paged, the slot's row of the page table [pages_per_row])."""
         prompt = list(params.prompt_ids)
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, : len(prompt)] = prompt
@@ -269,7 +297,7 @@ class EnginePrograms:
             self.place(tokens), self.place(np.asarray([len(prompt)], np.int32)), self._key(params),
             jax.tree_util.tree_map(self.place, sampling), self.place(np.int32(params.max_new_tokens)),
             self.place(stop_id_array(params.stop_ids)),
-        )
+        ) + self._page_args(None if page_row is None else np.asarray(page_row)[None])
 
     def admit(self, bucket: int, args: tuple) -> Any:
         """The admit program for this prompt bucket at the state's Stats K (compiled on first use)."""
@@ -281,12 +309,17 @@ class EnginePrograms:
         depth = self.depth
 
         def admit(state, slot, target_params, drafter_params, prompt, prompt_length, key, sampling,
-                  max_new, stop_ids):
+                  max_new, stop_ids, *page_row):
+            # Paged: the prompt goes straight into the slot's pages (through its row of the table).
+            empty = empty_paged_row(state.cache, page_row[0]) if page_row else None
             row = prefill(Target(target_params, model), drafter, drafter_params, prompt, prompt_length,
-                          key, sampling, max_new, stop_ids, capacity, top)
+                          key, sampling, max_new, stop_ids, capacity, top, empty_cache=empty)
             # The row's acceptance EMAs restart from the prior (the policy's shared leaves stay).
             row = with_depth_state(row, depth, None if depth is None else state.depth.costs)
-            return merge_row(state, row, slot, axes)
+            merged = merge_row(state, row, slot, axes)
+            if page_row:  # the pools have no row axis: the row's prefill wrote into them
+                merged = merged.replace(cache=merged.cache.replace(k=row.cache.k, v=row.cache.v))
+            return merged
 
         return ("admit", bucket), admit, args
 
@@ -370,6 +403,24 @@ class EnginePrograms:
             return merge_row(state, started, slot, axes)
 
         return ("finish_prefill", bucket), finish_prefill, args
+
+
+def with_page_table(state: LoopState, page_table: tuple) -> LoopState:
+    """The state with its paged cache reading the host's page table (`page_table` = (table,));
+    unchanged for `()` (a dense cache)."""
+    if not page_table:
+        return state
+    return state.replace(cache=state.cache.replace(page_table=page_table[0]))
+
+
+def empty_paged_row(cache: Any, page_row: jax.Array) -> Any:
+    """A 1-row empty view of a paged cache: the shared pools, the row's pages page_row [1, n],
+    nothing committed (its per-row recurrent states zero)."""
+    zero_rows = lambda states: tuple(jnp.zeros_like(x[:1]) for x in states)  # noqa: E731
+    # The zero lengths behind a barrier, as `prefill`'s empty cache is (no constant folding).
+    lengths = jax.lax.optimization_barrier(jnp.zeros((1,), jnp.int32))
+    return cache.replace(page_table=page_row, lengths=lengths, conv=zero_rows(cache.conv),
+                         recurrent=zero_rows(cache.recurrent), record=None)
 
 
 def merge_row(state: LoopState, row: LoopState, slot: Any, axes: Any) -> LoopState:

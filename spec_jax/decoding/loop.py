@@ -212,9 +212,12 @@ def prefill(
     stop_ids: jax.Array,
     capacity: int,
     top_logprobs: int | None = None,
+    empty_cache: Any = None,
 ) -> LoopState:
     """Run the prompt through the target, sample the first token, start the drafter.
-    top_logprobs (static): None, or keep `TokenLogprobs` with this many top tokens per position."""
+    top_logprobs (static): None, or keep `TokenLogprobs` with this many top tokens per position.
+    empty_cache: None (a new dense cache of `capacity`), or the empty cache to prefill into (the
+    engine's paged rows: the pool's pages, through the rows' tables)."""
     batch, prompt_len = prompt_tokens.shape
     capture = drafter.capture_layers if drafter is not None else ()
     rows = jnp.arange(batch)
@@ -224,7 +227,7 @@ def prefill(
         # The empty cache behind a barrier: XLA would otherwise see its zero lengths as constants
         # and constant-fold the prefill's fully masked cache attention on the host, element by
         # element ([B, N, T, S]: 50 s of a 60 s compile at batch 2048, prompt 16, capacity 32).
-        empty = jax.lax.optimization_barrier(model.init_cache(batch, capacity))
+        empty = jax.lax.optimization_barrier(model.init_cache(batch, capacity)) if empty_cache is None else empty_cache
         hidden, captured, cache = forward_capturing(target, prompt_tokens, positions, empty, capture)
         # The LM head at each row's last prompt position only: [B, P, V] logits would cost P times
         # the head's FLOPs and, at batch 512 x 512 positions, tens of GB.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.slots import RequestParams
@@ -60,15 +60,18 @@ class Scheduler:
             self.waiting = collections.deque(w for w in self.waiting if w[0] not in cancelled)
         return cancelled, dropped
 
-    def admissions(self, free_slots: Sequence[int]) -> list[tuple[int, int, RequestParams, float]]:
+    def admissions(self, free_slots: Sequence[int], claim: Callable[[int, RequestParams], bool] | None = None,
+                   ) -> list[tuple[int, int, RequestParams, float]]:
         """Waiting requests into free slots, first come first served, at most
-        max_admits_per_step -> [(slot, request id, params, submitted_at)], taken off the queue."""
+        max_admits_per_step -> [(slot, request id, params, submitted_at)], taken off the queue.
+        claim(slot, params): whether the request at the head of the queue may have that slot (the
+        paged engine's page reservation); when it may not, it and everyone behind it wait."""
         admitted = []
         for slot in free_slots:
             if self.max_admits_per_step is not None and len(admitted) >= self.max_admits_per_step:
                 break
             with self._lock:
-                if not self.waiting:
+                if not self.waiting or (claim is not None and not claim(slot, self.waiting[0][1])):
                     break
                 admitted.append((slot, *self.waiting.popleft()))
         return admitted

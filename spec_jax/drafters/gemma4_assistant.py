@@ -250,10 +250,10 @@ def assistant_step(
 
         def read_target(q, k, v, view=view, window=window):
             # No keys of its own: one zero key hidden from every query stands in for the pass.
-            empty = jnp.zeros(view.k.shape[:2] + (1, view.k.shape[3]), q.dtype)
+            empty = jnp.zeros((batch, view.k.shape[1], 1, view.k.shape[3]), q.dtype)
             hidden = jnp.zeros((1, t, 1), bool)
             return attend_cache_and_pass(q, view.k, view.v, view.lengths, positions, window,
-                                         empty, empty, hidden), None
+                                         empty, empty, hidden, page_table=view.page_table), None
 
         with jax.named_scope(f"assistant_layer_{i}"):
             x, _ = decoder_layer(lp, x, positions, cfg.layer_inv_freq(i), cfg.rms_norm_eps, read_target,

@@ -22,6 +22,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from spec_jax.models import paged
+
 NEG_INF = -1e30  # finite so fully-masked rows (padding) stay NaN-free
 
 AttentionParts = Sequence[tuple[jax.Array, jax.Array, jax.Array]]
@@ -151,6 +153,29 @@ def _attend_dense(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pas
     return attend(q, [(k_cache, v_cache, visible), (k_pass, v_pass, pass_mask)], sinks)
 
 
+def _merge_scores(carry, scores, v, dtype):
+    """Fold scores [B, Kv, M, S] of values v [B, Kv, S, D] into the online softmax's running
+    (max, sum, acc); the value product in `dtype` (the queries')."""
+    top, total, acc = carry
+    new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # [B, Kv, M]
+    rescale = jnp.exp(top - new_top)
+    p = jnp.exp(scores - new_top[..., None])
+    pv = einsum("bkms,bksd->bkmd", p.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32)
+    return new_top, total * rescale + jnp.sum(p, axis=-1), acc * rescale[..., None] + pv
+
+
+def _open_softmax(qh, k_pass, v_pass, pass_mask, sinks):
+    """Step 1 of flash decoding: the pass's own keys open the running softmax (every query sees
+    itself). A sink opens it before them: a score with weight exp(0) = 1 in the sum and no value."""
+    if sinks is None:
+        empty = (jnp.full(qh.shape[:3], NEG_INF, jnp.float32), jnp.zeros(qh.shape[:3], jnp.float32),
+                 jnp.zeros(qh.shape, jnp.float32))
+    else:
+        empty = (jnp.broadcast_to(sink_scores(sinks, qh), qh.shape[:3]),
+                 jnp.ones(qh.shape[:3], jnp.float32), jnp.zeros(qh.shape, jnp.float32))
+    return _merge_scores(empty, masked_scores(qh, k_pass, pass_mask), v_pass, qh.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def _attend_live_blocks(
     q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, block,
@@ -162,26 +187,7 @@ def _attend_live_blocks(
     capacity = k_cache.shape[2]
     block = min(block, capacity)
     qh = group_queries(q, k_cache.shape[1])  # [B, Kv, M, D], M = T * G
-
-    def merge(carry, scores, v):
-        """Fold scores [B, Kv, M, S] of values v [B, Kv, S, D] into (max, sum, acc)."""
-        top, total, acc = carry
-        new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # [B, Kv, M]
-        rescale = jnp.exp(top - new_top)
-        p = jnp.exp(scores - new_top[..., None])
-        pv = einsum("bkms,bksd->bkmd", p.astype(q.dtype), v.astype(q.dtype),
-                    preferred_element_type=jnp.float32)
-        return new_top, total * rescale + jnp.sum(p, axis=-1), acc * rescale[..., None] + pv
-
-    # Step 1: the pass's own keys open the running softmax (every query sees itself). A sink
-    # opens it before them: a score with weight exp(0) = 1 in the sum and no value.
-    if sinks is None:
-        empty = (jnp.full(qh.shape[:3], NEG_INF, jnp.float32), jnp.zeros(qh.shape[:3], jnp.float32),
-                 jnp.zeros(qh.shape, jnp.float32))
-    else:
-        empty = (jnp.broadcast_to(sink_scores(sinks, qh), qh.shape[:3]),
-                 jnp.ones(qh.shape[:3], jnp.float32), jnp.zeros(qh.shape, jnp.float32))
-    carry = merge(empty, masked_scores(qh, k_pass, pass_mask), v_pass)
+    carry = _open_softmax(qh, k_pass, v_pass, pass_mask, sinks)
 
     # Step 2: the blocks holding [lo, hi). The last block is read at capacity - block when the
     # capacity is not a multiple of it; slots an earlier block covered are masked there.
@@ -192,12 +198,33 @@ def _attend_live_blocks(
         v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2)
         slots = start + jnp.arange(block, dtype=jnp.int32)
         visible = cache_visibility(cache_lengths, q_positions, slots, window) & (slots >= first)
-        return merge(carry, masked_scores(qh, k, visible), v)
+        return _merge_scores(carry, masked_scores(qh, k, visible), v, q.dtype)
 
     lo, hi = live_span(cache_lengths, q_positions, window)
     _, total, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, visit, carry)
     out = (acc / total[..., None]).astype(q.dtype)
     return ungroup_queries(out, q.shape[1])
+
+
+def _attend_live_pages(q, k_pool, v_pool, page_table, cache_lengths, q_positions, window, k_pass, v_pass,
+                       pass_mask, sinks=None):
+    """`_attend_live_blocks` over a paged cache (`spec_jax.models.paged`): block j is the page
+    `page_table[:, j]` of each row, read through the table; the same online softmax. Forward
+    only (the engine's paged mode serves, it does not train)."""
+    page_size = k_pool.shape[2]
+    qh = group_queries(q, k_pool.shape[1])  # [B, Kv, M, D]
+    carry = _open_softmax(qh, k_pass, v_pass, pass_mask, sinks)
+
+    def visit(j, carry):
+        pages = jax.lax.dynamic_index_in_dim(page_table, j, axis=1, keepdims=False)  # [B]
+        k, v = paged.read_pages(k_pool, pages), paged.read_pages(v_pool, pages)  # [B, Kv, page, D]
+        slots = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
+        visible = cache_visibility(cache_lengths, q_positions, slots, window)
+        return _merge_scores(carry, masked_scores(qh, k, visible), v, q.dtype)
+
+    lo, hi = live_span(cache_lengths, q_positions, window)
+    _, total, acc = jax.lax.fori_loop(lo // page_size, (hi + page_size - 1) // page_size, visit, carry)
+    return ungroup_queries((acc / total[..., None]).astype(q.dtype), q.shape[1])
 
 
 def _live_blocks_forward(q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass,
@@ -287,6 +314,7 @@ def attend_cache_and_pass(
     impl: str | None = None,
     block: int | None = None,
     sinks: jax.Array | None = None,
+    page_table: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a pass's queries over the committed cache and the pass's own keys.
 
@@ -308,7 +336,18 @@ def attend_cache_and_pass(
     The cache may already hold the pass's own keys at slots >= cache_lengths (written first, so
     XLA updates it in place); they are not read from it. sinks: [N] per-head sink logits (gpt-oss)
     or None (the module doc).
+
+    page_table: None (k_cache/v_cache are the rows' own arrays), or [B, pages_per_row] with
+    k_cache/v_cache page pools [P, Kv, page, D] (`spec_jax.models.paged`): the live pages are
+    read through the table one page per step (flash decoding over pages, whatever `impl` says
+    but "dense", which gathers every page: the reference).
     """
+    if page_table is not None:
+        if impl == "dense":
+            dense = (paged.gather_rows(k_cache, page_table), paged.gather_rows(v_cache, page_table))
+            return _attend_dense(q, *dense, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, sinks)
+        return _attend_live_pages(q, k_cache, v_cache, page_table, cache_lengths, q_positions, window, k_pass,
+                                  v_pass, pass_mask, sinks)
     default_impl, default_block = LIVE_ATTENTION.get(jax.default_backend(), ACCELERATOR_LIVE_ATTENTION)
     impl, block = impl or default_impl, block or default_block
     args = (q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask)

@@ -44,7 +44,9 @@ from spec_jax.models.config import (
 )
 from spec_jax.models.gated_deltanet import DeltaNetDims, commit_delta_net, delta_net
 from spec_jax.models.interface import ForwardOutput, LayerKV, chain_mask
+from spec_jax.models import paged
 from spec_jax.models.moe import moe_block
+from spec_jax.models.paged import PAGE_SIZE
 from spec_jax.models.recurrent import last_committed_index
 from spec_jax.models.weights import init_from_specs, model_weight_specs
 
@@ -74,9 +76,15 @@ class KVCache:
     conv: tuple[jax.Array, ...] = ()
     recurrent: tuple[jax.Array, ...] = ()
     record: Any = None
+    # Paged (the engine's `kv_pages`; `spec_jax.models.paged`): k, v are page pools
+    # [P, Kv, page, D] shared by every row, and row b's slot s is in page page_table[b, s // page].
+    # None: the dense layout above.
+    page_table: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
+        if self.page_table is not None:
+            return self.page_table.shape[1] * self.k[0].shape[2]
         return self.k[0].shape[2]
 
     @property
@@ -115,6 +123,22 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype: Any = None) -
     conv = jnp.zeros((batch, dims.conv_kernel - 1, dims.conv_channels), dtype)
     state = jnp.zeros((batch, dims.value_heads, dims.key_dim, dims.value_dim), jnp.float32)
     return cache.replace(conv=(conv,) * linear, recurrent=(state,) * linear)
+
+
+def init_paged_cache(cfg: ModelConfig, batch: int, capacity: int, num_pages: int,
+                     page_size: int = PAGE_SIZE, dtype: Any = None) -> KVCache:
+    """An empty paged cache (`spec_jax.models.paged`): per layer with a cache of its own, a pool
+    of `num_pages` pages of `page_size` slots; `batch` rows of `capacity` slots (a multiple of
+    page_size), every page unallocated. Recurrent states stay per row, as in `init_cache`."""
+    if capacity % page_size:
+        raise ValueError(f"a paged cache's capacity {capacity} must be a multiple of its page size {page_size}.")
+    dtype = dtype or cfg.dtype
+    dense = init_cache(cfg, batch, 0, dtype)  # the per-row states; the zero-width KV arrays are replaced
+    return dense.replace(
+        k=tuple(jnp.zeros((num_pages, kv, page_size, d), dtype) for kv, d in cfg.kv_cache_shapes),
+        v=tuple(jnp.zeros((num_pages, kv, page_size, d), dtype) for kv, d in cfg.kv_cache_shapes),
+        page_table=jnp.full((batch, capacity // page_size), num_pages, jnp.int32),
+    )
 
 
 def delta_net_dims(cfg: ModelConfig) -> DeltaNetDims:
@@ -263,9 +287,12 @@ def heads_major(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, -3, -2)
 
 
-def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, page_table: jax.Array | None = None) -> jax.Array:
     """Write new [B, Kv, T, D] into one layer's cache [B, Kv, S, D] at positions [B, T] (one
-    scatter, in place; positions past the capacity are dropped)."""
+    scatter, in place; positions past the capacity are dropped). With `page_table`, the cache is
+    a page pool written through it (`paged.write_slots`)."""
+    if page_table is not None:
+        return paged.write_slots(cache, new, page_table, positions)
     rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
     # Indexing dims 0 and 2 (split by a slice) puts the indexed [B, T] first: [B, T, Kv, D].
     updates = jnp.swapaxes(new, 1, 2).astype(cache.dtype)
@@ -381,6 +408,7 @@ def layer_pass(
     slots: jax.Array,
     pass_mask: jax.Array,
     per_layer_input: jax.Array | None = None,
+    page_table: jax.Array | None = None,
     *,
     eps: float,
     window: int,
@@ -393,9 +421,9 @@ def layer_pass(
     # Write this pass's keys/values first, then attend: the attention reads the written buffer
     # (its committed slots only), so XLA updates the cache in place (no copy per layer).
     def write_then_attend(q, k, v):
-        k_written, v_written = write_kv(k_cache, k, slots), write_kv(v_cache, v, slots)
+        k_written, v_written = write_kv(k_cache, k, slots, page_table), write_kv(v_cache, v, slots, page_table)
         out = attend_cache_and_pass(q, k_written, v_written, lengths, positions, window, k, v, pass_mask,
-                                    sinks=lp.get("sinks"))
+                                    sinks=lp.get("sinks"), page_table=page_table)
         return out, (k_written, v_written, k, v)
 
     x, (k_written, v_written, k, v) = decoder_layer(
@@ -413,6 +441,7 @@ def shared_kv_layer_pass(
     lengths: jax.Array,
     pass_mask: jax.Array,
     per_layer_input: jax.Array | None = None,
+    page_table: jax.Array | None = None,
     *,
     eps: float,
     window: int,
@@ -423,7 +452,8 @@ def shared_kv_layer_pass(
 
     def attend_shared(q, _k, _v):
         k_cache, v_cache, k_pass, v_pass = shared_kv
-        return attend_cache_and_pass(q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, pass_mask), None
+        return attend_cache_and_pass(q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, pass_mask,
+                                     page_table=page_table), None
 
     x, _ = decoder_layer(lp, x, positions, inv_freq, eps, attend_shared, style=style, per_layer_input=per_layer_input)
     return x
@@ -560,6 +590,8 @@ def forward_hidden(
         if window not in pass_masks:
             pass_masks[window] = pass_mask & window_mask(positions, positions, window)
         extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, i]}
+        if cache.page_table is not None:
+            extra["page_table"] = cache.page_table
         static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]])
         inv_freq = inv_freqs[layer_ropes[i]]
         with jax.named_scope(f"layer_{i}"):
@@ -615,6 +647,8 @@ def commit(cache: KVCache, lengths: jax.Array, path: jax.Array | None = None) ->
     rows = jnp.arange(path.shape[0])[:, None]
 
     def move(layer_cache: jax.Array) -> jax.Array:
+        if cache.page_table is not None:  # within the row's own pages
+            return paged.move_slots(layer_cache, cache.page_table, source, dest)
         capacity = layer_cache.shape[2]
         picked = layer_cache[rows, :, jnp.minimum(source, capacity - 1)]  # [B, P, Kv, D]
         return layer_cache.at[rows, :, dest].set(picked, mode="drop")
@@ -645,6 +679,10 @@ class Decoder:
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         return init_cache(self.cfg, batch, capacity)
 
+    def init_paged_cache(self, batch: int, capacity: int, num_pages: int, page_size: int = PAGE_SIZE) -> KVCache:
+        """A paged cache (the engine's `kv_pages`; `init_paged_cache`)."""
+        return init_paged_cache(self.cfg, batch, capacity, num_pages, page_size)
+
     def cache_lengths(self, cache: KVCache) -> jax.Array:
         return cache.lengths
 
@@ -673,7 +711,7 @@ class Decoder:
             raise ValueError(f"layer {layer} is a linear-attention layer: it keeps no keys/values to view.")
         source = self.cfg.kv_source(layer)  # a KV-shared layer (Gemma 4) reads an earlier one's
         slot = source - sum(map(self.cfg.is_linear_attention, range(source)))  # Gated DeltaNet layers have none
-        return LayerKV(cache.k[slot], cache.v[slot], cache.lengths, self.cfg.layer_windows[layer])
+        return LayerKV(cache.k[slot], cache.v[slot], cache.lengths, self.cfg.layer_windows[layer], cache.page_table)
 
     def weight_specs(self) -> Any:
         return model_weight_specs(self.cfg)

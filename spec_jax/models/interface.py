@@ -116,12 +116,15 @@ class LayerKV(NamedTuple):
     k, v:    [B, Kv, S, D] the cache's own arrays (S = capacity): committed slot j of row b
              (j < lengths[b]) holds position j's key (after any k-norm and RoPE) and value
     lengths: [B] int32 committed slots per row
-    window:  the layer's attention window in tokens (static; a huge number for full attention)"""
+    window:  the layer's attention window in tokens (static; a huge number for full attention)
+    page_table: None, or (a paged cache, `spec_jax.models.paged`) [B, pages_per_row] with k, v
+             page pools [P, Kv, page, D]: pass it on to `attend_cache_and_pass`"""
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
     window: int
+    page_table: jax.Array | None = None
 
 
 @runtime_checkable
