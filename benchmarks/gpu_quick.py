@@ -6,7 +6,7 @@ in its own process under a hard time budget, each result on disk the moment its 
     python benchmarks/gpu_quick.py --target random:tiny --dtype float32 --smoke --out /tmp/q   # CPU check
     tpu_scripts/gpu_host.sh --quick [--host USER@HOST]            # the same over ssh, results copied back
 
-The steps (default budgets sum to 450 s; with the warm phase the suite is capped at 470 s, so it ends
+The steps (the timed steps' budgets sum to 320 s, after a 150 s warm phase: 470 s, so the suite ends
 inside 8 minutes, compiles included):
  1. ar_floor      plain decoding (the real loop, batch 1) against the weight-bandwidth floor
                   (parameter bytes / measured copy bandwidth); Qwen3-8B shapes
@@ -17,7 +17,8 @@ inside 8 minutes, compiles included):
  5. engine        the continuous-batching engine's tokens/s with 1, 8 and 32 concurrent requests,
                   plain and with the DFlash drafter
  6. exactness     pytest: tests/test_live_attention.py, greedy speculative == AR (float32) and
-                  greedy trees == AR
+                  greedy trees == AR, one case per drafter kind; it times nothing, so it runs
+                  during the warm phase (its budget that phase's), or last without one
 Steps 2-5 use Llama-3.2-1B shapes: an 8B program compiles in 30-50 s, which would spend a step's
 budget on two compiles. `--preset`/`--target` puts every step on one target instead (e.g.
 `--preset qwen3-8b --steps dflash_trees --budget 3` on a longer lease). Targets are random-weight
@@ -28,6 +29,8 @@ Before the steps, a warm phase (--warm-budget, default 150 s; 0 = none) starts e
 exactness at once, dflash_trees as one process per (batch, tree), each measurement run once, so
 their programs compile side by side into the persistent cache; the timed steps then load them.
 A cold H100 run without it spent every budget compiling (about 25 s per 1B loop program).
+Every step's log has a line per measurement with the seconds since the step began and its
+compile tally (programs, cache hits, compile seconds), and the target's load time.
 
 Each step runs `python benchmarks/gpu_quick.py --run-step NAME ...` in a new process group; at
 its budget the group is killed and the step is recorded as "timed out" with whatever it had
@@ -40,7 +43,9 @@ OUT/jax_cache), and XLA:GPU's autotuning results to OUT/autotune_cache: a second
 
 Opt-in probes (issue 46 part 3; never in the default run): `--steps ar_profile` times the AR step
 and traces it with jax.profiler, reporting kernels per step, their busy time and the gaps between
-them; `--xla-flags="..."` runs the steps under extra XLA flags (a command-buffer variant, say) so
+them; `--steps dflash_profile` does the same for the DFlash chain and the trees in --trees (default
+0,32: the chain and a tree of 32), with each one's costliest kernels per step, at Qwen3-8B shapes;
+`--xla-flags="..."` runs the steps under extra XLA flags (a command-buffer variant, say) so
 two runs with different --out compare them. `--batches` / `--trees` resize dflash_trees, e.g.
 `--preset qwen3-8b --steps dflash_trees --batches 1 --trees 0,32` for the 8B step targets.
 
@@ -98,10 +103,15 @@ class Settings:
     concurrency: tuple[int, ...] = (1, 8, 32)
     engine_drafters: tuple[str, ...] = ("AR", "DFlash")
     engine_new_tokens: int = 64
+    # One case per drafter kind and path, not every parametrization: the H100 ran 14 of the 36
+    # in 75 s (each tiny program compiles for the GPU). Live attention whole, then chains, then trees.
     exactness_tests: tuple[str, ...] = (
         "tests/test_live_attention.py",
-        "tests/test_speculative_greedy.py::test_greedy_speculative_equals_ar",
-        "tests/test_trees.py::test_greedy_tree_equals_ar",
+        *(f"tests/test_speculative_greedy.py::test_greedy_speculative_equals_ar[{case}]"
+          for case in ("ngram-k4-b3", "self-k8-b1", "draft-k4-b1", "lookup-k8-b3", "dflash_lookup-k4-b1")),
+        *(f"tests/test_trees.py::test_greedy_tree_equals_ar[{case}]"
+          for case in ("oracle-n32-b1", "dflash-n16-b3", "dflash-n32-b8", "draft-n16-b3", "ngram-n8-b3",
+                       "eagle3-n16-b1", "medusa-n8-b3")),
     )
     pytest_workers: int = 4  # the tiny models' compiles run side by side on the host's cores
 
@@ -123,19 +133,25 @@ class Step:
     what: str
 
 
+# Budgets from the H100 run of 2026-11-26 (session 23), programs from the warm cache: ar_floor took
+# 12 s, verify_cost 8, capacity 19; dflash_trees and engine ran out at 90 s with rows left.
 STEPS = (  # priority order: the suite runs them in this order
-    Step("ar_floor", 100, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
-    Step("dflash_trees", 90, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8"),
-    Step("verify_cost", 40, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1"),
-    Step("capacity", 55, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention"),
-    Step("engine", 90, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash"),
-    Step("exactness", 75, None, "pytest: live attention, greedy speculative == AR (float32), trees"),
+    Step("ar_floor", 50, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
+    Step("dflash_trees", 110, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8"),
+    Step("verify_cost", 25, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1"),
+    Step("capacity", 40, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention"),
+    Step("engine", 95, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash"),
+    # Times nothing, so it runs during the warm phase when there is one (its budget: the phase's).
+    Step("exactness", 150, None, "pytest: live attention, greedy speculative == AR (float32), trees"),
 )
+IN_WARM_PHASE = "exactness"
 # Opt-in steps (named in --steps, never in the default run): issue 46 part 3's probes of where
 # the GPU step's time goes, each a separate process so `--xla-flags` variants compile apart.
 EXTRA_STEPS = (
     Step("ar_profile", 90, "qwen3-8b",
          "plain decoding's step under jax.profiler: kernels per step, their busy time, the gaps between"),
+    Step("dflash_profile", 240, "qwen3-8b",
+         "the DFlash chain and tree steps (--trees) under jax.profiler: each one's costliest kernels per step"),
 )
 BY_NAME = {s.name: s for s in STEPS + EXTRA_STEPS}
 
@@ -164,6 +180,7 @@ class Recorder:
 
     def __init__(self, path: Path, step: str, target: str | None):
         self.path = path
+        self.t0 = time.monotonic()
         self.data: dict[str, Any] = {"step": step, "target": target, "headline": "", "result": {}}
         write_json(path, self.data)
 
@@ -175,6 +192,15 @@ class Recorder:
         if programs is not None:  # what spec_jax compiled so far, and what the persistent cache served
             self.data["compilation"] = programs.compile_tally().to_dict()
         write_json(self.path, self.data)
+        self.log(headline if headline is not None else "recorded " + ", ".join(results))
+
+    def log(self, what: str) -> None:
+        """A line in the step's log with the seconds since the step began and its compile tally:
+        the first GPU logs were empty, so where a budget went could not be told."""
+        tally = self.data.get("compilation")
+        compiled = f" [{tally['programs']} programs, {tally['cache_hits']} from the cache, " \
+                   f"{tally['seconds']:.1f} s]" if tally else ""
+        print(f"{time.monotonic() - self.t0:7.1f} s  {what}{compiled}", flush=True)
 
 
 def load_target(rec: Recorder, spec: str, dtype: str) -> Any:
@@ -185,7 +211,11 @@ def load_target(rec: Recorder, spec: str, dtype: str) -> Any:
 
     from spec_jax.checkpoints import load_target as load
 
+    rec.log(f"loading {spec} ({dtype})")
+    t0 = time.monotonic()
     target = load(spec, dtype=dtype)
+    jax.block_until_ready(target.params)
+    rec.data["load_s"] = round(time.monotonic() - t0, 2)
     device = jax.devices()[0]
     rec.data.update(device=getattr(device, "device_kind", device.platform), backend=jax.default_backend(),
                     jax=jax.__version__, host=platform.node(), dtype=dtype)
@@ -236,15 +266,72 @@ def step_ar_profile(rec: Recorder, target: Any, s: Settings, args: argparse.Name
         return device_activity(lambda: generate(target, prompts, max_new_tokens=n, ignore_eos=True, capacity=capacity))
 
     short, long = traced(1), traced(s.new_tokens)
-    steps = s.new_tokens - 1
     if not long["device_lines"]:
         rec.update(f"AR {ar_ms:.3f} ms/step; the trace has no device activity (a CPU run)", trace=long)
         return
-    kernels = (long["events"] - short["events"]) / steps
+    per_step = step_activity(short, long, s.new_tokens - 1, ar_ms)
+    rec.update(f"AR {ar_ms:.3f} ms/step: {per_step['kernels_per_step']:.0f} kernels busy "
+               f"{per_step['busy_ms_per_step']:.3f} ms, gaps {per_step['gap_ms_per_step']:.3f} ms",
+               **per_step, short_trace=summary_of(short), long_trace=summary_of(long))
+
+
+def summary_of(trace: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in trace.items() if k != "by_name"}  # every kernel name: too long to keep
+
+
+def step_dflash_profile(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
+    """The DFlash chain's and trees' steps beside what the device did in them (as ar_profile):
+    per method, kernels and busy time per step and the costliest kernels per step, by difference
+    of a 1-token and an s.new_tokens-token generation. Where the tree step's cost over the chain
+    goes (2.2 ms at Qwen3-8B shapes on the H100, hardly more than at 1B) is its question."""
+    from dflash_step import loop_step_seconds, shaped_drafter
+
+    from spec_jax.decoding.generate import default_capacity, generate
+
+    chain, params = shaped_drafter(target.cfg, s.block_size, s.draft_layers, args.dtype)
+    trees = args.trees or (0, 32)
+    capacity = default_capacity(s.context, s.new_tokens * s.block_size, max(trees + (s.block_size,)))
+    prompts = random_prompts(target, 1, s.context)
+    methods: dict[str, Any] = {}
+    for tree in trees:
+        drafter = dataclasses.replace(chain, tree=tree)
+        timing = loop_step_seconds(target, prompts, drafter, params, new_tokens=s.new_tokens, capacity=capacity,
+                                   repeats=s.repeats)  # compiles and warms the program traced below
+        ms = 1e3 * timing["step_s"]
+
+        def traced(n: int) -> tuple[dict[str, Any], int]:
+            box: dict[str, Any] = {}
+
+            def run() -> Any:
+                box["out"] = generate(target, prompts, drafter, params, max_new_tokens=n, ignore_eos=True,
+                                      capacity=capacity)
+                return box["out"]
+
+            return device_activity(run), box["out"].loop_steps
+
+        (short, short_steps), (long, long_steps) = traced(1), traced(s.new_tokens)
+        label = f"tree {tree}" if tree else f"chain K={chain.k}"
+        if not long["device_lines"]:
+            methods[label] = {"step_ms": ms, "trace": "no device activity (a CPU run)"}
+        else:
+            methods[label] = dict(step_ms=ms, **step_activity(short, long, long_steps - short_steps, ms))
+        cells = [f"{k} {v['step_ms']:.2f} ms" + (f" ({v['kernels_per_step']:.0f} kernels, gaps "
+                                                 f"{v['gap_ms_per_step']:.2f})" if "kernels_per_step" in v else "")
+                 for k, v in methods.items()]
+        rec.update("; ".join(cells), methods=methods, capacity=capacity, block_size=s.block_size)
+
+
+def step_activity(short: dict[str, Any], long: dict[str, Any], steps: int, step_ms: float) -> dict[str, Any]:
+    """Per loop step, from two traces that differ by `steps` steps: kernels, busy ms, the gap to
+    the measured step time, and the kernels costing the most per step."""
     busy_ms = (long["busy_ns"] - short["busy_ns"]) / steps / 1e6
-    rec.update(f"AR {ar_ms:.3f} ms/step: {kernels:.0f} kernels busy {busy_ms:.3f} ms, gaps {ar_ms - busy_ms:.3f} ms",
-               kernels_per_step=kernels, busy_ms_per_step=busy_ms, gap_ms_per_step=ar_ms - busy_ms,
-               short_trace=short, long_trace=long)
+    names = set(long["by_name"]) | set(short["by_name"])
+    diff = {n: [(long["by_name"].get(n, (0, 0))[i] - short["by_name"].get(n, (0, 0))[i]) / steps for i in (0, 1)]
+            for n in names}
+    top = sorted(diff.items(), key=lambda kv: -kv[1][1])[:20]
+    return {"kernels_per_step": (long["events"] - short["events"]) / steps, "busy_ms_per_step": busy_ms,
+            "gap_ms_per_step": step_ms - busy_ms,
+            "top_kernels_per_step": [{"name": n, "count": c, "ms": ns / 1e6} for n, (c, ns) in top]}
 
 
 def device_activity(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -273,7 +360,7 @@ def device_activity(fn: Callable[[], Any]) -> dict[str, Any]:
             total[1] += e.duration_ns
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
     return {"device_lines": {f"{p} {l}": len(e) for p, l, e in device}, "events": len(intervals),
-            "busy_ns": covered_ns(intervals),
+            "busy_ns": covered_ns(intervals), "by_name": by_name,
             "top_kernels": [{"name": n, "count": c, "ms": ns / 1e6} for n, (c, ns) in top]}
 
 
@@ -301,22 +388,24 @@ def step_dflash_trees(rec: Recorder, target: Any, s: Settings, args: argparse.Na
     for batch in s.batches:
         prompts = random_prompts(target, batch, s.context)
         timing = dict(new_tokens=s.new_tokens, capacity=capacity, repeats=s.repeats)
-        ar = loop_step_seconds(target, prompts, None, None, **timing)
-        rows.append({"batch": batch, "method": "AR", "step_ms": 1e3 * ar["step_s"], "vs_ar": 1.0, "tau": 1.0})
+        ar_s = None
+        if not args.skip_ar:
+            ar_s = loop_step_seconds(target, prompts, None, None, **timing)["step_s"]
+            rows.append({"batch": batch, "method": "AR", "step_ms": 1e3 * ar_s, "vs_ar": 1.0, "tau": 1.0})
         rec.update(dflash_headline(rows), rows=rows, block_size=s.block_size, draft_layers=s.draft_layers,
                    capacity=capacity)
         for tree in s.trees:
             r = loop_step_seconds(target, prompts, dataclasses.replace(chain, tree=tree), params, **timing)
             rows.append({"batch": batch, "method": f"tree {tree}" if tree else f"chain K={chain.k}",
-                         "tree": tree, "step_ms": 1e3 * r["step_s"], "vs_ar": r["step_s"] / ar["step_s"],
-                         "tau": r["tau"]})
+                         "tree": tree, "step_ms": 1e3 * r["step_s"],
+                         "vs_ar": None if ar_s is None else r["step_s"] / ar_s, "tau": r["tau"]})
             rec.update(dflash_headline(rows), rows=rows)
 
 
 def dflash_headline(rows: list[dict[str, Any]]) -> str:
     parts = []
     for batch in dict.fromkeys(r["batch"] for r in rows):
-        cells = [f"{r['method']} {r['step_ms']:.2f}" + ("" if r["method"] == "AR" else f" ({r['vs_ar']:.2f}x)")
+        cells = [f"{r['method']} {r['step_ms']:.2f}" + ("" if r["vs_ar"] in (None, 1.0) else f" ({r['vs_ar']:.2f}x)")
                  for r in rows if r["batch"] == batch]
         parts.append(f"b{batch}: " + ", ".join(cells) + " ms")
     return "; ".join(parts)
@@ -432,7 +521,7 @@ def step_exactness(rec: Recorder, target: Any, s: Settings, args: argparse.Names
 STEP_FUNCTIONS: dict[str, Callable[[Recorder, Any, Settings, argparse.Namespace], None]] = {
     "ar_floor": step_ar_floor, "dflash_trees": step_dflash_trees, "verify_cost": step_verify_cost,
     "capacity": step_capacity, "engine": step_engine, "exactness": step_exactness,
-    "ar_profile": step_ar_profile,
+    "ar_profile": step_ar_profile, "dflash_profile": step_dflash_profile,
 }
 
 
@@ -468,7 +557,7 @@ def step_target(step: Step, args: argparse.Namespace) -> str | None:
 
 
 def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] | None = None,
-                 trees: tuple[int, ...] | None = None, warm: bool = False) -> list[str]:
+                 trees: tuple[int, ...] | None = None, warm: bool = False, skip_ar: bool = False) -> list[str]:
     cmd = [sys.executable, str(SCRIPT), "--run-step", step.name, "--dtype", args.dtype, "--out", str(args.out)]
     target = step_target(step, args)
     if target is not None:
@@ -476,13 +565,15 @@ def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] 
     batches, trees = batches or args.batches, trees or args.trees
     cmd += ["--batches", ",".join(map(str, batches))] if batches else []
     cmd += ["--trees", ",".join(map(str, trees))] if trees else []
-    return cmd + (["--smoke"] if args.smoke else []) + (["--warm"] if warm else [])
+    return cmd + (["--smoke"] if args.smoke else []) + (["--skip-ar"] if skip_ar else []) + (["--warm"] if warm else [])
 
 
 def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """The warm phase's processes: every selected step but `exactness` (pytest compiles its own
-    programs), dflash_trees split into one process per (batch, tree) so its programs, the
-    suite's most, compile side by side."""
+    programs; it runs beside them as itself), dflash_trees split into one process per (batch, tree)
+    so its programs, the suite's most, compile side by side. Only a batch's first tree process
+    compiles the AR program: on the H100 three processes compiled the same one side by side, and
+    the batch-8 processes ran out of time before their own."""
     sizes = SMOKE if args.smoke else FULL
     commands = []
     for step in selected:
@@ -490,9 +581,9 @@ def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[tuple[
             continue
         if step.name == "dflash_trees":
             for batch in args.batches or sizes.batches:
-                for tree in args.trees or sizes.trees:
+                for i, tree in enumerate(args.trees or sizes.trees):
                     commands.append((f"{step.name}-b{batch}-t{tree}",
-                                     step_command(step, args, (batch,), (tree,), warm=True)))
+                                     step_command(step, args, (batch,), (tree,), warm=True, skip_ar=i > 0)))
         else:
             commands.append((step.name, step_command(step, args, warm=True)))
     return commands
@@ -509,6 +600,8 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
     env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     t0 = time.monotonic()
     running = []
+    # Exactness times nothing: it runs now as itself, beside the compiles, not after the timed steps.
+    beside = start_step(BY_NAME[IN_WARM_PHASE], args, env) if any(s.name == IN_WARM_PHASE for s in selected) else None
     for name, cmd in warm_commands(selected, args):
         log = open(folder / f"{name}.log", "w")
         running.append((name, log, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -523,7 +616,9 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
             proc.wait()
             statuses[name] = "timed out"
         log.close()
-    return {"seconds": round(time.monotonic() - t0, 1), "budget_s": round(budget, 1), "processes": statuses}
+    record = finish_step(beside, args, min(step_budgets(args)[IN_WARM_PHASE], budget)) if beside else None
+    return {"seconds": round(time.monotonic() - t0, 1), "budget_s": round(budget, 1), "processes": statuses,
+            "beside": record}
 
 
 def step_budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -573,29 +668,50 @@ def missing_modules(selected: list[Step]) -> list[str]:
     return [m for m in needed if importlib.util.find_spec(m) is None]
 
 
-def run_step(step: Step, args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
-    """Run one step's process under `budget` seconds; its record, with status and time."""
+@dataclasses.dataclass
+class Started:
+    """A step's process, started and not yet waited for."""
+
+    step: Step
+    cmd: list[str]
+    proc: subprocess.Popen
+    t0: float
+
+
+def start_step(step: Step, args: argparse.Namespace, env: dict[str, str]) -> Started:
     cmd = step_command(step, args)
-    json_path, log_path = args.out / f"{step.name}.json", args.out / f"{step.name}.log"
-    json_path.unlink(missing_ok=True)  # an earlier run's result must not pass for this one's
-    t0 = time.monotonic()
-    with open(log_path, "w") as log:
+    (args.out / f"{step.name}.json").unlink(missing_ok=True)  # an earlier run's result must not pass for this one's
+    with open(args.out / f"{step.name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own group: pytest's workers die with it
-        try:
-            status = "ok" if proc.wait(timeout=budget) == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            status = "timed out"
+    return Started(step, cmd, proc, time.monotonic())
+
+
+def finish_step(started: Started, args: argparse.Namespace, budget: float) -> dict[str, Any]:
+    """Wait for a started step until `budget` seconds after its start (then kill its group); its
+    record, with status and time."""
+    step, proc = started.step, started.proc
+    try:
+        left = max(budget - (time.monotonic() - started.t0), 0.01)
+        status = "ok" if proc.wait(timeout=left) == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        status = "timed out"
+    json_path, log_path = args.out / f"{step.name}.json", args.out / f"{step.name}.log"
     record = read_json(json_path) or {"step": step.name, "target": step_target(step, args), "headline": "",
                                       "result": {}}
-    record.update(status=status, seconds=round(time.monotonic() - t0, 1), budget_s=round(budget, 1),
-                  returncode=proc.returncode, command=shlex.join(cmd), commit=args.commit_id)
+    record.update(status=status, seconds=round(time.monotonic() - started.t0, 1), budget_s=round(budget, 1),
+                  returncode=proc.returncode, command=shlex.join(started.cmd), commit=args.commit_id)
     if status != "ok":
         record["log_tail"] = log_path.read_text(errors="replace").splitlines()[-15:]
     write_json(json_path, record)
     return record
+
+
+def run_step(step: Step, args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
+    """Run one step's process under `budget` seconds; its record, with status and time."""
+    return finish_step(start_step(step, args, env), args, budget)
 
 
 def skipped(step: Step, args: argparse.Namespace, reason: str) -> dict[str, Any]:
@@ -630,19 +746,21 @@ def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], start
 
 def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str, float]) -> None:
     env = child_env(args)
-    total = sum(budgets[s.name] for s in selected)
+    warm = args.warm_budget > 0 and args.compile_cache != "off"
+    total = sum(budgets[s.name] for s in selected if not (warm and s.name == IN_WARM_PHASE))
     print(f"quick GPU suite: {len(selected)} steps, {total:.0f} s of budgets, at most {args.total:.0f} s "
           f"in all; results in {args.out}")
     print("env: " + " ".join(f"{k}={shlex.quote(env[k])}" for k in sorted(env)
                              if k in ("PYTHONPATH", "XLA_FLAGS") or k.startswith("JAX_")))
-    if args.warm_budget > 0 and args.compile_cache != "off":
+    if warm:
         commands = warm_commands(selected, args)
         print(f" 0. warm phase  {args.warm_budget:5.0f} s  {len(commands)} processes side by side compile every "
               "step's programs into the cache (each measurement run once)")
         for name, cmd in commands:
             print(f"    {shlex.join(cmd)}")
     for i, step in enumerate(selected, 1):
-        print(f"{i:2d}. {step.name:<13} {budgets[step.name]:5.0f} s  {step.what}")
+        during = " (during the warm phase)" if warm and step.name == IN_WARM_PHASE else ""
+        print(f"{i:2d}. {step.name:<13} {budgets[step.name]:5.0f} s  {step.what}{during}")
         print(f"    {shlex.join(step_command(step, args))}")
 
 
@@ -663,9 +781,12 @@ def run_suite(args: argparse.Namespace, selected: list[Step]) -> int:
         done = sum(v == "ok" for v in args.warm_record["processes"].values())
         print(f"{'warm phase':<13} {done}/{len(args.warm_record['processes'])} ok {args.warm_record['seconds']:6.1f} s / "
               f"{args.warm_record['budget_s']:.0f} s  (programs compiled side by side into the cache)", flush=True)
+    beside = args.warm_record.pop("beside", None) if getattr(args, "warm_record", None) else None
     for step in selected:
         left = args.total - (time.monotonic() - t0)
-        if left < MIN_START_S:
+        if beside is not None and step.name == beside["step"]:
+            record = beside  # it ran during the warm phase
+        elif left < MIN_START_S:
             record = skipped(step, args, f"the suite's {args.total:.0f} s were spent")
         else:
             record = run_step(step, args, env, min(budgets[step.name], left))
@@ -750,6 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds for the warm phase, which compiles every step's programs side by side "
                         f"before the timed steps (default: {WARM_BUDGET_S:.0f}; 0 = none)")
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # a warm-phase child
+    p.add_argument("--skip-ar", action="store_true", help=argparse.SUPPRESS)  # dflash_trees without its AR row
     p.add_argument("--commit", default=None, help="commit recorded with every result (default: git rev-parse HEAD)")
     p.add_argument("--dry-run", action="store_true", help="print every step's command and budget; run nothing")
     p.add_argument("--run-step", choices=list(BY_NAME), default=None,
@@ -764,8 +886,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_one_step(args)
     selected = [s for s in STEPS + EXTRA_STEPS if s.name in set(args.steps)]
     if args.total is None:  # the budgets' sum; at the default budgets, inside 8 minutes in all
-        args.total = sum(step_budgets(args)[s.name] for s in selected)
-        if args.warm_budget > 0 and args.compile_cache != "off":
+        warm = args.warm_budget > 0 and args.compile_cache != "off"
+        args.total = sum(step_budgets(args)[s.name] for s in selected if not (warm and s.name == IN_WARM_PHASE))
+        if warm:
             args.total += args.warm_budget
             if args.budget == 1 and not args.step_budget:
                 args.total = min(args.total, DEFAULT_TOTAL_S)

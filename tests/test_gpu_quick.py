@@ -77,16 +77,25 @@ def test_the_warm_phase_compiles_what_the_timed_steps_then_load(tmp_path):
     """Its own empty cache, so every hit below is the warm phase's doing (dflash_trees' split
     into one process per batch and tree is checked in the --dry-run test)."""
     out = tmp_path / "quick"
-    run = run_quick(out, "--steps", "ar_floor,capacity", "--warm-budget", "600", "--budget", "1.5",
+    run = run_quick(out, "--steps", "ar_floor,capacity,exactness", "--warm-budget", "600", "--budget", "1.5",
                     "--compile-cache", str(tmp_path / "cache"))
     assert run.returncode == 0, run.stdout + run.stderr
     warm = json.loads((out / "summary.json").read_text())["warm"]
     assert warm["processes"] == {"ar_floor": "ok", "capacity": "ok"}, warm
     assert {p.name for p in (out / "warm").glob("*.json")} == {"ar_floor.json", "capacity.json"}
     summary = records(out)
+    assert list(summary) == ["ar_floor", "capacity", "exactness"]
     for name in ["ar_floor", "capacity"]:
         tally = summary[name]["compilation"]
         assert tally["programs"] >= 1 and tally["cache_hits"] == tally["programs"], (name, tally)
+        # Each measurement's line in the step's log: seconds since the step began, the compile tally.
+        log = (out / f"{name}.log").read_text()
+        assert "loading random:tiny" in log and "from the cache" in log, log
+        assert summary[name]["load_s"] >= 0
+    # Exactness ran beside the warm phase's compiles (it times nothing), not after the timed steps.
+    exact = summary["exactness"]
+    assert exact["status"] == "ok" and exact["result"]["counts"] == {"passed": 1}, exact
+    assert exact["seconds"] <= warm["seconds"] + 1
 
 
 def test_a_step_over_its_budget_is_recorded_and_the_suite_goes_on(tmp_path):
