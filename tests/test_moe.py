@@ -10,6 +10,7 @@ get experts, the configs, and the real-size presets (eval_shape only).
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,58 @@ def test_qwen2_moe_shared_expert_matches_transformers(tmp_path):
     reloaded = type(model).from_pretrained(save_hf_dir(tmp_path / "ours", cfg, params)).eval()
     with torch.no_grad():
         np.testing.assert_allclose(reloaded(torch.tensor(tokens)).logits.numpy(), expected, atol=1e-5)
+    model.save_pretrained(tmp_path / "fused", save_original_format=False)  # 3-D experts, shared expert as is
+    _assert_same_params(load_hf_dir(tmp_path / "fused"), (cfg, params))
+
+
+def _assert_same_params(a, b):
+    assert a[0] == b[0]
+    for x, y in zip(jax.tree_util.tree_leaves(a[1]), jax.tree_util.tree_leaves(b[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_fused_expert_checkpoints_load_and_match_transformers(tmp_path):
+    """transformers 5's fused experts (`save_pretrained(save_original_format=False)`: Qwen3-MoE's and
+    Mixtral's `mlp.experts.gate_up_proj` [E, 2F, H] and `down_proj` [E, H, F], Mixtral's router as
+    `mlp.gate`; gpt-oss's [E, H, 2F] gate/up interleaved either way) load to the params of the
+    per-expert checkpoint, give transformers' logits, and save per expert (which transformers and
+    we read back). A fused tensor whose shape does not fit the config is named with both shapes."""
+    from safetensors.numpy import load_file, save_file
+
+    import test_families as tf
+    from spec_jax.checkpoints import CheckpointError, load_hf_dir, save_hf_dir
+
+    tokens = np.random.RandomState(0).randint(0, tf.VOCAB, (2, 14))  # test_families' logits shapes
+    positions = jnp.broadcast_to(jnp.arange(14), (2, 14))
+    for family in ("qwen3_moe", "mixtral", "gpt_oss"):
+        torch.manual_seed(0)
+        model = tf.HF_MODELS[family]().eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "router.weight")):
+                    p.mul_(10.0)  # decisive routing
+            expected = model(torch.tensor(tokens)).logits.numpy()
+        fused, split = tmp_path / family / "fused", tmp_path / family / "split"
+        model.save_pretrained(fused, save_original_format=False)
+        model.save_pretrained(split)
+        assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(fused / "model.safetensors")
+        cfg, params = load_hf_dir(fused)
+        _assert_same_params((cfg, params), load_hf_dir(split))
+        logits, _, _ = forward(params, cfg, jnp.asarray(tokens), positions, init_cache(cfg, 2, 32), (0,))
+        np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4)
+        resaved = save_hf_dir(tmp_path / family / "resaved", cfg, params)
+        _assert_same_params(load_hf_dir(resaved), (cfg, params))
+        with torch.no_grad():
+            reloaded = type(model).from_pretrained(resaved).eval()
+            np.testing.assert_allclose(reloaded(torch.tensor(tokens)).logits.numpy(), expected, atol=1e-5)
+
+    # Qwen3-MoE's layer 1: 8 experts of width 32 over hidden 64. Too few experts, then gate rows only.
+    tensors = load_file(tmp_path / "qwen3_moe" / "fused" / "model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    for bad, shape in ((tensors[name][:4], "(4, 64, 64)"), (tensors[name][:, :32], "(8, 32, 64)")):
+        save_file({**tensors, name: np.ascontiguousarray(bad)}, tmp_path / "qwen3_moe" / "fused" / "model.safetensors")
+        with pytest.raises(CheckpointError, match=re.escape(f"gate_up_proj: config implies (8, 64, 64), file has {shape}")):
+            load_hf_dir(tmp_path / "qwen3_moe" / "fused")
 
 
 def test_which_layers_have_experts_and_config_round_trip():

@@ -43,7 +43,9 @@ TARGET_LAYER_PREFIX = "model.layers.{i}."
 # The tables live in hf_names.py; these names stay importable from here.
 from spec_jax.checkpoints.hf_names import (  # noqa: E402,F401
     DECODER_LAYER as LAYER_WEIGHTS,
+    EXPERTS_T,
     FLAT,
+    FUSED_EXPERTS_MARK,
     MODEL_TABLE as _MODEL_WEIGHT,
     MODEL_WEIGHTS,
     HFWeight,
@@ -68,11 +70,15 @@ def hf_shape(shape: tuple[int, ...], in_axes: int) -> tuple[int, ...]:
         return tuple(shape)
     if in_axes == FLAT:
         return (math.prod(shape),)
+    if in_axes == EXPERTS_T:
+        return (shape[0], shape[2], shape[1])
     return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes]))
 
 
 def from_hf(w: np.ndarray, shape: tuple[int, ...], in_axes: int) -> np.ndarray:
     """One HF tensor -> our layout `shape`."""
+    if in_axes == EXPERTS_T:
+        return np.swapaxes(w, 1, 2).reshape(shape)
     return w.reshape(shape) if in_axes in (0, FLAT) else w.T.reshape(shape)
 
 
@@ -82,7 +88,28 @@ def to_hf(w: np.ndarray, in_axes: int) -> np.ndarray:
         return w
     if in_axes == FLAT:
         return w.reshape(-1)
+    if in_axes == EXPERTS_T:
+        return np.swapaxes(w, 1, 2)
     return w.reshape(math.prod(w.shape[:in_axes]), -1).T
+
+
+def paired_axis(w: HFWeight) -> int | None:
+    """The axis of an HF tensor holding two of our arrays (`w.interleaved`: -1, `w.half`: -2);
+    None for a weight with an HF tensor of its own."""
+    return -1 if w.interleaved is not None else -2 if w.half is not None else None
+
+
+def paired_index(w: HFWeight, size: int) -> tuple[Any, ...]:
+    """Where ours sits in its shared HF tensor, `size` the length of ours on `paired_axis`."""
+    if w.interleaved is not None:
+        return (..., slice(w.interleaved, None, 2))
+    return (..., slice(w.half * size, (w.half + 1) * size), slice(None))
+
+
+def paired_shape(w: HFWeight, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shared HF tensor's shape from one of its two arrays' HF shape `shape`."""
+    axis = len(shape) + paired_axis(w)
+    return (*shape[:axis], 2 * shape[axis], *shape[axis + 1:])
 
 
 def _prefix_fn(prefix: LayerPrefix) -> Callable[[int], str]:
@@ -108,8 +135,8 @@ def expected_hf_layer_shapes(
             w = _layer_weight(name, table)
             for hf_name, expert in expert_parts(w, spec.shape):
                 shape = hf_shape(spec.shape[expert is not None:], w.in_axes)
-                if w.interleaved is not None:  # one of two arrays side by side in the HF tensor
-                    shape = (*shape[:-1], 2 * shape[-1])
+                if paired_axis(w) is not None:  # one of two arrays in the HF tensor
+                    shape = paired_shape(w, shape)
                 out[name_of(i) + hf_name] = shape
     return out
 
@@ -141,7 +168,8 @@ def _read_layer_weight(get_tensor: GetTensor, prefix: str, w: HFWeight, shape: t
     """One weight in our layout `shape` from its HF tensor, or a per-expert weight's E tensors stacked."""
     def read(hf_name: str) -> np.ndarray:
         tensor = get_tensor(prefix + hf_name)
-        return tensor if w.interleaved is None else tensor[..., w.interleaved::2]
+        axis = paired_axis(w)
+        return tensor if axis is None else tensor[paired_index(w, tensor.shape[axis] // 2)]
 
     parts = [from_hf(read(hf_name), shape[expert is not None:], w.in_axes)
              for hf_name, expert in expert_parts(w, shape)]
@@ -159,19 +187,21 @@ def layers_to_hf(
             w = _layer_weight(name, table)
             for hf_name, expert in expert_parts(w, np.shape(value)):
                 part = to_hf(np.asarray(value if expert is None else value[expert]), w.in_axes)
-                if w.interleaved is not None:  # fill its half of the tensor it shares
-                    shared = out.setdefault(name_of(i) + hf_name,
-                                            np.empty((*part.shape[:-1], 2 * part.shape[-1]), part.dtype))
-                    shared[..., w.interleaved::2] = part
+                axis = paired_axis(w)
+                if axis is not None:  # fill its half of the tensor it shares
+                    shared = out.setdefault(name_of(i) + hf_name, np.empty(paired_shape(w, part.shape), part.dtype))
+                    shared[paired_index(w, part.shape[axis])] = part
                     continue
                 out[name_of(i) + hf_name] = np.ascontiguousarray(part)
     return out
 
 
-def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape for every tensor a target checkpoint with config `cfg` must hold."""
+def expected_hf_shapes(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape for every tensor a target checkpoint with config `cfg` must hold
+    (`fused_experts`: a MoE model's experts as fused 3-D tensors, `hf_names.layer_table`)."""
     specs = model_weight_specs(cfg)
-    out = expected_hf_layer_shapes(specs["layers"], TARGET_LAYER_PREFIX, layer_table(cfg.architecture))
+    table = layer_table(cfg.architecture, fused_experts)
+    out = expected_hf_layer_shapes(specs["layers"], TARGET_LAYER_PREFIX, table)
     for name, spec in specs.items():
         if name != "layers":
             w = _MODEL_WEIGHT[name]
@@ -189,12 +219,11 @@ def unused_shared_kv_names(cfg: ModelConfig) -> list[str]:
     ]
 
 
-def params_from_hf(get_tensor: GetTensor, cfg: ModelConfig) -> Params:
-    """Target params (host numpy) from HF-named tensors."""
+def params_from_hf(get_tensor: GetTensor, cfg: ModelConfig, fused_experts: bool = False) -> Params:
+    """Target params (host numpy) from HF-named tensors (`fused_experts`: see `expected_hf_shapes`)."""
     specs = model_weight_specs(cfg)
-    params: Params = {
-        "layers": layers_from_hf(get_tensor, TARGET_LAYER_PREFIX, specs["layers"], layer_table(cfg.architecture))
-    }
+    table = layer_table(cfg.architecture, fused_experts)
+    params: Params = {"layers": layers_from_hf(get_tensor, TARGET_LAYER_PREFIX, specs["layers"], table)}
     for name, spec in specs.items():
         if name != "layers":
             w = _MODEL_WEIGHT[name]
@@ -461,8 +490,9 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelC
             file_name = file_name.__getitem__
         ignore = ["lm_head.weight"] if cfg.tie_embeddings else []  # a tied head duplicates the embedding
         ignore += unused_shared_kv_names(cfg)
-        check_hf_tensors(shapes, expected_hf_shapes(cfg), str(directory), ignore=ignore)
-        params = params_from_hf(lambda n: files.get_tensor(file_name(n), np_dtype), cfg)
+        fused = any(n.endswith(FUSED_EXPERTS_MARK) for n in shapes)  # transformers 5's in-memory experts
+        check_hf_tensors(shapes, expected_hf_shapes(cfg, fused), str(directory), ignore=ignore)
+        params = params_from_hf(lambda n: files.get_tensor(file_name(n), np_dtype), cfg, fused)
     return cfg, params
 
 

@@ -15,6 +15,8 @@ from typing import Mapping
 
 # in_axes value of a bias: stored [heads, head_dim] by us, flat [heads * head_dim] by HF.
 FLAT = -1
+# in_axes value of a fused expert tensor: [E, out, in] by HF, [E, in, out] by us.
+EXPERTS_T = -2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +28,17 @@ class HFWeight:
     its hf_name: ours is stacked [E, ...] on a leading expert axis, HF holds one tensor per expert.
     interleaved 0 / 1: ours is the even / odd entries of the HF tensor's last axis, which holds two
     of our arrays side by side (gpt-oss's experts: gate and up interleaved in `gate_up_proj`).
+    half 0 / 1: ours is the first / second half of the HF tensor's axis -2, which holds two of our
+    arrays one after the other (transformers 5's fused `gate_up_proj` [E, 2F, H]: gate, then up).
+    in_axes EXPERTS_T: every expert's torch Linear weight on a leading expert axis, [E, out, in]
+    (ours [E, in, out]).
     """
 
     name: str
     hf_name: str
     in_axes: int
     interleaved: int | None = None
+    half: int | None = None
 
 
 DECODER_LAYER: tuple[HFWeight, ...] = (
@@ -115,6 +122,22 @@ MIXTRAL_LAYER: tuple[HFWeight, ...] = DECODER_LAYER + (
     HFWeight("experts_w_down", "block_sparse_moe.experts.{e}.w2.weight", 1),
 )
 
+# transformers 5 holds a MoE layer's experts fused in memory, `experts.gate_up_proj` [E, 2F, H]
+# (gate rows, then up rows) and `experts.down_proj` [E, H, F], and writes them so with
+# `save_pretrained(..., save_original_format=False)`; Mixtral's block is `mlp` there. A checkpoint
+# holding `experts.gate_up_proj` reads through these names (`layer_table(..., fused_experts=True)`).
+_FUSED_EXPERTS: tuple[HFWeight, ...] = (
+    HFWeight("experts_w_gate", "mlp.experts.gate_up_proj", EXPERTS_T, half=0),  # [E, 2F, H] -> [E, H, F]
+    HFWeight("experts_w_up", "mlp.experts.gate_up_proj", EXPERTS_T, half=1),
+    HFWeight("experts_w_down", "mlp.experts.down_proj", EXPERTS_T),  # [E, H, F] -> [E, F, H]
+)
+_FUSED_LAYER_NAMES = {
+    "qwen3_moe": _FUSED_EXPERTS,
+    "qwen2_moe": _FUSED_EXPERTS,
+    "mixtral": _FUSED_EXPERTS + (HFWeight("router", "mlp.gate.weight", 1),),
+}
+FUSED_EXPERTS_MARK = "mlp.experts.gate_up_proj"  # the tensor that tells a fused checkpoint
+
 # gpt-oss: Qwen2's q/k/v biases plus the output projection's, the attention sinks, and the MoE
 # block (spec_jax.models.moe) with its router bias and expert biases. The experts are stored
 # [E, in, out] as we hold them, gate and up interleaved in one tensor (MXFP4-packed in the
@@ -160,12 +183,15 @@ _LAYER_TABLES = {
 }
 
 
-def layer_table(architecture: str | None = None) -> Mapping[str, HFWeight]:
-    """{our layer key: HFWeight} of a family (None: the plain decoder table the drafters use)."""
+def layer_table(architecture: str | None = None, fused_experts: bool = False) -> Mapping[str, HFWeight]:
+    """{our layer key: HFWeight} of a family (None: the plain decoder table the drafters use);
+    `fused_experts`: a MoE family's experts as transformers 5's fused 3-D tensors (gpt-oss's
+    names are those either way)."""
     table = DECODER_LAYER if architecture is None else _LAYER_TABLES.get(architecture)
     if table is None:
         raise ValueError(f"no HF name table for architecture {architecture!r}; add one to hf_names.py")
-    return {w.name: w for w in table}
+    fused = _FUSED_LAYER_NAMES.get(architecture, ()) if fused_experts else ()
+    return {w.name: w for w in table + fused}
 
 
 def expert_parts(w: HFWeight, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
