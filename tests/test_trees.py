@@ -405,6 +405,25 @@ def test_default_tree_choice_follows_the_measured_table():
     assert shipped.default_tree_choice(1, 0.0, backend="gpu", table=table) == (0, "fallback")
 
 
+def test_the_two_stage_top_k_equals_lax_top_k_values_indices_and_ties():
+    """tree.top_k takes a CPU vocabulary in two stages (chunk maxima, then the best chunks): the
+    same values and indices as jax.lax.top_k, ties to the lower index, -inf rows included."""
+    from spec_jax.drafters.tree import chunked_top_k, top_k
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 4096)).astype(np.float32)
+    tied = np.round(x * 2) / 2  # many exact ties, across and within chunks
+    tied[1, 2] = -np.inf  # a fully masked row: every chunk maximum ties
+    tied[0, 1, ::7] = tied[0, 1].max()  # the maximum many times over
+    check = jax.jit(lambda v, k: (chunked_top_k(v, k), top_k(v, k), jax.lax.top_k(v, k)), static_argnums=1)
+    for values in (x, tied):
+        for k in (1, 8, 32):
+            *got, want = check(jnp.asarray(values), k)
+            for g in got:
+                np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(want[0]))
+                np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(want[1]))
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compiler regression guard")
 def test_tree_builders_keep_top_k_off_a_full_vocabulary_sort():
     """XLA:CPU folded the gathers that read best_first_tree's top-k into the sort top_k expands to,

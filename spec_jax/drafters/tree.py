@@ -116,11 +116,34 @@ def chain_tree(drafts: jax.Array) -> TreeDraft:
     return TreeDraft(tokens=drafts.astype(jnp.int32), parents=parents)
 
 
+TOP_K_CHUNK = 128  # the two-stage top-k's chunk of the last axis
+
+
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` whose result XLA keeps as a top-k. Without the barrier XLA:CPU folds the
-    gathers that later read (values, indices) into the sort that top_k expands to, which then sorts
-    the whole last axis, which costs more than the DFlash pass the tree builds on."""
-    return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+    """`jax.lax.top_k`, equal in values and indices (ties to the lower index), kept a top-k. On
+    CPU a wide last axis (a vocabulary) goes in two stages: XLA:CPU's top-k over 16 x 151936 took
+    4-9 ms where one max pass over it takes 0.4 (RESULTS.md, issue 46). Without the barrier
+    XLA:CPU folds the gathers that later read (values, indices) into the sort that top_k expands
+    to, which then sorts the whole last axis."""
+    if x.shape[-1] % TOP_K_CHUNK or x.shape[-1] < 32 * TOP_K_CHUNK or k > 8 * TOP_K_CHUNK:
+        return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+    return jax.lax.optimization_barrier(jax.lax.platform_dependent(
+        x, cpu=lambda x: chunked_top_k(x, k), default=lambda x: tuple(jax.lax.top_k(x, k))))
+
+
+def chunked_top_k(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """Exact top-k in two stages: the k chunks with the largest maxima, then the top k of their
+    k * chunk entries (kept in index order, so ties still go to the lower index). Exact because
+    an entry outside those chunks has k chunk maxima at or before it in (value desc, index asc)
+    order. The last axis must be a multiple of `chunk`, with at least k chunks."""
+    *lead, width = x.shape
+    chunks = x.reshape(*lead, width // chunk, chunk)
+    _, best = jax.lax.top_k(chunks.max(axis=-1), k)  # [..., k] chunk ids
+    best = jnp.sort(best, axis=-1)  # index order: a tie between chunks goes to the lower one
+    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(*lead, k * chunk)
+    values, at = jax.lax.top_k(candidates, k)
+    index = (best[..., None] * chunk + jnp.arange(chunk, dtype=best.dtype)).reshape(*lead, k * chunk)
+    return values, jnp.take_along_axis(index, at, axis=-1)
 
 
 def best_first_tree(logprobs: jax.Array, budget: int, width: int = 8) -> TreeDraft:
