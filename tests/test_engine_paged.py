@@ -8,29 +8,41 @@ the same cache bytes the paged engine runs 4x the concurrent short requests of t
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import make_prompts
-from test_engine import backend_compiles
-from tiny_configs import TINY_DRAFT, VOCAB
+from test_engine import MAX_NEW, PROMPTS, alone, backend_compiles  # noqa: F401 (alone: a fixture)
 
 from spec_jax.decoding.engine import Engine
-from spec_jax.decoding.generate import generate
 from spec_jax.decoding.pages import PagePool
-from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.ngram import NGramDrafter
-from spec_jax.drafters.suffix import SuffixDrafter
+from spec_jax.models import paged
+from spec_jax.models.attention import attend_cache_and_pass
+from spec_jax.models.config import GLOBAL_WINDOW
+from spec_jax.models.interface import chain_mask
 
 K = 3
 PAGE = 32  # a divisor of the 128-slot block: a row of capacity 128 spans 4 pages
-PROMPTS = make_prompts([3, 16, 1, 9, 12, 5], seed=0)
-MAX_NEW = 24
-POOL = 6  # 3 requests of 2 pages at a time: later ones wait for pages while a slot is free
+POOL = 4  # pages: 2 to 4 requests at a time of the 8 slots, so later ones wait for pages while slots are free
+
+
+@pytest.fixture(scope="module")
+def want(alone):
+    """Each prompt's greedy continuation by plain `generate` (every drafter's greedy output is it)."""
+    return [ids for ids, _ in alone]
+
+
+def paged_engine(models, drafter):
+    """8 slots over a pool of POOL pages of PAGE slots (rows of 128 slots: 4 pages each)."""
+    return Engine(models.target, drafter, slots=8, max_model_len=48, chunk_steps=2, kv_pages=POOL,
+                  kv_page_size=PAGE)
 
 
 def run_staggered(engine, cancel=None):
     """PROMPTS[0:2] at once, then one more after each step; `cancel` (an index) is cancelled
     after its first step -> (each request's ids, whether a request waited with a slot free)."""
-    rids = [engine.submit(p, max_new_tokens=MAX_NEW) for p in PROMPTS[:2]]
+    rids = [engine.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS[:2], MAX_NEW)]
     got: dict[int, list[int]] = {}
     waited_for_pages = False
     while engine.has_work() or len(rids) < len(PROMPTS):
@@ -41,59 +53,84 @@ def run_staggered(engine, cancel=None):
             engine.cancel(rids[cancel])
             cancel = None
         if len(rids) < len(PROMPTS):
-            rids.append(engine.submit(PROMPTS[len(rids)], max_new_tokens=MAX_NEW))
+            rids.append(engine.submit(PROMPTS[len(rids)], max_new_tokens=MAX_NEW[len(rids)]))
     return [got.get(r, []) for r in rids], waited_for_pages
 
 
-def test_paged_engine_equals_generate_for_chain_and_tree_drafters(models, drafters):
-    eagle3 = Eagle3Config(layer=TINY_DRAFT, draft_vocab_size=VOCAB - 20, aux_layer_ids=(1, 2))
-    lookup, lookup_params = drafters["lookup"]
-    cases = {  # (drafter, params): chains and trees; a drafter cache of its own (dense per slot)
-        "plain": (None, None),
-        "ngram tree": (NGramDrafter(k=K, tree=6), None),
-        "draft model behind lookup": (lookup(K), lookup_params),
-        "eagle3 tree": (Eagle3Drafter(eagle3, K, tree=6), init_eagle3_params(eagle3, jax.random.key(4), scale=3.0)),
-        "suffix": (SuffixDrafter(k=K, store_size=64), None),
-    }
-    for name, (drafter, params) in cases.items():
-        want = generate(models.target, PROMPTS, drafter, params, max_new_tokens=MAX_NEW).generated_ids
-        engine = Engine(models.target, drafter, params, slots=4, max_model_len=48, chunk_steps=2,
-                        kv_pages=POOL, kv_page_size=PAGE)
+def test_paged_engine_equals_generate_for_a_chain_and_a_tree(models, want):
+    """A chain (length arithmetic) and a tree (accepted nodes moved within the row's pages):
+    the two ways a step commits to the target's cache, whatever the drafter."""
+    for drafter in (NGramDrafter(k=K), NGramDrafter(k=K, tree=6)):
+        engine = paged_engine(models, drafter)
         engine.warmup([16])
         with backend_compiles() as compiles:
             got, waited = run_staggered(engine)
-        assert got == want, name
-        assert compiles == [], name
-        assert waited, name  # the pool, not the slots, held a request back
-        assert max(engine.pages.handed_out.values()) >= 2, name  # pages freed and handed out again
-        assert engine.pages.used == 0 and engine.pages.owed() == 0, name
-    # Cancelled mid-stream (and while waiting): their pages go back; the others are unchanged.
+        assert got == want, drafter
+        assert compiles == [], drafter
+        assert waited, drafter  # the pool, not the slots, held a request back
+        assert max(engine.pages.handed_out.values()) >= 2, drafter  # pages freed and handed out again
+        assert engine.pages.used == 0 and engine.pages.owed() == 0, drafter
+    # Cancelled mid-stream: its pages go back; the others are unchanged.
     got, _ = run_staggered(engine, cancel=1)
     assert [g for i, g in enumerate(got) if i != 1] == [w for i, w in enumerate(want) if i != 1]
-    assert len(got[1]) < MAX_NEW and engine.pages.used == 0 and engine.pages.free == POOL
-    assert not engine.pages.table.any() or (engine.pages.table == POOL).all()
+    assert len(got[1]) < MAX_NEW[1] and engine.pages.used == 0 and engine.pages.free == POOL
+    assert (engine.pages.table == POOL).all()
 
 
-def test_paged_engine_admits_4x_the_short_requests_at_the_same_cache_bytes(models):
-    """Two dense slots of 128 slots each hold the same bytes as 8 pages of 32: short requests
-    (1 page each) run 8 at a time in the paged engine, 2 in the dense one."""
-    drafter = NGramDrafter(k=K)
-    dense = Engine(models.target, drafter, slots=2, max_model_len=48, chunk_steps=2)
-    paged = Engine(models.target, drafter, slots=8, max_model_len=48, chunk_steps=2, kv_pages=8, kv_page_size=PAGE)
+def test_paged_engine_runs_4x_the_short_requests_at_the_same_cache_bytes(models):
+    """The dense engine's one slot of 128 cache slots holds the bytes of the paged engine's 4
+    pages of 32; a dense engine runs at most its slots at once (1), the paged one runs 4 short
+    requests (a page each) at once."""
+    dense = Engine(models.target, NGramDrafter(k=K), slots=1, max_model_len=48, chunk_steps=2)
+    paged = paged_engine(models, NGramDrafter(k=K))
     cache_bytes = [sum(x.nbytes for x in (*e.state.cache.k, *e.state.cache.v)) for e in (dense, paged)]
     assert cache_bytes[0] == cache_bytes[1]
-    short = make_prompts([5] * 12, seed=1)
-    most = []
-    for engine in (dense, paged):
-        for p in short:
-            engine.submit(p, max_new_tokens=4, ignore_eos=True)
-        live = 0
-        while engine.has_work():
-            engine.step()
-            live = max(live, engine.num_live)
-        most.append(live)
-    assert most == [2, 8] and most[1] >= 4 * most[0]
+    for p in make_prompts([5] * 12, seed=1):
+        paged.submit(p, max_new_tokens=4, ignore_eos=True)
+    most = 0
+    while paged.has_work():
+        paged.step()
+        most = max(most, paged.num_live)
+    assert most == 4 and most >= 4 * dense.slots
     assert paged.pages.used == 0
+
+
+def test_paged_attention_writes_and_moves_equal_the_dense_cache():
+    """Through a shuffled page table, with a page a row does not hold: attention (global, a
+    sliding window, sinks) equals the dense reference, and a tree commit's move equals the dense one."""
+    rng = np.random.default_rng(0)
+    batch, kv_heads, heads, dim, page, per_row, pool_pages, t = 2, 2, 4, 8, 8, 4, 9, 3
+    capacity = page * per_row
+    table = rng.permutation(pool_pages)[: batch * per_row].reshape(batch, per_row).astype(np.int32)
+    table[1, 3] = pool_pages  # row 1 holds 3 pages
+    lengths = jnp.asarray([27, 17], jnp.int32)
+    dense = [jnp.asarray(rng.normal(size=(batch, kv_heads, capacity, dim)), jnp.float32) for _ in "kv"]
+    slots = jnp.broadcast_to(jnp.arange(capacity), (batch, capacity))
+    pools = [jax.jit(paged.write_slots)(jnp.zeros((pool_pages, kv_heads, page, dim)), x, table, slots) for x in dense]
+    held = (np.arange(capacity)[None, :] < np.asarray([capacity, 3 * page])[:, None])[:, None, :, None]  # [B, 1, S, 1]
+    q = jnp.asarray(rng.normal(size=(batch, t, heads, dim)), jnp.float32)
+    k_pass, v_pass = (jnp.asarray(rng.normal(size=(batch, kv_heads, t, dim)), jnp.float32) for _ in "kv")
+    positions = lengths[:, None] + jnp.arange(t)
+    source = lengths[:, None] + jnp.asarray([[0, 2, 3], [0, 1, 4]])
+    dest = lengths[:, None] + jnp.arange(3)
+
+    @jax.jit  # one program (each op run eagerly would compile on its own)
+    def both_ways(dense, pools, table):
+        out = []
+        for window, sinks in [(GLOBAL_WINDOW, None), (5, None), (GLOBAL_WINDOW, jnp.asarray([0.5, -1.0, 2.0, 0.0]))]:
+            args = (lengths, positions, window, k_pass, v_pass, chain_mask(t))
+            out.append((attend_cache_and_pass(q, *pools, *args, sinks=sinks, page_table=table),
+                        attend_cache_and_pass(q, *dense, *args, impl="dense", sinks=sinks)))
+        rows = jnp.arange(batch)[:, None]
+        moved = (paged.gather_rows(paged.move_slots(pools[0], table, source, dest), table),
+                 dense[0].at[rows, :, dest].set(dense[0][rows, :, source]))
+        return out, moved, paged.gather_rows(pools[0], table)
+
+    attended, (moved, dense_moved), gathered = both_ways(dense, pools, jnp.asarray(table))
+    np.testing.assert_array_equal(gathered, np.where(held, dense[0], 0))
+    for got, want in attended:
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(moved, np.where(held, dense_moved, 0))
 
 
 def test_page_pool_hands_out_grows_and_takes_back():
