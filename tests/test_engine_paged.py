@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_prompts
-from test_engine import MAX_NEW, PROMPTS, alone, backend_compiles  # noqa: F401 (alone: a fixture)
+from test_engine import MAX_NEW, PROMPTS, alone, backend_compiles, serve_engine_kwargs  # noqa: F401 (alone: a fixture)
 
+from spec_jax.app import serve
+from spec_jax.app.metrics import _EngineCollector
 from spec_jax.decoding.engine import Engine
 from spec_jax.decoding.pages import PagePool
 from spec_jax.drafters.ngram import NGramDrafter
@@ -87,12 +89,22 @@ def test_paged_engine_runs_4x_the_short_requests_at_the_same_cache_bytes(models)
     assert cache_bytes[0] == cache_bytes[1]
     for p in make_prompts([5] * 12, seed=1):
         paged.submit(p, max_new_tokens=4, ignore_eos=True)
-    most = 0
+    most, gauges = 0, []
     while paged.has_work():
         paged.step()
         most = max(most, paged.num_live)
+        gauges.append({f.name: f.samples[0].value for f in _EngineCollector(paged, "ngram").collect()
+                       if f.name.startswith("spec_jax_kv_pages")})
     assert most == 4 and most >= 4 * dense.slots
-    assert paged.pages.used == 0
+    # /metrics shows the pool: all 4 pages in use at the busiest, all free after the run.
+    assert {"spec_jax_kv_pages_used": 4, "spec_jax_kv_pages_free": 0} in gauges
+    assert gauges[-1] == {"spec_jax_kv_pages_used": 0, "spec_jax_kv_pages_free": 4}
+
+
+def test_serve_kv_pages_reach_the_engine(monkeypatch):
+    kwargs = serve_engine_kwargs(monkeypatch, ["--kv-pages", "64", "--kv-page-size", "32"])
+    assert (kwargs["kv_pages"], kwargs["kv_page_size"]) == (64, 32)
+    assert serve.PAGE_SIZE == paged.PAGE_SIZE
 
 
 def test_paged_attention_writes_and_moves_equal_the_dense_cache():

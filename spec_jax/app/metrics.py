@@ -107,6 +107,11 @@ class _EngineCollector:
                                 value=len(engine.scheduler.waiting))
         yield GaugeMetricFamily(f"{PREFIX}_slots_in_use", "Slots (rows) running a request", value=engine.num_live)
         yield GaugeMetricFamily(f"{PREFIX}_slots", "Slots (rows) decoded together (--slots)", value=engine.slots)
+        pages = getattr(engine, "pages", None)  # the paged KV pool (--kv-pages), None for dense caches
+        if pages is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_kv_pages_used", "KV pages held by requests (--kv-pages)",
+                                    value=pages.used)
+            yield GaugeMetricFamily(f"{PREFIX}_kv_pages_free", "KV pages free in the pool", value=pages.free)
         chunks = CounterMetricFamily(f"{PREFIX}_chunks", "Chunks of verify steps run at each K (drafts per "
                                      "step; adaptive K's choices)", labels=["k"])
         for k, count in sorted(dict(getattr(engine, "k_chunks", {})).items()):  # a copy: the engine adds to it

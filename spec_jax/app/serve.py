@@ -35,6 +35,7 @@ from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_f
 
 MAX_LOGPROBS = 20  # as the engine's bound (spec_jax.decoding.engine.MAX_LOGPROBS; not imported: --help stays light)
 DEFAULT_PREFILL_ROWS = 4  # as spec_jax.decoding.prefill_plan's (not imported: --help stays light)
+PAGE_SIZE = 128  # as spec_jax.models.paged's (not imported: --help stays light)
 MIN_PREFILL_CHUNK = 16  # the smallest prompt bucket (spec_jax.decoding.generate.MIN_PROMPT_BUCKET)
 EXIT_ENGINE_FAILED = 1  # the process's status after an engine failure (a supervisor restarts it)
 END_GRACE_S = 5.0  # past --drain-timeout: time for the ended requests to write their last bytes
@@ -65,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-rows", type=int, default=DEFAULT_PREFILL_ROWS,
                    help=f"with --prefill-chunk-tokens: prompts prefilled together (default {DEFAULT_PREFILL_ROWS}; "
                    "each holds a row of the target's cache)")
+    p.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                   help="keep the target's keys/values in a shared pool of N pages (of --kv-page-size slots) "
+                   "that requests take as they grow and give back when they end, instead of a dense cache of "
+                   "--max-model-len per slot: the same memory runs many more short requests; a request waits "
+                   "until the pool covers it (default: dense). Size it as the KV memory you can spare / "
+                   "(2 x layers x KV heads x head size x page size x dtype bytes)")
+    p.add_argument("--kv-page-size", type=int, default=PAGE_SIZE, metavar="SLOTS",
+                   help=f"with --kv-pages: slots per page, a divisor of 128 (default {PAGE_SIZE})")
     p.add_argument("--k-choices", default=None, metavar="0,2,4",
                    help="the depths --k adaptive chooses from each step (0 = a plain step; default 0, 2, "
                    "about K/2 and K)")
@@ -116,6 +125,8 @@ def check_args(args: argparse.Namespace) -> list[int] | None:
     _cli_int("--chunk-steps", args.chunk_steps, 1)
     _cli_int("--prefill-chunk-tokens", args.prefill_chunk_tokens, MIN_PREFILL_CHUNK)
     _cli_int("--prefill-rows", args.prefill_rows, 1)
+    _cli_int("--kv-pages", args.kv_pages, 1)
+    _cli_int("--kv-page-size", args.kv_page_size, 1, PAGE_SIZE)
     _cli_int("--max-model-len", args.max_model_len, 2)
     _cli_int("--max-queued-requests", args.max_queued_requests, 0)
     _cli_int("--max-logprobs", args.max_logprobs, -1, MAX_LOGPROBS)
@@ -160,10 +171,12 @@ def build_state(args: argparse.Namespace) -> "ServerState":
                     chunk_steps=args.chunk_steps, max_admits_per_step=args.max_admits,
                     k=None if not spec.adaptive else AdaptiveDepth(depths=tuple(k_choices) if k_choices else None),
                     mesh=mesh, max_logprobs=None if args.max_logprobs < 0 else args.max_logprobs,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_rows=args.prefill_rows)
+                    prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_rows=args.prefill_rows,
+                    kv_pages=args.kv_pages, kv_page_size=args.kv_page_size)
     warm = engine.warmup() if args.warmup else None
     label = spec.label if spec.kind != "none" else "none"
-    log(f"engine: {args.slots} slots, max model length {engine.max_model_len}, drafter {label} "
+    pages = "" if engine.pages is None else f", KV pool of {engine.pages.num_pages} pages of {engine.pages.page_size}"
+    log(f"engine: {args.slots} slots{pages}, max model length {engine.max_model_len}, drafter {label} "
         f"K={'adaptive ' + str(list(engine.depth.depths)) if engine.depth else engine.k}"
         f"{' (' + spec.reason + ')' if spec.reason else ''}; "
         + (f"warm-up {warm.summary()}" if warm is not None else "no warm-up: programs compile on first use"))
