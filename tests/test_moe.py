@@ -1,15 +1,17 @@
 """The mixture-of-experts block (spec_jax.models.moe) and its families.
 
-Parity, greedy decoding, check_target, save round trips and every drafter kind on Qwen3-MoE and
-Mixtral run with the other families in tests/test_families.py (its HF_MODELS and SPEC_CASES);
-sharded == unsharded with experts over the mesh in tests/test_sharding.py ("moe-" cases). Here:
-the expert computations agree, routing is per token, Qwen2-MoE's shared expert, which layers
-get experts, the configs, and the real-size presets (eval_shape only).
+Parity, greedy decoding, check_target and save round trips on Qwen3-MoE, Mixtral and gpt-oss run
+with the other families in tests/test_families.py (its HF_MODELS); sharded == unsharded with
+experts over the mesh in tests/test_sharding.py (the "moe" model). Here: the expert computations
+agree, routing is per token, greedy speculative decoding on the three MoE families equals plain
+decoding (MOE_SPEC_CASES), fused expert checkpoints, Qwen2-MoE's shared expert, which layers get
+experts, the configs, and the real-size presets (eval_shape only).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jax
@@ -109,6 +111,46 @@ def test_routing_is_per_token(monkeypatch):
     np.testing.assert_allclose(logits_1[0], logits_64[0, 63:], atol=1e-5)
 
 
+# (family, drafter kind, batch). Each case is a compiled loop of its own (9-14 CPU s on this 2-core
+# machine), so the suite runs a covering set of six: each MoE family at batch 1 and 4, and every
+# drafter kind on one (n-gram; the family itself as a draft model, whose cache rolls back through
+# its experts; DFlash as a chain and as a tree of 16; EAGLE-3). SPEC_JAX_MOE_MATRIX=full runs every
+# kind on every family at both batch sizes (30 loops; benchmarks/RESULTS.md, Issue 43, records it).
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_KINDS = ("ngram", "draft", "dflash", "dflash_tree", "eagle3")
+MOE_SPEC_CASES = [
+    ("qwen3_moe", "dflash_tree", 1), ("qwen3_moe", "eagle3", 4),
+    ("mixtral", "ngram", 1), ("mixtral", "draft", 4),
+    ("gpt_oss", "dflash", 1), ("gpt_oss", "dflash_tree", 4),
+]
+
+
+def moe_spec_cases() -> list[tuple[str, str, int]]:
+    if os.environ.get("SPEC_JAX_MOE_MATRIX") == "full":
+        return [(family, kind, batch) for family in MOE_FAMILIES for kind in MOE_KINDS for batch in (1, 4)]
+    return MOE_SPEC_CASES
+
+
+def test_greedy_speculation_on_moe_targets_equals_plain_decoding(tmp_path):
+    """Greedy speculative tokens == transformers' greedy tokens (which our plain decoding equals:
+    test_families' 64-token test) on the tiny random Qwen3-MoE, Mixtral and gpt-oss of
+    test_families, for each case of `moe_spec_cases`; the draft model accepts some drafts."""
+    import test_families as tf
+    from spec_jax.decoding import generate
+
+    models = tf.build_family_models(tmp_path, MOE_FAMILIES)
+    reference, wrong = {}, []
+    for family, kind, batch in moe_spec_cases():
+        model, _, loaded = models[family]
+        if (family, batch) not in reference:  # no compile: transformers' generate
+            reference[family, batch] = [tf._hf_greedy(model, p, tf.NEW) for p in tf.PROMPTS[batch]]
+        drafter, params = tf._drafter(kind, loaded.cfg, loaded.params)
+        out = generate(loaded, tf.PROMPTS[batch], drafter, params, max_new_tokens=tf.NEW, ignore_eos=True)
+        if out.generated_ids != reference[family, batch] or (kind == "draft" and not int(out.stats.accepted)):
+            wrong.append((family, kind, batch, int(out.stats.accepted)))
+    assert not wrong, wrong
+
+
 def test_qwen2_moe_shared_expert_matches_transformers(tmp_path):
     """Qwen2-MoE: q/k/v biases, top-2 of 8 experts and the sigmoid-gated shared expert; the saved
     checkpoint loads back in transformers."""
@@ -174,8 +216,9 @@ def test_fused_expert_checkpoints_load_and_match_transformers(tmp_path):
         assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(fused / "model.safetensors")
         cfg, params = load_hf_dir(fused)
         _assert_same_params((cfg, params), load_hf_dir(split))
-        logits, _, _ = forward(params, cfg, jnp.asarray(tokens), positions, init_cache(cfg, 2, 32), (0,))
-        np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4)
+        if family != "gpt_oss":  # its files are fused either way: test_families' parity covers them
+            logits, _, _ = forward(params, cfg, jnp.asarray(tokens), positions, init_cache(cfg, 2, 32), (0,))
+            np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4)
         resaved = save_hf_dir(tmp_path / family / "resaved", cfg, params)
         _assert_same_params(load_hf_dir(resaved), (cfg, params))
         with torch.no_grad():
