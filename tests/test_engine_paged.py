@@ -17,6 +17,7 @@ from test_engine import MAX_NEW, PROMPTS, alone, backend_compiles, serve_engine_
 from spec_jax.app import serve
 from spec_jax.app.metrics import _EngineCollector
 from spec_jax.decoding.engine import Engine
+from spec_jax.decoding.generate import generate
 from spec_jax.decoding.pages import PagePool
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import paged
@@ -25,8 +26,8 @@ from spec_jax.models.config import GLOBAL_WINDOW
 from spec_jax.models.interface import chain_mask
 
 K = 3
-PAGE = 32  # a divisor of the 128-slot block: a row of capacity 128 spans 4 pages
-POOL = 4  # pages: 2 to 4 requests at a time of the 8 slots, so later ones wait for pages while slots are free
+PAGE = 8  # a divisor of the 128-slot block: a row of capacity 128 spans 16 pages, a prompt of 16 two
+POOL = 16  # pages: 2 or 3 requests at a time of the 8 slots, so later ones wait for pages while slots are free
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,11 @@ def want(alone):
     return [ids for ids, _ in alone]
 
 
-def paged_engine(models, drafter):
-    """8 slots over a pool of POOL pages of PAGE slots (rows of 128 slots: 4 pages each)."""
+def paged_engine(models, drafter, prefix_caching=False):
+    """8 slots over a pool of POOL pages of PAGE slots (the same programs with or without
+    prefix caching, which adds one admit per bucket)."""
     return Engine(models.target, drafter, slots=8, max_model_len=48, chunk_steps=2, kv_pages=POOL,
-                  kv_page_size=PAGE)
+                  kv_page_size=PAGE, prefix_caching=prefix_caching)
 
 
 def run_staggered(engine, cancel=None):
@@ -80,9 +82,9 @@ def test_paged_engine_equals_generate_for_a_chain_and_a_tree(models, want):
 
 
 def test_paged_engine_runs_4x_the_short_requests_at_the_same_cache_bytes(models):
-    """The dense engine's one slot of 128 cache slots holds the bytes of the paged engine's 4
-    pages of 32; a dense engine runs at most its slots at once (1), the paged one runs 4 short
-    requests (a page each) at once."""
+    """The dense engine's one slot of 128 cache slots holds the bytes of the paged engine's 16
+    pages of 8; a dense engine runs at most its slots at once (1), the paged one runs 5 short
+    requests (3 pages each at worst: prompt 5 + 4 new + one chunk's 8) at once."""
     dense = Engine(models.target, NGramDrafter(k=K), slots=1, max_model_len=48, chunk_steps=2)
     paged = paged_engine(models, NGramDrafter(k=K))
     cache_bytes = [sum(x.nbytes for x in (*e.state.cache.k, *e.state.cache.v)) for e in (dense, paged)]
@@ -95,10 +97,45 @@ def test_paged_engine_runs_4x_the_short_requests_at_the_same_cache_bytes(models)
         most = max(most, paged.num_live)
         gauges.append({f.name: f.samples[0].value for f in _EngineCollector(paged, "ngram").collect()
                        if f.name.startswith("spec_jax_kv_pages")})
-    assert most == 4 and most >= 4 * dense.slots
-    # /metrics shows the pool: all 4 pages in use at the busiest, all free after the run.
-    assert {"spec_jax_kv_pages_used": 4, "spec_jax_kv_pages_free": 0} in gauges
-    assert gauges[-1] == {"spec_jax_kv_pages_used": 0, "spec_jax_kv_pages_free": 4}
+    assert most == 5 and most >= 4 * dense.slots
+    # /metrics shows the pool: pages in use while requests run, all free after the run.
+    assert max(g["spec_jax_kv_pages_used"] for g in gauges) >= 5
+    assert all(g["spec_jax_kv_pages_used"] + g["spec_jax_kv_pages_free"] == POOL for g in gauges)
+    assert gauges[-1] == {"spec_jax_kv_pages_used": 0, "spec_jax_kv_pages_free": POOL}
+
+
+def test_prefix_caching_shares_whole_prompt_pages_and_output_equals_generate(models):
+    """Prompts that begin with PROMPTS[1]'s first page share it (read-only, counted) instead of
+    prefilling it again, while it is held and after it is freed; the page where a prompt differs
+    is its own. Output equals `generate` (batch 1, the shapes of test_engine's `alone`)."""
+    base = PROMPTS[1]
+    prompts = [base, base[:10] + [7, 8, 9], base[:PAGE] + [1, 2, 3, 4, 5, 6, 7, 8], base[:15] + [42],
+               [base[0] + 1] + base[1:]]  # the last differs in its first page: nothing to share
+    want = [generate(models.target, [p], max_new_tokens=24, ignore_eos=True).generated_ids[0] for p in prompts]
+    engine = paged_engine(models, NGramDrafter(k=K), prefix_caching=True)
+    engine.warmup([16])
+    got: dict[int, list[int]] = {}
+
+    def step():
+        for e in engine.step():
+            got.setdefault(e.request_id, []).extend(e.new_ids)
+
+    with backend_compiles() as compiles:
+        rids = [engine.submit(prompts[0], max_new_tokens=24, ignore_eos=True)]
+        step()  # the first prompt prefilled, its whole page registered
+        rids += [engine.submit(p, max_new_tokens=24, ignore_eos=True) for p in prompts[1:3]]
+        step()
+        shared_refs = int(engine.pages.refs.max())
+        while engine.has_work():
+            step()  # every page free again, the shared one still cached
+        rids += [engine.submit(p, max_new_tokens=24, ignore_eos=True) for p in prompts[3:]]
+        while engine.has_work():
+            step()
+    assert [got[r] for r in rids] == want
+    assert compiles == []
+    assert shared_refs == 3  # one page held by three rows at once
+    assert engine.pages.shared_hits == 3 and engine.prefill_tokens_saved == 3 * PAGE
+    assert engine.pages.used == 0 and engine.pages.free == POOL
 
 
 def test_serve_kv_pages_reach_the_engine(monkeypatch):
@@ -167,6 +204,8 @@ def test_paged_engine_settings_are_checked(models):
         Engine(models.target, slots=2, max_model_len=48, kv_pages=4, kv_page_size=48)
     with pytest.raises(ValueError, match="chunked prefill"):
         Engine(models.target, slots=2, max_model_len=48, kv_pages=4, prefill_chunk_tokens=32)
+    with pytest.raises(ValueError, match="give kv_pages too"):
+        Engine(models.target, slots=2, max_model_len=48, prefix_caching=True)
     engine = Engine(models.target, slots=2, max_model_len=100, kv_pages=1, kv_page_size=PAGE)
     with pytest.raises(ValueError, match="raise kv_pages"):
         engine.submit([1, 2, 3], max_new_tokens=90)

@@ -125,6 +125,20 @@ def check_paged(model: Any, kv_pages: Any, page_size: Any, mesh: Any, prefill_ch
                          "`init_paged_cache` (spec_jax's own decoder does): leave kv_pages unset for this target.")
 
 
+def check_prefix_caching(kv_pages: Any, drafter: Drafter | None, cache: Any) -> None:
+    """Prefix caching's settings, checked before anything compiles: the pages it shares hold
+    keys/values only, so the drafter may read no captured hidden states of the prompt and the
+    target may keep no recurrent state (neither is cached with them)."""
+    if kv_pages is None:
+        raise ValueError("prefix_caching shares KV pages: give kv_pages too (spec-jax serve --kv-pages N).")
+    if drafter is not None and drafter.capture_layers:
+        raise ValueError(f"prefix caching keeps the prompt's keys/values only, and {type(drafter).__name__} starts "
+                         "from the prompt's captured hidden states; leave prefix_caching off with this drafter.")
+    if getattr(cache, "conv", ()):
+        raise ValueError("prefix caching keeps keys/values only, and this target's recurrent layers keep a state "
+                         "per row; leave prefix_caching off with it.")
+
+
 class Engine:
     """Continuous batching over `slots` rows; see the module docstring.
 
@@ -155,7 +169,10 @@ class Engine:
     (`spec_jax.models.paged`): a request takes pages as it grows and gives them back when it
     ends, so the same memory holds many more short requests; a request waits in the queue until
     the pool covers its worst case (`decoding.pages`; `pages` is the pool). Drafter caches stay
-    dense per slot. `submit` and `cancel` may be called from other threads.
+    dense per slot. prefix_caching (with kv_pages): whole pages of a prompt prefix already in the
+    pool are shared, read-only and reference-counted, by later requests instead of being
+    prefilled again (`decoding.pages`; `prefill_tokens_saved` counts the tokens). `submit` and
+    `cancel` may be called from other threads.
 
     Its parts: `slot_table` (which request holds which row, host side: `live`, `slot_of`),
     `scheduler` (waiting requests, cancellations, admissions, `max_admits_per_step`), `programs`
@@ -183,6 +200,7 @@ class Engine:
         prefill_rows: int = DEFAULT_PREFILL_ROWS,
         kv_pages: int | None = None,
         kv_page_size: int = PAGE_SIZE,
+        prefix_caching: bool = False,
     ):
         resolved, _ = resolve_target(target)
         self.model = resolved.model
@@ -230,7 +248,10 @@ class Engine:
                                        kv_pages=kv_pages, page_size=kv_page_size)
         # Paged: the pool, and the most slots one chunk can write past a row's committed tokens.
         self.pages = None if kv_pages is None else PagePool(kv_pages, kv_page_size, self.slots,
-                                                             self.capacity // kv_page_size)
+                                                             self.capacity // kv_page_size, prefix_caching)
+        if prefix_caching:
+            check_prefix_caching(kv_pages, drafter, self.programs.abstract.cache)
+        self.prefill_tokens_saved = 0  # prompt tokens prefix caching did not prefill again
         self.chunk_overshoot = self.chunk_steps * (pass_max + 1)
         self._row_lengths = np.zeros((self.slots,), np.int64)  # each row's tokens at the last read
         depth_costs = None
@@ -360,6 +381,9 @@ class Engine:
                                                                          self.chunk_steps, table))]
         plan = self.prefill_plan
         for bucket in buckets:
+            if self.pages is not None and self.pages.prefix_caching:
+                jobs.append(self.programs.admit_after_prefix_job(bucket, self.programs.admit_after_prefix_args(
+                    self.state, 0, probe, bucket, table[0], 0)))
             if plan is None:
                 jobs.append(self.programs.admit_job(bucket, self.programs.admit_args(
                     self.state, 0, probe, bucket, None if table is None else table[0])))
@@ -399,20 +423,37 @@ class Engine:
 
     def _admit_waiting(self) -> list[int]:
         """Prefill waiting requests into free slots -> the slots admitted."""
-        claim = None if self.pages is None else lambda slot, params: self.pages.reserve(slot, self.worst_tokens(params))
+        claim, shared = None, {}
+        if self.pages is not None:  # the pool covers its worst case (its cached prefix pages shared)
+            def claim(slot: int, params: RequestParams) -> bool:
+                shared[slot] = self.pages.prefix_pages(params.prompt_ids)
+                return self.pages.reserve(slot, self.worst_tokens(params), shared[slot])
         admissions = self.scheduler.admissions(self.slot_table.free_slots(), claim)
         for slot, rid, params, submitted_at in admissions:
             bucket = min(prompt_bucket(len(params.prompt_ids)), self.capacity)
-            page_row = None
-            if self.pages is not None:  # the pages its prompt and first token fill
-                self.pages.grow(slot, len(params.prompt_ids) + 1)
-                page_row = self.pages.table[slot]
             self._row_lengths[slot] = len(params.prompt_ids) + 1
-            args = self.programs.admit_args(self.state, slot, params, bucket, page_row)
-            self.state = self.programs.admit(bucket, args)(*args)
+            if self.pages is None:
+                args = self.programs.admit_args(self.state, slot, params, bucket)
+                self.state = self.programs.admit(bucket, args)(*args)
+            else:
+                self._admit_paged(slot, params, bucket, len(shared[slot]) * self.pages.page_size)
             self.slot_table.occupy(slot, rid, params, stop_id_array(params.stop_ids), submitted_at)
             self.positions.restart(slot)
         return [slot for slot, *_ in admissions]
+
+    def _admit_paged(self, slot: int, params: RequestParams, bucket: int, start: int) -> None:
+        """Prefill a request into its pages: the whole prompt, or (prefix caching) the part after
+        the `start` slots its shared pages hold."""
+        self.pages.grow(slot, len(params.prompt_ids) + 1)  # the pages its prompt and first token fill
+        page_row = self.pages.table[slot]
+        if start:
+            args = self.programs.admit_after_prefix_args(self.state, slot, params, bucket, page_row, start)
+            self.state = self.programs.admit_after_prefix(bucket, args)(*args)
+            self.prefill_tokens_saved += start
+        else:
+            args = self.programs.admit_args(self.state, slot, params, bucket, page_row)
+            self.state = self.programs.admit(bucket, args)(*args)
+        self.pages.register(slot, params.prompt_ids)
 
     def _prefill_waiting(self) -> list[int]:
         """Chunked prefill: waiting requests into free prefill rows (each reserving a free slot),

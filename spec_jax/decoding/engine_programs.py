@@ -323,6 +323,39 @@ class EnginePrograms:
 
         return ("admit", bucket), admit, args
 
+    def admit_after_prefix_args(self, state: LoopState, slot: int, params: RequestParams, bucket: int,
+                                page_row: Any, start: int) -> tuple:
+        """A prefix-cached admit's arguments: the admit's, and the slots its shared pages hold."""
+        return self.admit_args(state, slot, params, bucket, page_row) + (self.place(np.int32(start)),)
+
+    def admit_after_prefix(self, bucket: int, args: tuple) -> Any:
+        return self._compile(*self.admit_after_prefix_job(bucket, args))
+
+    def admit_after_prefix_job(self, bucket: int, args: tuple) -> tuple[Any, Any, tuple]:
+        """(key, function, arguments) of the prefix-cached admit for this prompt bucket: the
+        row's table starts with shared pages holding the prompt's first `start` slots; only the
+        rest of the prompt runs (one pass of the bucket's width from `start`), then the row starts
+        as after a whole prefill (the drafter reads no captured states: `Engine` checks)."""
+        model, drafter, capacity, axes, top = self.model, self.widest, self.capacity, self.batch_axes, self.top_logprobs
+        depth = self.depth
+
+        def admit_after_prefix(state, slot, target_params, drafter_params, prompt, prompt_length, key, sampling,
+                               max_new, stop_ids, page_row, start):
+            target = Target(target_params, model)
+            cache = empty_paged_row(state.cache, page_row).replace(lengths=start[None])  # the prefix is committed
+            width = prompt.shape[1]
+            positions = start + jnp.arange(width, dtype=jnp.int32)[None]  # [1, W]; past the prompt: padding
+            rest = jnp.take_along_axis(prompt, jnp.minimum(positions, width - 1), axis=1)
+            hidden, _, cache = forward_capturing(target, rest, positions, cache, ())
+            last_hidden = hidden[:, prompt_length[0] - 1 - start]  # [1, H]
+            row = start_state(target, drafter, drafter_params, prompt, prompt_length, last_hidden, None, cache, key,
+                              sampling, max_new, stop_ids, capacity, top)
+            row = with_depth_state(row, depth, None if depth is None else state.depth.costs)
+            merged = merge_row(state, row, slot, axes)
+            return merged.replace(cache=merged.cache.replace(k=row.cache.k, v=row.cache.v))
+
+        return ("admit_after_prefix", bucket), admit_after_prefix, args
+
     # ------------------------------------------------------------------ chunked prefill
     def initial_prefill_rows(self) -> PrefillRows:
         """`prefill_rows` empty rows (each pass starts a new prompt's row from an empty cache)."""
