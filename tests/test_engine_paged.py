@@ -135,12 +135,14 @@ def test_prefix_caching_shares_whole_prompt_pages_and_output_equals_generate(mod
     assert compiles == []
     assert shared_refs == 3  # one page held by three rows at once
     assert engine.pages.shared_hits == 3 and engine.prefill_tokens_saved == 3 * PAGE
+    saved = [f for f in _EngineCollector(engine, "ngram").collect() if f.name == "spec_jax_prefix_cached_tokens"]
+    assert saved[0].samples[0].value == 3 * PAGE  # in /metrics
     assert engine.pages.used == 0 and engine.pages.free == POOL
 
 
 def test_serve_kv_pages_reach_the_engine(monkeypatch):
-    kwargs = serve_engine_kwargs(monkeypatch, ["--kv-pages", "64", "--kv-page-size", "32"])
-    assert (kwargs["kv_pages"], kwargs["kv_page_size"]) == (64, 32)
+    kwargs = serve_engine_kwargs(monkeypatch, ["--kv-pages", "64", "--kv-page-size", "32", "--prefix-caching"])
+    assert (kwargs["kv_pages"], kwargs["kv_page_size"], kwargs["prefix_caching"]) == (64, 32, True)
     assert serve.PAGE_SIZE == paged.PAGE_SIZE
 
 

@@ -112,6 +112,8 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{PREFIX}_kv_pages_used", "KV pages held by requests (--kv-pages)",
                                     value=pages.used)
             yield GaugeMetricFamily(f"{PREFIX}_kv_pages_free", "KV pages free in the pool", value=pages.free)
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cached_tokens", "Prompt tokens read from shared pages "
+                                      "instead of prefilled (--prefix-caching)", value=engine.prefill_tokens_saved)
         chunks = CounterMetricFamily(f"{PREFIX}_chunks", "Chunks of verify steps run at each K (drafts per "
                                      "step; adaptive K's choices)", labels=["k"])
         for k, count in sorted(dict(getattr(engine, "k_chunks", {})).items()):  # a copy: the engine adds to it

@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(2 x layers x KV heads x head size x page size x dtype bytes)")
     p.add_argument("--kv-page-size", type=int, default=PAGE_SIZE, metavar="SLOTS",
                    help=f"with --kv-pages: slots per page, a divisor of 128 (default {PAGE_SIZE})")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="with --kv-pages: a prompt whose leading whole pages are already in the pool (the same "
+                   "system prompt or chat history) shares them instead of prefilling them again (not for "
+                   "drafters that read the target's hidden states, nor recurrent targets)")
     p.add_argument("--k-choices", default=None, metavar="0,2,4",
                    help="the depths --k adaptive chooses from each step (0 = a plain step; default 0, 2, "
                    "about K/2 and K)")
@@ -172,7 +176,7 @@ def build_state(args: argparse.Namespace) -> "ServerState":
                     k=None if not spec.adaptive else AdaptiveDepth(depths=tuple(k_choices) if k_choices else None),
                     mesh=mesh, max_logprobs=None if args.max_logprobs < 0 else args.max_logprobs,
                     prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_rows=args.prefill_rows,
-                    kv_pages=args.kv_pages, kv_page_size=args.kv_page_size)
+                    kv_pages=args.kv_pages, kv_page_size=args.kv_page_size, prefix_caching=args.prefix_caching)
     warm = engine.warmup() if args.warmup else None
     label = spec.label if spec.kind != "none" else "none"
     pages = "" if engine.pages is None else f", KV pool of {engine.pages.num_pages} pages of {engine.pages.page_size}"
