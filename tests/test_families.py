@@ -10,9 +10,6 @@ Two layers keep every compiled loop cheap and still mix a sliding and a full lay
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -127,15 +124,15 @@ def family_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worker_report():
-    """The compile-heavy checks (every speculative case, check_target per family) run once in a
-    fresh process with cheap CPU codegen (tests/families_worker.py; tokens are compared, not
-    speed): each loop compiles in a few seconds instead of ~10."""
-    worker = Path(__file__).parent / "families_worker.py"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def compiled_checks(family_models):
+    """The compile-heavy checks, run once for the tests that assert on them: check_target per
+    family and every speculative case. (They ran in a worker process while only workers had the
+    cheap codegen; conftest gives this process the same flags, so a worker would only import
+    everything and build the family models again.)"""
+    return {
+        "check_target": {name: run_check_target(loaded) for name, (_, _, loaded) in family_models.items()},
+        "speculative": {case_id(*case): run_speculative_case(family_models, *case) for case in SPEC_CASES},
+    }
 
 
 def _hf_forward(model, tokens):
@@ -179,10 +176,10 @@ def run_check_target(loaded) -> list[str]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_builtin_decoder_passes_check_target(worker_report, family):
+def test_builtin_decoder_passes_check_target(compiled_checks, family):
     """check_target(Decoder(cfg), params): prefill + one-token steps equal one full forward (rows
     of different lengths, past the window), rollback by length, a tree pass and commit."""
-    passed = worker_report["check_target"][family]
+    passed = compiled_checks["check_target"][family]
     assert "tree commit" in passed and "positions honoured" in passed, passed
 
 
@@ -317,8 +314,8 @@ def run_speculative_case(models, family, kind, batch) -> dict:
 
 
 @pytest.mark.parametrize("family,kind,batch", SPEC_CASES, ids=[case_id(*c) for c in SPEC_CASES])
-def test_greedy_speculative_equals_ar(worker_report, family, kind, batch):
-    result = worker_report["speculative"][case_id(family, kind, batch)]
+def test_greedy_speculative_equals_ar(compiled_checks, family, kind, batch):
+    result = compiled_checks["speculative"][case_id(family, kind, batch)]
     assert result["ours"] == result["transformers"]
     if kind == "draft":  # the noisy copy of the target agrees with it on some drafts
         assert result["accepted"] > 0
