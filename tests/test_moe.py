@@ -194,7 +194,8 @@ def test_fused_expert_checkpoints_load_and_match_transformers(tmp_path):
     Mixtral's `mlp.experts.gate_up_proj` [E, 2F, H] and `down_proj` [E, H, F], Mixtral's router as
     `mlp.gate`; gpt-oss's [E, H, 2F] gate/up interleaved either way) load to the params of the
     per-expert checkpoint, give transformers' logits, and save per expert (which transformers and
-    we read back). A fused tensor whose shape does not fit the config is named with both shapes."""
+    we read back); Qwen2-MoE's (test above), Qwen3.5-MoE's and Qwen3-Next's load to the per-expert
+    params too. A fused tensor whose shape does not fit the config is named with both shapes."""
     from safetensors.numpy import load_file, save_file
 
     import test_families as tf
@@ -224,6 +225,14 @@ def test_fused_expert_checkpoints_load_and_match_transformers(tmp_path):
         with torch.no_grad():
             reloaded = type(model).from_pretrained(resaved).eval()
             np.testing.assert_allclose(reloaded(torch.tensor(tokens)).logits.numpy(), expected, atol=1e-5)
+
+    import test_qwen3_5  # Qwen3.5-MoE and Qwen3-Next (hybrid recurrent): the same fused names
+
+    for family in ("qwen3_5_moe", "qwen3_next"):
+        model = test_qwen3_5.hf_model(family)
+        model.save_pretrained(tmp_path / family / "fused", save_original_format=False)
+        model.save_pretrained(tmp_path / family / "split")
+        _assert_same_params(load_hf_dir(tmp_path / family / "fused"), load_hf_dir(tmp_path / family / "split"))
 
     # Qwen3-MoE's layer 1: 8 experts of width 32 over hidden 64. Too few experts, then gate rows only.
     tensors = load_file(tmp_path / "qwen3_moe" / "fused" / "model.safetensors")

@@ -135,6 +135,8 @@ _FUSED_LAYER_NAMES = {
     "qwen3_moe": _FUSED_EXPERTS,
     "qwen2_moe": _FUSED_EXPERTS,
     "mixtral": _FUSED_EXPERTS + (HFWeight("router", "mlp.gate.weight", 1),),
+    "qwen3_5": _FUSED_EXPERTS,  # Qwen3.5-MoE
+    "qwen3_next": _FUSED_EXPERTS,
 }
 FUSED_EXPERTS_MARK = "mlp.experts.gate_up_proj"  # the tensor that tells a fused checkpoint
 
