@@ -305,3 +305,21 @@ def test_info_and_roofline_count_the_routed_experts(capsys):
     cfg = preset_config("qwen3-30b-a3b", "bfloat16")
     assert weight_bytes_read(cfg, 2 * info["params"], 1) == pytest.approx(info["weight_bytes_per_step"])
     assert weight_bytes_read(preset_config("qwen3-8b"), 1000, 16) == 1000  # dense: every weight
+
+
+def test_a_drafter_named_for_a_moe_target_takes_the_measured_k():
+    """Without a K, a drafter on a MoE target runs at most the measured table's K for the backend
+    (CPU: 3, a chain; a backend with no MoE curve measured: the drafter's own); a K the caller
+    names wins, and a dense target keeps the drafter's own K. No compile."""
+    from spec_jax.checkpoints import LoadedModel
+    from spec_jax.checkpoints.shipped import load_drafter, moe_target_choice
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=H, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, moe=MoeConfig(8, 2, 32))
+    moe_target, dense_target = (LoadedModel(c, None, None, None, "test") for c in (cfg, cfg.replace(moe=None)))
+    assert moe_target_choice("cpu")[:2] == (3, 0) and moe_target_choice("gpu")[:2] == (None, 0)
+    assert jax.default_backend() == "cpu"
+    for kind in ("ngram", "self"):  # their own K: 4
+        assert load_drafter(kind, moe_target)[0].k == 3
+        assert load_drafter(kind, moe_target, k=6)[0].k == 6
+        assert load_drafter(kind, dense_target)[0].k == 4

@@ -64,6 +64,8 @@ def load_drafter(kind: str, target: LoadedModel, path: str | None = None, k: int
         own = registry.resolve(entry.in_target)(target) if entry.in_target else None
         path = str(own if own is not None else shipped_drafter_path(entry.name, target))
     drafter, params = entry.loader()(target, path, entry.default_k if k is None else k)
+    if k is None:
+        drafter = moe_target_k(drafter, target)
     if front == registry.LOOKUP:
         from spec_jax.drafters.lookup import LookupFirstDrafter
 
@@ -165,6 +167,30 @@ def default_tree_choice(
     decoding mode and batch size, from the measured table (`table`, default the shipped one)."""
     entry = measured_entry((table or measured_defaults())["tree"], _backend(backend), temperature, batch_size)
     return entry["tree"], entry["why"]
+
+
+def moe_target_choice(backend: str | None = None, table: dict | None = None) -> tuple[int | None, int, str]:
+    """(largest K, tree budget, reason) for a drafter on a mixture-of-experts target when the
+    caller names no K (None: the drafter's own) and no tree, per backend, from the measured table:
+    a MoE verify pass reads the union of its tokens' experts, so it costs more per token than a
+    dense model's (benchmarks/RESULTS.md, Issue 43). One entry per backend: the cost is the
+    target's, whatever the decoding mode."""
+    section = (table or measured_defaults())["moe_target"]
+    entry = section["backends"].get(_backend(backend), section["unmeasured"])
+    return entry["max_k"], entry["tree"], entry["why"]
+
+
+def moe_target_k(drafter: Any, target: LoadedModel, backend: str | None = None) -> Any:
+    """`drafter` with its K cut to `moe_target_choice`'s largest K when `target` is a
+    mixture-of-experts model; any other drafter or target unchanged."""
+    if drafter is None or getattr(target.cfg, "moe", None) is None:
+        return drafter
+    max_k, _, _ = moe_target_choice(backend=backend)
+    if max_k is None or drafter.k <= max_k:
+        return drafter
+    from spec_jax.decoding.generate import with_k
+
+    return with_k(drafter, max_k)
 
 
 def default_drafter_choice(
