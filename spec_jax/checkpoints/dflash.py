@@ -28,11 +28,11 @@ from spec_jax.checkpoints.hf import (
     HFWeight,
     SafetensorsFiles,
     check_hf_tensors,
-    check_vocab_map,
     expected_hf_layer_shapes,
     from_hf,
     hf_shape,
     read_config_json,
+    read_vocab_map,
     refuse_to_clobber,
     resolve_hf_dir,
     layers_from_hf,
@@ -310,10 +310,10 @@ def load_dflash(
         if cfg.draft_vocab_size:
             w = DRAFT_HEAD
             params[w.name] = from_hf(get_tensor(w.hf_name), specs[w.name].shape, w.in_axes)
-            d2t = files.get_tensor(original_of["d2t"], None).astype(np.int64)
-            t2d = files.get_tensor(original_of["t2d"], None).astype(bool)  # required by check_hf_tensors
-            check_vocab_map(d2t, t2d, cfg.vocab_size, f"{directory} (DFlash drafter)")
-            params["d2t"] = d2t.astype(np.int32)
+            # d2t and t2d are both there (check_hf_tensors requires them with a draft vocabulary).
+            params["d2t"] = read_vocab_map(lambda name, as_dtype: files.get_tensor(original_of[name], as_dtype),
+                                           original_of, cfg.draft_vocab_size, cfg.vocab_size,
+                                           f"{directory} (DFlash drafter)")
     check_params_match_specs(params, specs, what=f"DFlash checkpoint {directory}")
     return DFlashDrafter(cfg, k=k), params
 

@@ -30,13 +30,13 @@ from spec_jax.checkpoints.errors import CheckpointError
 from spec_jax.checkpoints.hf import (
     SafetensorsFiles,
     check_hf_tensors,
-    check_vocab_map,
     expected_hf_layer_shapes,
     from_hf,
     hf_shape,
     layers_from_hf,
     layers_to_hf,
     read_config_json,
+    read_vocab_map,
     refuse_to_clobber,
     resolve_hf_dir,
     to_hf,
@@ -186,10 +186,7 @@ def load_eagle3(
                 params[key] = from_hf(get(name), specs[key].shape, in_axes)
         if "fc_norms" in specs:
             params["fc_norms"] = [get(f"fc_norm.{i}.weight") for i in range(len(specs["fc_norms"]))]
-        d2t = get("d2t", None).astype(np.int64) if "d2t" in available else np.zeros(cfg.draft_vocab_size, np.int64)
-        t2d = get("t2d", None).astype(bool) if "t2d" in available else None
-        check_vocab_map(d2t, t2d, cfg.layer.vocab_size, source)
-        params["d2t"] = d2t.astype(np.int32)
+        params["d2t"] = read_vocab_map(get, available, cfg.draft_vocab_size, cfg.layer.vocab_size, source)
     check_params_match_specs(params, specs, what=source)
     return Eagle3Drafter(cfg, k=k), params
 

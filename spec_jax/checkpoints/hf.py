@@ -18,7 +18,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -527,6 +527,19 @@ def check_vocab_map(d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int, so
         problems.append("t2d does not mark exactly the target ids that d2t maps to")
     if problems:
         raise CheckpointError(f"{source}: inconsistent vocabulary map ({'; '.join(problems)}); re-export it.")
+
+
+def read_vocab_map(
+    get_tensor: Callable[[str, Any], np.ndarray], names: Container[str], draft_vocab_size: int, vocab_size: int,
+    source: str,
+) -> np.ndarray:
+    """A speculators drafter's vocabulary map from its `d2t` / `t2d` tensors (`get_tensor(name,
+    None)`; `names`: those it has), checked (`check_vocab_map`): the d2t offsets as int32. No d2t
+    is the identity map (zero offsets); no t2d leaves d2t to check alone."""
+    d2t = get_tensor("d2t", None).astype(np.int64) if "d2t" in names else np.zeros(draft_vocab_size, np.int64)
+    t2d = get_tensor("t2d", None).astype(bool) if "t2d" in names else None
+    check_vocab_map(d2t, t2d, vocab_size, source)
+    return d2t.astype(np.int32)
 
 
 def vocab_map_tensors(d2t: Any, vocab_size: int) -> dict[str, np.ndarray]:
