@@ -126,11 +126,13 @@ def test_grown_drafter_starts_as_the_saved_one(setup, kind):
     assert len(grown["layers"]) == 3 and _tree_equal(grown["layers"][0], shallow["layers"][0])
     batch = next(_batches(data, features, CFG)(0))
     key = jax.random.key(5)
-    before = shallow_loss(shallow, target_params, batch, key)
-    after = deep_loss(jax.tree_util.tree_map(jnp.asarray, grown), target_params, batch, key)
+    # Under jit, as the train step runs them (eagerly each op of the losses compiles on its own).
+    before = jax.jit(shallow_loss)(shallow, target_params, batch, key)
+    after = jax.jit(deep_loss)(jax.tree_util.tree_map(jnp.asarray, grown), target_params, batch, key)
     np.testing.assert_allclose(float(after[0]), float(before[0]), rtol=1e-6)
     np.testing.assert_allclose(float(after[1]["accuracy"]), float(before[1]["accuracy"]))
-    grads = jax.grad(lambda p: deep_loss(p, target_params, batch, key)[0])(jax.tree_util.tree_map(jnp.asarray, grown))
+    grads = jax.jit(jax.grad(lambda p, t, b, k: deep_loss(p, t, b, k)[0]))(
+        jax.tree_util.tree_map(jnp.asarray, grown), target_params, batch, key)
     assert float(jnp.abs(grads["layers"][2]["w_down"]).max()) > 0
 
 
