@@ -239,7 +239,8 @@ def test_fused_expert_checkpoints_load_and_match_transformers(tmp_path):
     name = "model.layers.1.mlp.experts.gate_up_proj"
     for bad, shape in ((tensors[name][:4], "(4, 64, 64)"), (tensors[name][:, :32], "(8, 32, 64)")):
         save_file({**tensors, name: np.ascontiguousarray(bad)}, tmp_path / "qwen3_moe" / "fused" / "model.safetensors")
-        with pytest.raises(CheckpointError, match=re.escape(f"gate_up_proj: config implies (8, 64, 64), file has {shape}")):
+        message = f"gate_up_proj: config implies (8, 64, 64), file has {shape}"
+        with pytest.raises(CheckpointError, match=re.escape(message)):
             load_hf_dir(tmp_path / "qwen3_moe" / "fused")
 
 
