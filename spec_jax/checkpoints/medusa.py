@@ -21,13 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from spec_jax.checkpoints.errors import CheckpointError
-from spec_jax.checkpoints.hf import (
-    named_hf_tensors,
-    read_config_json,
-    read_named_tensors,
-    save_dir,
-    write_checkpoint_dir,
-)
+from spec_jax.checkpoints.hf import named_hf_tensors, read_config_json, read_named_tensors, save_dir, write_checkpoint_dir
 from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, medusa_weight_specs
 from spec_jax.models.weights import check_params_match_specs
 
