@@ -105,8 +105,15 @@ def model_length_and_capacity(max_model_len: Any, pass_max: int, max_positions: 
     return max_model_len, min(capacity, max_positions)
 
 
-def check_paged(model: Any, kv_pages: Any, page_size: Any, mesh: Any, prefill_chunk_tokens: Any) -> None:
-    """A paged engine's settings (`kv_pages`), checked before anything compiles."""
+def check_cache_options(model: Any, drafter: Drafter | None, mesh: Any, prefill_chunk_tokens: Any, kv_pages: Any,
+                        page_size: Any, prefix_caching: bool) -> None:
+    """Chunked prefill and the paged cache's settings (`kv_pages`, `prefix_caching`), checked
+    before anything compiles."""
+    if prefill_chunk_tokens is not None and mesh is not None:
+        raise ValueError("chunked prefill (prefill_chunk_tokens) does not run on a mesh yet; "
+                         "leave prefill_chunk_tokens unset with mesh=.")
+    if prefix_caching and kv_pages is None:
+        raise ValueError("prefix_caching shares KV pages: give kv_pages too (spec-jax serve --kv-pages N).")
     if kv_pages is None:
         return
     validation.check_int("kv_pages", kv_pages, minimum=1)
@@ -123,20 +130,13 @@ def check_paged(model: Any, kv_pages: Any, page_size: Any, mesh: Any, prefill_ch
     if not callable(getattr(model, "init_paged_cache", None)):
         raise ValueError(f"kv_pages needs a target whose cache can be paged; {type(model).__name__} offers no "
                          "`init_paged_cache` (spec_jax's own decoder does): leave kv_pages unset for this target.")
-
-
-def check_prefix_caching(kv_pages: Any, drafter: Drafter | None, cache: Any) -> None:
-    """Prefix caching's settings, checked before anything compiles: the pages it shares hold
-    keys/values only, so the drafter may read no captured hidden states of the prompt and the
-    target may keep no recurrent state (neither is cached with them)."""
-    if kv_pages is None:
-        raise ValueError("prefix_caching shares KV pages: give kv_pages too (spec-jax serve --kv-pages N).")
-    if drafter is not None and drafter.capture_layers:
-        raise ValueError(f"prefix caching keeps the prompt's keys/values only, and {type(drafter).__name__} starts "
-                         "from the prompt's captured hidden states; leave prefix_caching off with this drafter.")
-    if getattr(cache, "conv", ()):
-        raise ValueError("prefix caching keeps keys/values only, and this target's recurrent layers keep a state "
-                         "per row; leave prefix_caching off with it.")
+    if prefix_caching:  # the shared pages hold keys/values only: nothing else of the prompt is cached
+        if drafter is not None and drafter.capture_layers:
+            raise ValueError(f"prefix caching keeps the prompt's keys/values only, and {type(drafter).__name__} "
+                             "starts from the prompt's captured hidden states; leave prefix_caching off with it.")
+        if jax.eval_shape(lambda: model.init_paged_cache(1, page_size, 1, page_size)).conv:
+            raise ValueError("prefix caching keeps keys/values only, and this target's recurrent layers keep a "
+                             "state per row; leave prefix_caching off with it.")
 
 
 class Engine:
@@ -214,10 +214,7 @@ class Engine:
         self.max_logprobs = max_logprobs
         validation.check_mesh(mesh)
         self.prefill_plan = None if prefill_chunk_tokens is None else PrefillPlan(prefill_chunk_tokens, prefill_rows)
-        if self.prefill_plan is not None and mesh is not None:
-            raise ValueError("chunked prefill (prefill_chunk_tokens) does not run on a mesh yet; "
-                             "leave prefill_chunk_tokens unset with mesh=.")
-        check_paged(self.model, kv_pages, kv_page_size, mesh, prefill_chunk_tokens)
+        check_cache_options(self.model, drafter, mesh, prefill_chunk_tokens, kv_pages, kv_page_size, prefix_caching)
         drafter_params = with_store(drafter, drafter_params)
         validation.check_drafter_params(drafter, drafter_params)
         # A suffix drafter's store of finished requests' text: one per engine, read by every chunk.
@@ -241,19 +238,11 @@ class Engine:
             if d is not None:
                 d.validate(self.model, self.capacity)
         self.programs = EnginePrograms(self.model, self.drafters, resolved.params, drafter_params,
-                                       capacity=self.capacity, slots=self.slots, mesh=mesh,
-                                       sharding_rules=sharding_rules, top_logprobs=max_logprobs,
+                                       capacity=self.capacity, slots=self.slots, mesh=mesh, kv_pages=kv_pages,
+                                       sharding_rules=sharding_rules, top_logprobs=max_logprobs, page_size=kv_page_size,
                                        depth=None if self.depth is None else self.depth.static(),
-                                       prefill_rows=None if self.prefill_plan is None else self.prefill_plan.rows,
-                                       kv_pages=kv_pages, page_size=kv_page_size)
-        # Paged: the pool, and the most slots one chunk can write past a row's committed tokens.
-        self.pages = None if kv_pages is None else PagePool(kv_pages, kv_page_size, self.slots,
-                                                             self.capacity // kv_page_size, prefix_caching)
-        if prefix_caching:
-            check_prefix_caching(kv_pages, drafter, self.programs.abstract.cache)
-        self.prefill_tokens_saved = 0  # prompt tokens prefix caching did not prefill again
-        self.chunk_overshoot = self.chunk_steps * (pass_max + 1)
-        self._row_lengths = np.zeros((self.slots,), np.int64)  # each row's tokens at the last read
+                                       prefill_rows=None if self.prefill_plan is None else self.prefill_plan.rows)
+        self._init_pages(kv_pages, kv_page_size, prefix_caching, pass_max)
         depth_costs = None
         if self.depth is not None:
             depth_costs = self.depth.costs or self._measure_depth_costs(target, drafter, drafter_params)
@@ -271,6 +260,15 @@ class Engine:
         self.depth_counts: collections.Counter[int] = collections.Counter()  # steps run per depth (adaptive)
         self.positions = PositionTotals()  # drafts offered and accepted per position (/metrics)
         self.prefill_passes: collections.Counter[tuple[int, int]] = collections.Counter()  # passes run per [r, W]
+
+    def _init_pages(self, kv_pages: int | None, page_size: int, prefix_caching: bool, pass_max: int) -> None:
+        """The paged cache's host side: the pool (None: dense caches), the most slots one chunk can
+        write past a row's committed tokens, each row's tokens at the last read."""
+        self.pages = None if kv_pages is None else PagePool(kv_pages, page_size, self.slots,
+                                                             self.capacity // page_size, prefix_caching)
+        self.prefill_tokens_saved = 0  # prompt tokens prefix caching did not prefill again
+        self.chunk_overshoot = self.chunk_steps * (pass_max + 1)
+        self._row_lengths = np.zeros((self.slots,), np.int64)
 
     def _measure_depth_costs(self, target: Any, drafter: Drafter, drafter_params: Any) -> tuple[float, ...]:
         """Each depth's step time at this engine's batch and capacity, as `generate` measures it

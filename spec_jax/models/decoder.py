@@ -544,6 +544,15 @@ def forward(
     return lm_head(params, cfg, hidden), captured, cache
 
 
+def checked_capture(cfg: ModelConfig, capture: Sequence[int]) -> tuple[int, ...]:
+    """The capture ids as a tuple; a ValueError for one outside the model's layers."""
+    capture = tuple(capture)
+    for layer_id in capture:
+        if not 0 <= layer_id < cfg.num_layers:
+            raise ValueError(f"capture layer {layer_id} outside the model's {cfg.num_layers} layers")
+    return capture
+
+
 def forward_hidden(
     params: Params,
     cfg: ModelConfig,
@@ -562,10 +571,7 @@ def forward_hidden(
     in `capture` (HF `hidden_states[id + 1]`), concatenated as [B, T, len(capture) * H], or None;
     and the cache with this pass written and `lengths` unchanged (see `commit`).
     """
-    capture = tuple(capture)
-    for layer_id in capture:
-        if not 0 <= layer_id < cfg.num_layers:
-            raise ValueError(f"capture layer {layer_id} outside the model's {cfg.num_layers} layers")
+    capture = checked_capture(cfg, capture)
     t = tokens.shape[1]
     positions = positions.astype(jnp.int32)
     head_dims = [cfg.layer_head_dim(i) for i in range(cfg.num_layers)]
