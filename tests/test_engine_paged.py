@@ -13,17 +13,20 @@ import numpy as np
 import pytest
 from conftest import make_prompts
 from test_engine import MAX_NEW, PROMPTS, alone, backend_compiles, serve_engine_kwargs  # noqa: F401 (alone: a fixture)
+from tiny_configs import TINY_DFLASH
 
 from spec_jax.app import serve
 from spec_jax.app.metrics import _EngineCollector
 from spec_jax.decoding.engine import Engine
 from spec_jax.decoding.generate import generate
 from spec_jax.decoding.pages import PagePool
+from spec_jax.drafters.dflash import DFlashDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models import paged
 from spec_jax.models.attention import attend_cache_and_pass
 from spec_jax.models.config import GLOBAL_WINDOW
 from spec_jax.models.interface import chain_mask
+from spec_jax.sharding import make_mesh
 
 K = 3
 PAGE = 8  # a divisor of the 128-slot block: a row of capacity 128 spans 16 pages, a prompt of 16 two
@@ -208,6 +211,10 @@ def test_paged_engine_settings_are_checked(models):
         Engine(models.target, slots=2, max_model_len=48, kv_pages=4, prefill_chunk_tokens=32)
     with pytest.raises(ValueError, match="give kv_pages too"):
         Engine(models.target, slots=2, max_model_len=48, prefix_caching=True)
+    with pytest.raises(ValueError, match="does not run on a mesh"):
+        Engine(models.target, slots=2, max_model_len=48, kv_pages=4, mesh=make_mesh("data=1"))
+    with pytest.raises(ValueError, match="captured hidden states"):  # DFlash starts from them: not cached
+        Engine(models.target, DFlashDrafter(TINY_DFLASH, 4), None, slots=2, kv_pages=4, prefix_caching=True)
     engine = Engine(models.target, slots=2, max_model_len=100, kv_pages=1, kv_page_size=PAGE)
     with pytest.raises(ValueError, match="raise kv_pages"):
         engine.submit([1, 2, 3], max_new_tokens=90)
