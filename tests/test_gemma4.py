@@ -164,8 +164,8 @@ def test_multimodal_checkpoint_loads_its_text_decoder(gemma4, tmp_path):
 
 def test_refused_configs_name_the_reason():
     base = tiny_gemma4_config().to_dict()
-    with pytest.raises(ValueError, match="MoE variant"):
-        ModelConfig.from_hf_config({**base, "enable_moe_block": True})
+    with pytest.raises(ValueError, match="needs num_experts, top_k_experts, moe_intermediate_size"):
+        ModelConfig.from_hf_config({**base, "enable_moe_block": True})  # the MoE variant without its shape
     for rope_type in ("linear", "yarn"):  # yarn stays gpt-oss's alone
         with pytest.raises(ValueError, match=f"rope_type '{rope_type}'"):
             ModelConfig.from_hf_config({**base, "rope_parameters": {

@@ -80,6 +80,17 @@ GEMMA4_LAYER: tuple[HFWeight, ...] = GEMMA3_LAYER + (
     HFWeight("per_layer_proj", "per_layer_projection.weight", 1),  # [H, P] -> [P, H]
     HFWeight("per_layer_norm", "post_per_layer_input_norm.weight", 0),
     HFWeight("layer_scalar", "layer_scalar", 0),  # [1]
+    # The MoE variant (26B-A4B): router and experts beside the dense `mlp`, outside it, the experts
+    # always fused as transformers holds them ([E, 2F, H] gate then up rows; [E, H, F]).
+    HFWeight("router", "router.proj.weight", 1),  # [E, H] -> [H, E]
+    HFWeight("router_norm", "router.scale", 0),  # [H]
+    HFWeight("router_expert_scale", "router.per_expert_scale", 0),  # [E]
+    HFWeight("experts_w_gate", "experts.gate_up_proj", EXPERTS_T, half=0),  # [E, 2F, H] -> [E, H, F]
+    HFWeight("experts_w_up", "experts.gate_up_proj", EXPERTS_T, half=1),
+    HFWeight("experts_w_down", "experts.down_proj", EXPERTS_T),  # [E, H, F] -> [E, F, H]
+    HFWeight("mlp_out_norm", "post_feedforward_layernorm_1.weight", 0),
+    HFWeight("experts_norm", "pre_feedforward_layernorm_2.weight", 0),
+    HFWeight("experts_out_norm", "post_feedforward_layernorm_2.weight", 0),
 )
 
 # Qwen3.5 / Qwen3-Next: the plain names on the gated full-attention layers (q_proj holds [query,

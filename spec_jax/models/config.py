@@ -86,7 +86,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 # The experts' gated activations `spec_jax.models.moe.expert_activation` implements.
-EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu", "gelu_tanh")
 # How the router turns logits into top-k weights (see MoeConfig.router_scoring).
 ROUTER_SCORINGS = ("softmax", "topk_softmax")
 
@@ -107,7 +107,15 @@ class MoeConfig:
     router_bias, expert_bias: the router and the experts' projections carry biases (gpt-oss)
     expert_activation: the experts' gated activation (one of EXPERT_ACTIVATIONS); gpt-oss's
                       "clamped_swiglu" is (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
-                      with g = min(gate, limit), `swiglu_alpha` and `swiglu_limit`
+                      with g = min(gate, limit), `swiglu_alpha` and `swiglu_limit`; Gemma 4's
+                      "gelu_tanh" is gelu_tanh(gate) * up
+    router_input_norm: the router reads RMSNorm(x) (no weight) times a learned scale [H] and
+                      hidden_size ** -0.5, and each chosen expert's weight is then multiplied by
+                      a learned per-expert scale [E] (Gemma 4)
+    beside_dense_mlp: the layer keeps its dense MLP and runs the experts next to it: the router and
+                      the experts read the residual stream (the experts through a norm of their
+                      own), each branch's output has its own norm, and their sum goes on through
+                      the layer's post-MLP norm (Gemma 4; `decoder.feed_forward`)
     """
 
     num_experts: int
@@ -123,6 +131,8 @@ class MoeConfig:
     expert_activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    router_input_norm: bool = False
+    beside_dense_mlp: bool = False
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -815,14 +825,13 @@ GEMMA4_TEXT_DEFAULTS = {
 
 def _gemma4_from_hf(cls, hf: Mapping[str, Any], dtype: str) -> ModelConfig:
     """Gemma 4 text: a Gemma4ForCausalLM config, or the `text_config` of a
-    Gemma4ForConditionalGeneration one (dense variants; the MoE one is refused)."""
+    Gemma4ForConditionalGeneration one (dense variants and the MoE one, 26B-A4B)."""
     outer: Mapping[str, Any] = {}
     if "text_config" in hf or hf.get("model_type") == "gemma4":
         outer = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None}
         hf = hf.get("text_config") or {}
     hf = {**GEMMA4_TEXT_DEFAULTS, **outer, **{k: v for k, v in hf.items() if v is not None or k not in outer}}
     refused = {
-        "enable_moe_block": "the MoE variant (26B-A4B) is not supported yet (the MoE issue adds it)",
         "use_bidirectional_attention": "bidirectional attention (an encoder config) is not a causal LM target",
         "attention_bias": "spec_jax's Gemma 4 layers have no attention biases",
     }
@@ -889,6 +898,23 @@ def _gemma4_from_hf(cls, hf: Mapping[str, Any], dtype: str) -> ModelConfig:
         layer_scalar=True,
         per_layer_input_size=per_layer_input_size,
         per_layer_vocab_size=int(hf["vocab_size_per_layer_input"]) if per_layer_input_size else 0,
+        moe=_gemma4_moe_from_hf(hf),
+    )
+
+
+def _gemma4_moe_from_hf(hf: Mapping[str, Any]) -> MoeConfig | None:
+    """Gemma 4's MoE block (26B-A4B, `enable_moe_block`): on every layer, `num_experts` GeGLU
+    experts of width `moe_intermediate_size` beside the dense MLP, softmax router, top
+    `top_k_experts` renormalised then scaled per expert (transformers' Gemma4TextRouter)."""
+    if not hf.get("enable_moe_block"):
+        return None
+    missing = [f for f in ("num_experts", "top_k_experts", "moe_intermediate_size") if not hf.get(f)]
+    if missing:
+        raise ValueError(f"enable_moe_block=True needs {', '.join(missing)} in config.json (the MoE block's shape).")
+    return MoeConfig(
+        num_experts=int(hf["num_experts"]), top_k=int(hf["top_k_experts"]),
+        expert_intermediate_size=int(hf["moe_intermediate_size"]), normalize_top_k=True,
+        expert_activation="gelu_tanh", router_input_norm=True, beside_dense_mlp=True,
     )
 
 
@@ -946,8 +972,11 @@ def _gemma4_to_hf(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
         use_double_wide_mlp=cfg.double_wide_mlp,
         hidden_size_per_layer_input=cfg.per_layer_input_size,
         vocab_size_per_layer_input=cfg.per_layer_vocab_size or cfg.vocab_size,
-        enable_moe_block=False,
+        enable_moe_block=cfg.moe is not None,
     )
+    if cfg.moe is not None:
+        hf.update(num_experts=cfg.moe.num_experts, top_k_experts=cfg.moe.top_k,
+                  moe_intermediate_size=cfg.moe.expert_intermediate_size)
     return hf
 
 

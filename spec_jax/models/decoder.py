@@ -319,6 +319,23 @@ def mlp(lp: Params, x: jax.Array, activation: str = "silu") -> jax.Array:
     return einsum("btf,fh->bth", activate(gate, activation) * up, lp["w_down"])
 
 
+def feed_forward(lp: Params, x: jax.Array, h: jax.Array, eps: float, style: "LayerStyle") -> jax.Array:
+    """A layer's feed-forward output for the residual stream x [B, T, H] and its MLP norm h: the
+    dense MLP, or (its weights have a router) the MoE block in its place, or with Gemma 4's
+    `experts_norm` both side by side (`MoeConfig.beside_dense_mlp`)."""
+    if "router" not in lp:
+        return mlp(lp, h, style.activation)
+    if "experts_norm" not in lp:
+        return moe_block(lp, h, style.moe)
+    # Gemma 4: the router and the experts read the residual stream, not h; each branch has its own
+    # output norm (transformers' Gemma4TextDecoderLayer / Gemma4TextRouter).
+    offset = style.norm_offset
+    dense = rms_norm(mlp(lp, h, style.activation), lp["mlp_out_norm"], eps, offset)
+    router_x = rms_norm(x, None, eps) * (lp["router_norm"] * x.shape[-1] ** -0.5).astype(x.dtype)
+    routed = moe_block(lp, rms_norm(x, lp["experts_norm"], eps, offset), style.moe, router_x=router_x)
+    return dense + rms_norm(routed, lp["experts_out_norm"], eps, offset)
+
+
 def per_layer_branch(lp: Params, x: jax.Array, per_layer_input: jax.Array, eps: float, style: "LayerStyle") -> jax.Array:
     """Gemma 4's per-layer-embedding branch: norm(proj(act(gate(x)) * per_layer_input)),
     x [B, T, H], per_layer_input [B, T, P] -> [B, T, H] (added to the residual)."""
@@ -384,8 +401,7 @@ def decoder_layer(
         x = x + out.astype(x.dtype)
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp["mlp_norm"], eps, offset)
-        # A MoE layer (its weights have a router) runs the experts in place of the dense MLP.
-        out = moe_block(lp, h, style.moe) if "router" in lp else mlp(lp, h, style.activation)
+        out = feed_forward(lp, x, h, eps, style)
         if "post_mlp_norm" in lp:
             out = rms_norm(out, lp["post_mlp_norm"], eps, offset)
         x = x + out.astype(x.dtype)

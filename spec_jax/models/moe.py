@@ -9,6 +9,8 @@ static settings are the model's `MoeConfig` (`spec_jax.models.config`), carried 
   experts_w_down  [E, F, H]   (+ experts_b_gate / _b_up [E, F], experts_b_down [E, H])
   shared_w_gate / shared_w_up [H, Fs], shared_w_down [Fs, H] (+ shared_gate [H, 1]): a dense
                   expert every token runs, scaled by sigmoid(x @ shared_gate) (Qwen2-MoE)
+  router_norm [H], router_expert_scale [E]: Gemma 4's router input scale and per-expert weight
+                  scale (`MoeConfig.router_input_norm`; the norm itself is `decoder.feed_forward`'s)
 
 Routing is per token: softmax over the router's logits, the top k, renormalised to sum 1 or not
 (`MoeConfig.normalize_top_k`); or gpt-oss's order, the top k logits then a softmax over them.
@@ -90,6 +92,8 @@ def route(lp: Params, x: jax.Array, moe: MoeConfig) -> tuple[jax.Array, jax.Arra
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), moe.top_k)
     if moe.normalize_top_k:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if "router_expert_scale" in lp:  # Gemma 4: after renormalising, so the weights need not sum 1
+        weights = weights * jnp.take(lp["router_expert_scale"].astype(jnp.float32), experts)
     return weights, experts.astype(jnp.int32)
 
 
@@ -101,6 +105,8 @@ def expert_activation(gate: jax.Array, up: jax.Array, moe: MoeConfig) -> jax.Arr
         gate = jnp.minimum(gate, moe.swiglu_limit)
         up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
         return gate * jax.nn.sigmoid(gate * moe.swiglu_alpha) * (up + 1)
+    if moe.expert_activation == "gelu_tanh":  # Gemma 4's GeGLU experts
+        return jax.nn.gelu(gate, approximate=True) * up
     raise ValueError(f"expert activation {moe.expert_activation!r} has no implementation in moe.py")
 
 
@@ -184,12 +190,14 @@ def routed_experts(
     return einsum("nkh,nk->nh", out.astype(jnp.float32), weights)
 
 
-def moe_block(lp: Params, x: jax.Array, moe: MoeConfig, path: str | None = None) -> jax.Array:
-    """The MoE feed-forward of one layer: x [B, T, H] (normed) -> [B, T, H]."""
+def moe_block(lp: Params, x: jax.Array, moe: MoeConfig, path: str | None = None,
+              router_x: jax.Array | None = None) -> jax.Array:
+    """The MoE feed-forward of one layer: x [B, T, H] (normed) -> [B, T, H]. `router_x` [B, T, H]:
+    what the router reads when it is not x (Gemma 4's router has its own norm of the residual)."""
     b, t, h = x.shape
     tokens = x.reshape(b * t, h)
     with jax.named_scope("router"):
-        weights, experts = route(lp, tokens, moe)
+        weights, experts = route(lp, tokens if router_x is None else router_x.reshape(b * t, h), moe)
     with jax.named_scope("experts"):
         out = routed_experts(lp, tokens, weights, experts, moe, path).reshape(b, t, h)
     if "shared_w_gate" in lp:

@@ -169,19 +169,27 @@ def delta_net_layer_specs(cfg: ModelConfig, norm_init: str) -> dict[str, WeightS
 
 def moe_layer_specs(cfg: ModelConfig, layer: int, specs: dict[str, WeightSpec]) -> dict[str, WeightSpec]:
     """Layer `layer`'s weights with the MoE block (`spec_jax.models.moe`) in place of the dense
-    MLP, unless it is one of `cfg.moe.dense_layers`. Experts are stacked on a leading `expert`
-    axis; the router is replicated."""
+    MLP (beside it with `beside_dense_mlp`, Gemma 4), unless it is one of `cfg.moe.dense_layers`.
+    Experts are stacked on a leading `expert` axis; the router is replicated."""
     moe = cfg.moe
     if not moe.is_moe_layer(layer):
         return specs
     H, E, F = cfg.hidden_size, moe.num_experts, moe.expert_intermediate_size
-    specs = {name: spec for name, spec in specs.items() if name not in ("w_gate", "w_up", "w_down")}
+    if not moe.beside_dense_mlp:
+        specs = {name: spec for name, spec in specs.items() if name not in ("w_gate", "w_up", "w_down")}
     specs["router"] = WeightSpec((H, E), ("embed", None))
     specs["experts_w_gate"] = WeightSpec((E, H, F), ("expert", "embed", "mlp"))
     specs["experts_w_up"] = WeightSpec((E, H, F), ("expert", "embed", "mlp"))
     specs["experts_w_down"] = WeightSpec((E, F, H), ("expert", "mlp", "embed"))
     if moe.router_bias:
         specs["router_bias"] = WeightSpec((E,), (None,), "zeros")
+    if moe.router_input_norm:
+        specs["router_norm"] = WeightSpec((H,), (None,), "ones")
+        specs["router_expert_scale"] = WeightSpec((E,), (None,), "ones")
+    if moe.beside_dense_mlp:  # the dense MLP's output norm, the experts' input and output norms
+        norm_init = "zeros" if cfg.norm_offset == 1.0 else "ones"
+        for name in ("mlp_out_norm", "experts_norm", "experts_out_norm"):
+            specs[name] = WeightSpec((H,), (None,), norm_init)
     if moe.expert_bias:
         specs["experts_b_gate"] = WeightSpec((E, F), ("expert", "mlp"), "zeros")
         specs["experts_b_up"] = WeightSpec((E, F), ("expert", "mlp"), "zeros")
