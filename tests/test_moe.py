@@ -183,6 +183,64 @@ def test_qwen2_moe_shared_expert_matches_transformers(tmp_path):
     _assert_same_params(load_hf_dir(tmp_path / "fused"), (cfg, params))
 
 
+def test_gemma4_moe_matches_transformers_and_speculates_exactly(tmp_path):
+    """Gemma 4's MoE variant (26B-A4B's block: experts beside the dense MLP, the router on its own
+    norm of the residual with learned input and per-expert scales, GeGLU experts, three more norms)
+    on a tiny random checkpoint transformers saves (2 layers, sliding window 5 < the prompts, k_eq_v
+    full layer): logits, 64 greedy tokens, check_target, greedy n-gram speculation at batch 1 and 2,
+    and the checkpoint spec_jax saves loads back in transformers."""
+    import test_families as tf
+    from spec_jax.checkpoints import load_target, save_hf_dir
+    from spec_jax.drafters.ngram import NGramDrafter
+    from spec_jax.testing import check_target
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e5}}
+    hf_cfg = transformers.Gemma4TextConfig(
+        vocab_size=128, hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0, rope_parameters=rope,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # perturb the norms and scales (a swapped one shows), a decisive router
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                p.add_(0.3 * torch.randn_like(p))
+            elif "embed" in name or "router.proj" in name:
+                p.mul_(4.0)
+    model.save_pretrained(tmp_path / "hf")
+    loaded = load_target(str(tmp_path / "hf"))
+    cfg = loaded.cfg
+    assert cfg.architecture == "gemma4" and cfg.moe.beside_dense_mlp and cfg.moe.router_input_norm
+    assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    assert {"w_up", "experts_w_up", "router_expert_scale", "experts_out_norm"} <= set(loaded.params["layers"][1])
+
+    tokens = np.random.RandomState(0).randint(0, 128, (2, 14))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+    positions = jnp.broadcast_to(jnp.arange(14), (2, 14))
+    logits, _, _ = forward(loaded.params, cfg, jnp.asarray(tokens), positions, init_cache(cfg, 2, 32))
+    diff = float(np.abs(np.asarray(logits) - expected).max())
+    assert diff <= 1e-4, diff
+
+    prompt = tf.PROMPTS[1][0]
+    assert tf.generate(loaded, [prompt], max_new_tokens=64, ignore_eos=True).generated_ids[0] == (
+        tf._hf_greedy(model, prompt, 64))
+    passed = check_target(tf.Decoder(cfg), loaded.params, seq_len=12)
+    assert "tree commit" in passed and "positions honoured" in passed, passed
+    for prompts in (tf.PROMPTS[1], tf.PROMPTS[4][:2]):
+        spec = tf.generate(loaded, prompts, NGramDrafter(k=3), None, max_new_tokens=tf.NEW, ignore_eos=True)
+        assert spec.generated_ids == [tf._hf_greedy(model, p, tf.NEW) for p in prompts], len(prompts)
+
+    reloaded = transformers.Gemma4ForCausalLM.from_pretrained(
+        save_hf_dir(tmp_path / "ours", cfg, loaded.params), dtype=torch.float32).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(reloaded(torch.tensor(tokens)).logits.numpy(), expected, atol=1e-5)
+
+
 def _assert_same_params(a, b):
     assert a[0] == b[0]
     for x, y in zip(jax.tree_util.tree_leaves(a[1]), jax.tree_util.tree_leaves(b[1]), strict=True):
@@ -272,7 +330,8 @@ def test_which_layers_have_experts_and_config_round_trip():
         ModelConfig.from_hf_config({**base, "hidden_act": "gelu"})
 
 
-@pytest.mark.parametrize("preset,total,active", [("qwen3-30b-a3b", 30.5, 3.35), ("mixtral-8x7b", 46.7, 12.9)])
+@pytest.mark.parametrize("preset,total,active", [("qwen3-30b-a3b", 30.5, 3.35), ("mixtral-8x7b", 46.7, 12.9),
+                                                 ("gemma-4-26b-a4b", 25.23, 3.82)])
 def test_moe_presets_have_the_models_shapes(preset, total, active):
     """Total and active parameter counts of the real models (eval_shape: nothing is allocated)."""
     cfg = preset_config(preset, "bfloat16")

@@ -911,11 +911,13 @@ def _gemma4_moe_from_hf(hf: Mapping[str, Any]) -> MoeConfig | None:
     missing = [f for f in ("num_experts", "top_k_experts", "moe_intermediate_size") if not hf.get(f)]
     if missing:
         raise ValueError(f"enable_moe_block=True needs {', '.join(missing)} in config.json (the MoE block's shape).")
-    return MoeConfig(
-        num_experts=int(hf["num_experts"]), top_k=int(hf["top_k_experts"]),
-        expert_intermediate_size=int(hf["moe_intermediate_size"]), normalize_top_k=True,
-        expert_activation="gelu_tanh", router_input_norm=True, beside_dense_mlp=True,
-    )
+    return gemma4_moe(int(hf["num_experts"]), int(hf["top_k_experts"]), int(hf["moe_intermediate_size"]))
+
+
+def gemma4_moe(num_experts: int, top_k: int, expert_intermediate_size: int) -> MoeConfig:
+    """Gemma 4's MoE block with its shape (the switches are the same in every Gemma 4 MoE model)."""
+    return MoeConfig(num_experts, top_k, expert_intermediate_size, normalize_top_k=True,
+                     expert_activation="gelu_tanh", router_input_norm=True, beside_dense_mlp=True)
 
 
 def _gemma4_global_attention(hf: Mapping[str, Any], layer_types: Sequence[str]) -> tuple[int | None, int | None]:

@@ -18,6 +18,7 @@ from spec_jax.models.config import (
     MoeConfig,
     ProportionalRope,
     RopeScaling,
+    gemma4_moe,
 )
 
 _LLAMA3_ROPE = RopeScaling(
@@ -127,6 +128,13 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma-4-31b": _gemma4(
         60, 6, 1024, hidden_size=5376, intermediate_size=21504, num_heads=32, num_kv_heads=16,
         num_global_kv_heads=4, attention_k_eq_v=True, max_position_embeddings=262144,
+    ),
+    # google/gemma-4-26B-A4B-it's text decoder, the MoE one: on every layer 128 experts (top 8, width
+    # 704) beside a dense MLP of 2112; full layers as 31B's with 2 KV heads.
+    "gemma-4-26b-a4b": _gemma4(
+        30, 6, 1024, hidden_size=2816, intermediate_size=2112, num_heads=16, num_kv_heads=8,
+        num_global_kv_heads=2, attention_k_eq_v=True, max_position_embeddings=262144,
+        moe=gemma4_moe(128, 8, 704),
     ),
     # Qwen/Qwen2.5-7B-Instruct (sliding window off, as shipped).
     "qwen2.5-7b": ModelConfig(
