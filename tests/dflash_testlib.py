@@ -82,6 +82,21 @@ def greedy_sequences(model, prompts: list[list[int]], total_length: int) -> torc
     return torch.stack(out)
 
 
+def greedy_continuations(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy `new` tokens after each prompt: plain decoding's tokens without a
+    compiled plain loop. An explicit attention mask: generate would take a prompt's 0s (its pad
+    id) for padding, as `greedy_sequences` (fitting data only) does."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out.append(model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+            )[0, len(p):].tolist())
+    return out
+
+
 def make_reference_drafter(target_model, *, num_layers, block_size, seed=0, **extra):
     """A random reference `dflash.DFlashDraftModel` for `target_model` (a Qwen3Config + DFlash fields)."""
     import transformers

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_testlib import VOCAB, spec_jax_greedy_steps, tiny_targets
+from dflash_testlib import VOCAB, greedy_continuations, spec_jax_greedy_steps, tiny_targets
 from eagle3_testlib import (
     draft_to_target_ids,
     load_reference_eagle3,
@@ -208,9 +208,9 @@ def _reference_greedy_steps(target_model, reference, prompt, max_new, k):
     steps = []
     while len(seq) - len(prompt) < max_new:
         drafts = []
+        feats = reference_features(target_model, torch.tensor([seq]), AUX)  # the same for every draft step
         for step in range(k):  # step s sees drafts 0..s-1 as its teacher-forced inputs
             tokens = torch.tensor([seq + drafts])
-            feats = reference_features(target_model, tokens[:, : len(seq)], AUX)
             padded = torch.cat([feats, feats.new_zeros(1, len(drafts), feats.shape[-1])], 1)
             logits = reference_step_logits(reference, padded[:, :-1], tokens[:, 1:], step + 1)
             drafts.append(int(ids[np.argmax(logits[step][len(seq) - 2])]))
@@ -232,10 +232,11 @@ def test_greedy_eagle3_equals_ar_and_reference_loop(name, targets, tmp_path_fact
     loaded = (target.model.cfg, target.params)
     max_new = 24
     # Batch 8 of mixed lengths through the jitted loop; batch 1 is the step-by-step comparison
-    # with the reference below (the same prefill and step functions the loop runs).
-    ar = generate(loaded, prompts, None, max_new_tokens=max_new, ignore_eos=True)
+    # with the reference below (the same prefill and step functions the loop runs). Plain
+    # decoding's tokens: the torch target's greedy ones (no plain loop to compile).
+    plain = greedy_continuations(model, prompts, max_new)
     spec = generate(loaded, prompts, drafter, params, max_new_tokens=max_new, ignore_eos=True)
-    assert spec.generated_ids == ar.generated_ids
+    assert spec.generated_ids == plain
     assert spec.stats.accepted > 0, f"{name}: the fitted drafter never got a draft accepted"
     # Tokens and per-step acceptance lengths equal the torch reference loop's (steps cut by the
     # length cap in spec_jax are not compared).
