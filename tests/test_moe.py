@@ -187,8 +187,10 @@ def test_gemma4_moe_matches_transformers_and_speculates_exactly(tmp_path):
     """Gemma 4's MoE variant (26B-A4B's block: experts beside the dense MLP, the router on its own
     norm of the residual with learned input and per-expert scales, GeGLU experts, three more norms)
     on a tiny random checkpoint transformers saves (2 layers, sliding window 5 < the prompts, k_eq_v
-    full layer): logits, 64 greedy tokens, check_target, greedy n-gram speculation at batch 1 and 2,
-    and the checkpoint spec_jax saves loads back in transformers."""
+    full layer): logits, 64 greedy tokens, greedy n-gram speculation at batch 2, and the checkpoint
+    spec_jax saves loads back in transformers; with SPEC_JAX_MOE_MATRIX=full also check_target and
+    n-gram at batch 1 (16 CPU s more: the suite leaves them to the dense Gemma 4's check_target and
+    the MoE families' per-token routing test; benchmarks/RESULTS.md, Issue 43, records the run)."""
     import test_families as tf
     from spec_jax.checkpoints import load_target, save_hf_dir
     from spec_jax.drafters.ngram import NGramDrafter
@@ -226,14 +228,19 @@ def test_gemma4_moe_matches_transformers_and_speculates_exactly(tmp_path):
     diff = float(np.abs(np.asarray(logits) - expected).max())
     assert diff <= 1e-4, diff
 
-    prompt = tf.PROMPTS[1][0]
-    assert tf.generate(loaded, [prompt], max_new_tokens=64, ignore_eos=True).generated_ids[0] == (
-        tf._hf_greedy(model, prompt, 64))
-    passed = check_target(tf.Decoder(cfg), loaded.params, seq_len=12)
-    assert "tree commit" in passed and "positions honoured" in passed, passed
-    for prompts in (tf.PROMPTS[1], tf.PROMPTS[4][:2]):
-        spec = tf.generate(loaded, prompts, NGramDrafter(k=3), None, max_new_tokens=tf.NEW, ignore_eos=True)
-        assert spec.generated_ids == [tf._hf_greedy(model, p, tf.NEW) for p in prompts], len(prompts)
+    prompt, other = tf.PROMPTS[1][0], [33, 7]
+    reference = tf._hf_greedy(model, prompt, 64)  # greedy: its first NEW tokens are NEW tokens' answer
+    assert tf.generate(loaded, [prompt], max_new_tokens=64, ignore_eos=True).generated_ids[0] == reference
+    full = os.environ.get("SPEC_JAX_MOE_MATRIX") == "full"
+    if full:
+        passed = check_target(tf.Decoder(cfg), loaded.params, seq_len=12)
+        assert "tree commit" in passed and "positions honoured" in passed, passed
+    expected_rows = [reference[:tf.NEW], tf._hf_greedy(model, other, tf.NEW)]
+    for batch in (1, 2) if full else (2,):
+        spec = tf.generate(loaded, [prompt, other][:batch], NGramDrafter(k=3), None, max_new_tokens=tf.NEW,
+                           ignore_eos=True)
+        assert spec.generated_ids == expected_rows[:batch], batch
+        assert int(spec.stats.accepted) > 0  # the repeating prompt: n-gram drafts get accepted
 
     reloaded = transformers.Gemma4ForCausalLM.from_pretrained(
         save_hf_dir(tmp_path / "ours", cfg, loaded.params), dtype=torch.float32).eval()
