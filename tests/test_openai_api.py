@@ -39,6 +39,7 @@ class FakeEngine:
 
     check_request = Engine.check_request
     max_logprobs = None  # it keeps no log-probabilities
+    pages = None  # a dense cache (no page pool)
 
     def __init__(self, vocab_size: int):
         self.model = types.SimpleNamespace(vocab_size=vocab_size)

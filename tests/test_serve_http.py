@@ -40,6 +40,7 @@ class ScriptedEngine:
 
     check_request = Engine.check_request
     max_logprobs = None  # it keeps no log-probabilities
+    pages = None  # a dense cache (no page pool)
 
     def __init__(self, tokenizer):
         self.model = types.SimpleNamespace(vocab_size=len(tokenizer))

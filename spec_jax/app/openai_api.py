@@ -484,7 +484,8 @@ class EngineRunner:
         a slot to free up (the free slots take waiting requests first)."""
         if self.max_queued is None:
             return
-        free = self.engine.slots - self.engine.num_live
+        open_slots = getattr(self.engine, "open_slots", None)  # a paged engine's free slots need pages too
+        free = self.engine.slots - self.engine.num_live if open_slots is None else open_slots
         waiting = len(self.engine.scheduler.waiting)
         if waiting + rows - free <= self.max_queued:
             return

@@ -358,6 +358,22 @@ class Engine:
         """Slots held by a request: running, or (chunked prefill) reserved while its prompt prefills."""
         return len(self.slot_table.running) + (0 if self.prefill_plan is None else len(self.prefill_plan.active))
 
+    @property
+    def open_slots(self) -> int:
+        """Waiting requests the next step could admit: as many as there are free slots, and with a
+        paged cache only those (first come, first served) whose worst case the pool covers now
+        (the serve queue's bound counts the rest as waiting)."""
+        free = self.slots - self.num_live
+        if self.pages is None:
+            return free
+        spare, admitted = self.pages.free - self.pages.owed(), 0
+        for params in self.scheduler.waiting_params()[:free]:
+            spare -= self.pages.pages_for(self.worst_tokens(params))
+            if spare < 0:
+                break
+            admitted += 1
+        return admitted
+
     # ------------------------------------------------------------------ the loop
     def warmup(self, prompt_lengths: Sequence[int] | None = None, workers: int = WARMUP_WORKERS) -> CompileTally:
         """Compile every program requests can need: the chunk, and one admit per prompt bucket

@@ -47,6 +47,11 @@ class Scheduler:
                     "cancel takes the id one submit() returned.")
             self._cancelled.add(rid)
 
+    def waiting_params(self) -> list[RequestParams]:
+        """The waiting requests' values, in order (a snapshot: other threads may submit meanwhile)."""
+        with self._lock:
+            return [params for _, params, _ in self.waiting]
+
     def has_work(self, running: bool) -> bool:
         with self._lock:
             return bool(self.waiting or running or self._cancelled)
