@@ -92,6 +92,7 @@ def test_paged_engine_runs_4x_the_short_requests_at_the_same_cache_bytes(models)
     paged = paged_engine(models, NGramDrafter(k=K))
     cache_bytes = [sum(x.nbytes for x in (*e.state.cache.k, *e.state.cache.v)) for e in (dense, paged)]
     assert cache_bytes[0] == cache_bytes[1]
+    assert paged.open_slots == 8  # an empty pool: every free slot
     for p in make_prompts([5] * 12, seed=1):
         paged.submit(p, max_new_tokens=4, ignore_eos=True)
     most, gauges, pool_full_with_free_slots = 0, [], False

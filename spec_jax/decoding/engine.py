@@ -360,19 +360,19 @@ class Engine:
 
     @property
     def open_slots(self) -> int:
-        """Waiting requests the next step could admit: as many as there are free slots, and with a
-        paged cache only those (first come, first served) whose worst case the pool covers now
-        (the serve queue's bound counts the rest as waiting)."""
+        """Slots that waiting (and new) requests could take at the next step: the free ones; with a
+        paged cache, only as many as the waiting requests (first come, first served) the pool
+        covers now, or every free one when it covers them all with pages to spare (the serve
+        queue's bound counts the rest as waiting)."""
         free = self.slots - self.num_live
         if self.pages is None:
             return free
-        spare, admitted = self.pages.free - self.pages.owed(), 0
-        for params in self.scheduler.waiting_params()[:free]:
+        spare, waiting = self.pages.free - self.pages.owed(), self.scheduler.waiting_params()[:free]
+        for admitted, params in enumerate(waiting):
             spare -= self.pages.pages_for(self.worst_tokens(params))
-            if spare < 0:
-                break
-            admitted += 1
-        return admitted
+            if spare < 0:  # the pool stops the queue here: nothing behind it goes in either
+                return admitted
+        return free if spare > 0 else len(waiting)
 
     # ------------------------------------------------------------------ the loop
     def warmup(self, prompt_lengths: Sequence[int] | None = None, workers: int = WARMUP_WORKERS) -> CompileTally:
