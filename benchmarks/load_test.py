@@ -11,6 +11,16 @@ gap, so ITL is per event and TPOT per token.
 
     python benchmarks/load_test.py --concurrency 1 4 16 --out benchmarks/results/load_test
 
+--cache dense paged (the default) runs each drafter and concurrency twice: on the dense engine
+(every slot holds a cache of --max-model-len tokens) and on the paged one (`kv_pages`: by default
+the same cache bytes as the dense run, --kv-pages N to set a budget), and reports the pages in use
+(the most at once, and after the run: 0 when every request gave its pages back). --workload agent
+sends repeated coding-agent requests under one system prompt (benchmarks/suffix_speculation.py's),
+the workload suffix speculation is for; humaneval (the default) mixes prompt lengths.
+
+    python benchmarks/load_test.py --concurrency 1 4 16 --drafters none adaptive --max-tokens 16 32
+    python benchmarks/load_test.py --concurrency 1 4 16 --drafters none suffix --workload agent
+
 --long-prompt-gap N measures instead what chunked prefill is for (issue 45): running streams'
 longest gap between two hand-outs while one N-token prompt is admitted, in the engine itself (no
 HTTP), for the one-pass admit and for each --prefill-chunk-tokens budget:
@@ -82,12 +92,27 @@ def start_server(state):
     return server, thread, sock.getsockname()[1]
 
 
-def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, k_choices=None) -> dict:
-    from spec_jax.app.openai_api import ServerState
+def make_engine(target, drafter, drafter_params, concurrency, args, k_choices, cache):
+    """The engine of one run: dense, or paged over --kv-pages pages (default: the dense engine's
+    cache bytes, slots x capacity / page size)."""
     from spec_jax.decoding.engine import Engine
 
-    engine = Engine(target, drafter, drafter_params, slots=concurrency, max_model_len=args.max_model_len,
-                    chunk_steps=args.chunk_steps, k_choices=k_choices, max_admits_per_step=args.max_admits)
+    options = dict(slots=concurrency, max_model_len=args.max_model_len, chunk_steps=args.chunk_steps,
+                   k_choices=k_choices, max_admits_per_step=args.max_admits)
+    if cache == "dense":
+        return Engine(target, drafter, drafter_params, **options)
+    kv_pages = args.kv_pages
+    if kv_pages is None:  # a dense engine is built (not compiled) only to read its capacity
+        dense = Engine(target, drafter, drafter_params, **options)
+        kv_pages = concurrency * dense.capacity // args.kv_page_size
+        del dense
+    return Engine(target, drafter, drafter_params, kv_pages=kv_pages, kv_page_size=args.kv_page_size, **options)
+
+
+def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, k_choices=None, cache="dense") -> dict:
+    from spec_jax.app.openai_api import ServerState
+
+    engine = make_engine(target, drafter, drafter_params, concurrency, args, k_choices, cache)
     t0 = time.perf_counter()
     engine.warmup([len(b["prompt_ids"]) for b in bodies])
     compile_s = time.perf_counter() - t0
@@ -108,6 +133,15 @@ def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, 
             with lock:
                 results.append(r)
 
+    peak_pages, done = [0], threading.Event()
+
+    def watch_pages():  # the most pages in use at once, read every 5 ms
+        while not done.wait(0.005):
+            peak_pages[0] = max(peak_pages[0], engine.pages.used)
+
+    watcher = threading.Thread(target=watch_pages, daemon=True)
+    if engine.pages is not None:
+        watcher.start()
     start = time.perf_counter()
     clients = [threading.Thread(target=client) for _ in range(concurrency)]
     for c in clients:
@@ -117,10 +151,13 @@ def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, 
     wall = time.perf_counter() - start
     server.should_exit = True
     thread.join(60)
+    done.set()
+    if engine.pages is not None:
+        watcher.join()
     tokens = sum(r["tokens"] for r in results)
     gaps = [g for r in results for g in r["gaps"]]
     row = {
-        "drafter": label, "concurrency": concurrency, "requests": len(results), "output_tokens": tokens,
+        "drafter": label, "cache": cache, "concurrency": concurrency, "requests": len(results), "output_tokens": tokens,
         "wall_s": wall, "tokens_per_s": tokens / wall,
         "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in results], 50),
         "ttft_p99_ms": 1e3 * percentile([r["ttft"] for r in results], 99),
@@ -128,22 +165,26 @@ def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, 
         "tpot_p50_ms": 1e3 * percentile([r["tpot"] for r in results if r["tpot"] is not None], 50),
         "tau_mean": statistics.fmean(r["tau"] for r in results),
         "compile_s": compile_s, "chunks": engine.chunks_run, "max_admits": args.max_admits,
+        "capacity": engine.capacity,
     }
+    if engine.pages is not None:  # after the server stopped: every finished request gave its pages back
+        row.update(kv_pages=engine.pages.num_pages, page_size=engine.pages.page_size,
+                   pages_peak=max(peak_pages[0], engine.pages.used), pages_end=engine.pages.used)
     if engine.depth is not None:  # steps per depth (the adaptive policy)
         row["depth_steps"] = {str(d): n for d, n in sorted(engine.depth_counts.items())}
     print(json.dumps(row), flush=True)
     return row
 
 
-def plot(rows, path: Path) -> None:
+def plot(rows, path: Path, title: str = "spec-jax serve, default model on CPU, loopback load test") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for label in dict.fromkeys(r["drafter"] for r in rows):
-        mine = [r for r in rows if r["drafter"] == label]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for label in dict.fromkeys(f"{r['drafter']}, {r['cache']}" for r in rows):
+        mine = [r for r in rows if f"{r['drafter']}, {r['cache']}" == label]
         n = [r["concurrency"] for r in mine]
         axes[0].plot(n, [r["tokens_per_s"] for r in mine], "o-", label=label)
         axes[1].plot(n, [r["ttft_p50_ms"] for r in mine], "o-", label=f"{label} p50")
@@ -156,7 +197,7 @@ def plot(rows, path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle("spec-jax serve, default model on CPU, loopback load test")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -213,7 +254,30 @@ def long_prompt_gap(target, args) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def workload(target, args) -> list[dict]:
+    """The request bodies: HumanEval prompts (every 7th: short and long ones alternate), or the
+    agent workload (one system prompt, five tasks repeated)."""
+    from spec_jax.checkpoints import apply_chat_template
+
+    if args.workload == "agent":
+        from suffix_speculation import SYSTEM, TASKS
+
+        chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}] for task in TASKS]
+    else:
+        from spec_jax.humaneval import humaneval_problems
+
+        chats = [[{"role": "user", "content": "Complete this Python function:\n" + prob["prompt"]}]
+                 for prob in humaneval_problems()[::7]]
+    bodies = []
+    for i, messages in enumerate(chats):
+        ids = apply_chat_template(target.tokenizer, messages, target.chat_template)
+        max_tokens = args.max_tokens[i % len(args.max_tokens)]
+        if len(ids) + max_tokens <= args.max_model_len:
+            bodies.append({"messages": messages, "prompt_ids": ids, "max_tokens": max_tokens})
+    return bodies
+
+
+def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests-per-client", type=float, default=2.0,
@@ -226,34 +290,33 @@ def main() -> None:
                         "adaptive K over --k-choices), or a --drafter KIND")
     p.add_argument("--k-choices", type=int, nargs="+", default=[1, 2, 4, 7])
     p.add_argument("--max-admits", type=int, default=None, help="the engine's max_admits_per_step")
+    p.add_argument("--cache", nargs="+", choices=["dense", "paged"], default=["dense", "paged"],
+                   help="the engines each run is made on: dense (a --max-model-len cache per slot) and/or paged")
+    p.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                   help="the paged engine's pool (default: the dense engine's cache bytes, slots x capacity / page size)")
+    p.add_argument("--kv-page-size", type=int, default=128, help="slots per page (a divisor of 128)")
+    p.add_argument("--workload", choices=["humaneval", "agent"], default="humaneval",
+                   help="humaneval: mixed prompt lengths; agent: repeated requests under one system prompt")
+    p.add_argument("--target", default=None, help="the target (default: the default model)")
     p.add_argument("--out", default=None, help="directory for load_test.json and load_test.png")
     p.add_argument("--long-prompt-gap", type=int, default=None, metavar="N",
                    help="measure the streams' longest gap while one N-token prompt is admitted (see above)")
     p.add_argument("--prefill-chunk-tokens", type=int, nargs="+", default=[256],
                    help="with --long-prompt-gap: the chunked-prefill budgets to measure beside the one-pass admit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     from spec_jax.app.inputs import build_drafter, parse_drafter_spec
-    from spec_jax.checkpoints import apply_chat_template, load_target
+    from spec_jax.checkpoints import load_target
     from spec_jax.checkpoints.shipped import default_drafter, default_drafter_choice
-    from spec_jax.humaneval import humaneval_problems
 
-    target = load_target(None, dtype="float32")
+    target = load_target(args.target, dtype="float32")
     if args.long_prompt_gap is not None:
         rows = long_prompt_gap(target, args)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "long_prompt_gap.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
-        return
-    problems = humaneval_problems()
-    # Mixed prompt lengths: every 7th HumanEval problem (short and long ones alternate).
-    bodies = []
-    for i, prob in enumerate(problems[::7]):
-        messages = [{"role": "user", "content": "Complete this Python function:\n" + prob["prompt"]}]
-        ids = apply_chat_template(target.tokenizer, messages, target.chat_template)
-        max_tokens = args.max_tokens[i % len(args.max_tokens)]
-        if len(ids) + max_tokens <= args.max_model_len:
-            bodies.append({"messages": messages, "prompt_ids": ids, "max_tokens": max_tokens})
+        return {"rows": rows, "args": vars(args)}
+    bodies = workload(target, args)
     rows = []
     for name in args.drafters:
         k_choices = None
@@ -272,7 +335,8 @@ def main() -> None:
         for n in args.concurrency:
             count = max(4, int(round(args.requests_per_client * n)))
             run_bodies = [bodies[i % len(bodies)] for i in range(count)]
-            rows.append(run_load(target, drafter, params, label, n, run_bodies, args, k_choices))
+            for cache in args.cache:
+                rows.append(run_load(target, drafter, params, label, n, run_bodies, args, k_choices, cache))
     report = {"rows": rows, "args": vars(args), "prompt_lengths": sorted(len(b["prompt_ids"]) for b in bodies)}
     if args.out:
         out = Path(args.out)
@@ -280,6 +344,7 @@ def main() -> None:
         (out / "load_test.json").write_text(json.dumps(report, indent=1))
         plot(rows, out / "load_test.png")
         print(f"wrote {out / 'load_test.json'} and {out / 'load_test.png'}")
+    return report
 
 
 if __name__ == "__main__":
