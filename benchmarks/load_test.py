@@ -191,10 +191,10 @@ def plot(rows, path: Path, title: str = "spec-jax serve, default model on CPU, l
         axes[1].plot(n, [r["ttft_p99_ms"] for r in mine], "x--", label=f"{label} p99")
         axes[2].plot(n, [r["tpot_p50_ms"] for r in mine], "o-", label=f"{label} TPOT p50")
         axes[2].plot(n, [r["itl_p99_ms"] for r in mine], "x--", label=f"{label} ITL p99")
-    for ax, title in zip(axes, ("output tokens/s", "time to first token (ms)", "per-token latency (ms)")):
+    for ax, name in zip(axes, ("output tokens/s", "time to first token (ms)", "per-token latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streaming clients (= engine slots)")
-        ax.set_title(title)
+        ax.set_title(name)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
