@@ -203,6 +203,21 @@ def test_gpu_quick_device_busy_time_is_the_union_of_stream_intervals():
     assert covered_ns([(30, 40), (0, 10)]) == 20  # any order
 
 
+def test_gpu_quick_exactness_cases_exist():
+    """The GPU suite names test cases by id (one per drafter kind): a renamed case would leave
+    the lease's exactness step collecting nothing."""
+    sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
+    from gpu_quick import FULL
+
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *FULL.exactness_tests], capture_output=True, text=True, timeout=120,
+                         cwd=SCRIPTS.parent)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    live = [c for c in collected if c.startswith("tests/test_live_attention.py")]
+    assert len(collected) - len(live) == len(FULL.exactness_tests) - 1 and live, collected
+
+
 def test_gpu_quick_per_step_kernels_are_the_difference_of_two_traces():
     """The profile probes' arithmetic: a 1-token and an n-token trace, per step by difference."""
     sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
