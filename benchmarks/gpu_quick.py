@@ -25,10 +25,13 @@ budget on two compiles. `--preset`/`--target` puts every step on one target inst
 models of real shapes (`random:PRESET`), so nothing but the repository travels; with random
 weights a drafter accepts (almost) nothing, so the DFlash figures are step costs, not speedups.
 
-Before the steps, a warm phase (--warm-budget, default 150 s; 0 = none) starts every step but
-exactness at once, dflash_trees as one process per (batch, tree), each measurement run once, so
-their programs compile side by side into the persistent cache; the timed steps then load them.
-A cold H100 run without it spent every budget compiling (about 25 s per 1B loop program).
+Before the steps, a warm phase (--warm-budget, default 150 s; 0 = none) runs every step but
+exactness, --warm-jobs (6) processes at a time in priority order, dflash_trees as one process per
+(batch, tree), each measurement run once, so their programs compile side by side into the
+persistent cache; the timed steps then load them. Exactness runs beside it. A cold H100 run
+without it spent every budget compiling (about 25 s per 1B loop program); with ten processes at
+once only three finished in 150 s. The small-target steps compile with --fast-compile-flags
+(Triton GEMMs off: cuBLAS, no Triton autotuning); ar_floor keeps XLA's defaults.
 Every step's log has a line per measurement with the seconds since the step began and its
 compile tally (programs, cache hits, compile seconds), and the target's load time.
 
@@ -82,6 +85,13 @@ SCRIPT = Path(__file__).resolve()
 MIN_START_S = 5.0  # a step is not started with less time than this left in --total
 WARM_BUDGET_S = 150.0  # the warm phase: the slowest group of compiles (an 8B loop: 30-50 s) and its load
 DEFAULT_TOTAL_S = 470.0  # with a warm phase: the whole suite inside 8 minutes
+# The second H100 lease (2026-11-26, session 24): compiled alone, a 1B loop program took 30-50 s
+# (batch-8 plain decoding: 50 s), and ten warm-phase processes side by side finished 3 in 150 s.
+# XLA:GPU compiles and times many Triton configurations per matmul fusion; with Triton GEMMs off
+# the matmuls go to cuBLAS, whose algorithm choice is cheap (NVIDIA's JAX-Toolbox recommends the
+# flag). Applied to the small-target steps only, so ar_floor stays XLA's default program.
+FAST_COMPILE_FLAGS = "--xla_gpu_enable_triton_gemm=false"
+WARM_JOBS = 6  # warm-phase processes at once, started in priority order
 NEEDED_MODULES = ("jax", "flax", "optax", "orbax", "numpy", "tqdm")
 
 
@@ -131,18 +141,19 @@ class Step:
     budget_s: float
     preset: str | None  # the target's default preset; None: the step loads none
     what: str
+    fast_compile: bool = False  # compiled with --fast-compile-flags (the small-target steps)
 
 
 # Budgets from the H100 run of 2026-11-26 (session 23), programs from the warm cache: ar_floor took
 # 12 s, verify_cost 8, capacity 19; dflash_trees and engine ran out at 90 s with rows left.
 STEPS = (  # priority order: the suite runs them in this order
     Step("ar_floor", 50, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
-    Step("dflash_trees", 110, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8"),
-    Step("verify_cost", 25, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1"),
-    Step("capacity", 40, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention"),
-    Step("engine", 95, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash"),
+    Step("dflash_trees", 110, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8", True),
+    Step("verify_cost", 25, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1", True),
+    Step("capacity", 40, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention", True),
+    Step("engine", 95, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash", True),
     # Times nothing, so it runs during the warm phase when there is one (its budget: the phase's).
-    Step("exactness", 150, None, "pytest: live attention, greedy speculative == AR (float32), trees"),
+    Step("exactness", 150, None, "pytest: live attention, greedy speculative == AR (float32), trees", True),
 )
 IN_WARM_PHASE = "exactness"
 # Opt-in steps (named in --steps, never in the default run): issue 46 part 3's probes of where
@@ -602,23 +613,35 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
     running = []
     # Exactness times nothing: it runs now as itself, beside the compiles, not after the timed steps.
     beside = start_step(BY_NAME[IN_WARM_PHASE], args, env) if any(s.name == IN_WARM_PHASE for s in selected) else None
-    for name, cmd in warm_commands(selected, args):
-        log = open(folder / f"{name}.log", "w")
-        running.append((name, log, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                    start_new_session=True)))
-    statuses = {}
-    for name, log, proc in running:
-        try:
-            left = max(budget - (time.monotonic() - t0), 0.1)
-            statuses[name] = "ok" if proc.wait(timeout=left) == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            statuses[name] = "timed out"
+    commands = warm_commands(selected, args)
+    waiting, statuses, seconds = list(commands), {}, {}
+    # At most --warm-jobs at once, in priority order: a process killed at the budget loses its
+    # unfinished compiles, so fewer finishing beats many half done (10 at once: 3 finished).
+    while waiting or running:
+        while waiting and len(running) < args.warm_jobs:
+            name, cmd = waiting.pop(0)
+            log = open(folder / f"{name}.log", "w")
+            proc_env = dict(env, XLA_FLAGS=xla_flags(args, BY_NAME[name.partition("-")[0]]))
+            running.append((name, log, time.monotonic(), subprocess.Popen(
+                cmd, cwd=REPO, env=proc_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)))
+        if time.monotonic() - t0 >= budget:
+            break
+        time.sleep(0.2)
+        for item in [r for r in running if r[3].poll() is not None]:
+            name, log, started, proc = item
+            statuses[name] = "ok" if proc.returncode == 0 else "failed"
+            seconds[name] = round(time.monotonic() - started, 1)
+            log.close()
+            running.remove(item)
+    for name, log, started, proc in running:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        statuses[name], seconds[name] = "timed out", round(time.monotonic() - started, 1)
         log.close()
+    statuses = {name: statuses.get(name, "not started") for name, _ in commands}
     record = finish_step(beside, args, min(step_budgets(args)[IN_WARM_PHASE], budget)) if beside else None
     return {"seconds": round(time.monotonic() - t0, 1), "budget_s": round(budget, 1), "processes": statuses,
-            "beside": record}
+            "process_seconds": seconds, "jobs": args.warm_jobs, "beside": record}
 
 
 def step_budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -632,13 +655,7 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"  # the log shows each line as it happens
-    flags = [env.get("XLA_FLAGS", "")]
-    if args.compile_cache != "off" and "autotune_cache_dir" not in " ".join(flags + [args.xla_flags]):
-        # XLA:GPU autotunes each program's fusions; the H100 lease of 2026-11-26 spent ~27 s on each
-        # 1B loop compile. Kept on disk, what one program measured serves the next (same shapes).
-        flags.append(f"--xla_gpu_per_fusion_autotune_cache_dir={Path(args.out / 'autotune_cache').resolve()}")
-    flags.append(args.xla_flags)  # after the caller's own: XLA takes the last of a repeated flag
-    env["XLA_FLAGS"] = " ".join(filter(None, flags))
+    env["XLA_FLAGS"] = xla_flags(args, None)
     if args.compile_cache == "off":
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
     else:
@@ -646,6 +663,20 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     return env
+
+
+def xla_flags(args: argparse.Namespace, step: Step | None) -> str:
+    """A step's XLA_FLAGS: the caller's environment, the autotune cache, --fast-compile-flags for
+    the steps that take them, then --xla-flags (XLA takes the last of a repeated flag)."""
+    flags = [os.environ.get("XLA_FLAGS", "")]
+    if args.compile_cache != "off" and "autotune_cache_dir" not in " ".join(flags + [args.xla_flags]):
+        # XLA:GPU autotunes each program's fusions; the H100 lease of 2026-11-26 spent ~27 s on each
+        # 1B loop compile. Kept on disk, what one program measured serves the next (same shapes).
+        flags.append(f"--xla_gpu_per_fusion_autotune_cache_dir={Path(args.out / 'autotune_cache').resolve()}")
+    if step is not None and step.fast_compile:
+        flags.append(args.fast_compile_flags)
+    flags.append(args.xla_flags)
+    return " ".join(filter(None, flags))
 
 
 def commit_of(args: argparse.Namespace) -> str:
@@ -680,6 +711,7 @@ class Started:
 
 def start_step(step: Step, args: argparse.Namespace, env: dict[str, str]) -> Started:
     cmd = step_command(step, args)
+    env = dict(env, XLA_FLAGS=xla_flags(args, step))
     (args.out / f"{step.name}.json").unlink(missing_ok=True)  # an earlier run's result must not pass for this one's
     with open(args.out / f"{step.name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -702,7 +734,8 @@ def finish_step(started: Started, args: argparse.Namespace, budget: float) -> di
     record = read_json(json_path) or {"step": step.name, "target": step_target(step, args), "headline": "",
                                       "result": {}}
     record.update(status=status, seconds=round(time.monotonic() - started.t0, 1), budget_s=round(budget, 1),
-                  returncode=proc.returncode, command=shlex.join(started.cmd), commit=args.commit_id)
+                  returncode=proc.returncode, command=shlex.join(started.cmd), commit=args.commit_id,
+                  xla_flags=xla_flags(args, step))
     if status != "ok":
         record["log_tail"] = log_path.read_text(errors="replace").splitlines()[-15:]
     write_json(json_path, record)
@@ -754,13 +787,15 @@ def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str
                              if k in ("PYTHONPATH", "XLA_FLAGS") or k.startswith("JAX_")))
     if warm:
         commands = warm_commands(selected, args)
-        print(f" 0. warm phase  {args.warm_budget:5.0f} s  {len(commands)} processes side by side compile every "
-              "step's programs into the cache (each measurement run once)")
+        print(f" 0. warm phase  {args.warm_budget:5.0f} s  {len(commands)} processes, {args.warm_jobs} at a time in "
+              "this order, compile every step's programs into the cache (each measurement run once)")
         for name, cmd in commands:
             print(f"    {shlex.join(cmd)}")
     for i, step in enumerate(selected, 1):
         during = " (during the warm phase)" if warm and step.name == IN_WARM_PHASE else ""
         print(f"{i:2d}. {step.name:<13} {budgets[step.name]:5.0f} s  {step.what}{during}")
+        if step.fast_compile and args.fast_compile_flags:
+            print(f"    XLA_FLAGS += {args.fast_compile_flags}")
         print(f"    {shlex.join(step_command(step, args))}")
 
 
@@ -831,6 +866,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    value = positive_float(text)
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}")
+    return int(value)
+
+
 def int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
@@ -870,6 +912,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-budget", type=float, default=WARM_BUDGET_S, metavar="SECONDS",
                    help=f"seconds for the warm phase, which compiles every step's programs side by side "
                         f"before the timed steps (default: {WARM_BUDGET_S:.0f}; 0 = none)")
+    p.add_argument("--warm-jobs", type=positive_int, default=WARM_JOBS, metavar="N",
+                   help=f"warm-phase processes at once, started in priority order (default: {WARM_JOBS})")
+    p.add_argument("--fast-compile-flags", default=FAST_COMPILE_FLAGS, metavar="FLAGS",
+                   help="XLA flags for the small-target steps (dflash_trees, verify_cost, capacity, engine, "
+                        f"exactness), to compile faster (default: {FAST_COMPILE_FLAGS!r}; '' = XLA's defaults)")
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # a warm-phase child
     p.add_argument("--skip-ar", action="store_true", help=argparse.SUPPRESS)  # dflash_trees without its AR row
     p.add_argument("--commit", default=None, help="commit recorded with every result (default: git rev-parse HEAD)")

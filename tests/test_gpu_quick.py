@@ -69,6 +69,8 @@ def test_every_step_runs_on_the_cpu_under_its_budget(tmp_path):
     (engine,) = result["engine"]["rows"]
     assert engine["drafter"] == "DFlash K=7" and engine["tokens"] == engine["requests"] * 8
     assert result["exactness"]["counts"] == {"passed": 1} and result["exactness"]["failed"] == []
+    # Each step records its XLA flags: Triton GEMMs off for the small-target steps only.
+    assert [("triton_gemm=false" in summary[name]["xla_flags"]) for name in STEPS] == [False] + [True] * 5
     table = (out / "summary.md").read_text()
     assert all(f"| {name} |" in table for name in STEPS)
 

@@ -167,6 +167,12 @@ def test_gpu_quick_dry_run_lists_every_step_with_its_budget_in_priority_order(tm
     # One AR program per batch: only each batch's first tree process compiles it.
     assert [("--skip-ar" in c) for c in warm[1:7]] == [False, True, True, False, True, True]
     assert "at most 470 s in all" in out.stdout  # warm phase + steps, inside the 8-minute lease
+    assert "10 processes, 6 at a time in this order" in out.stdout
+    # The small-target steps compile with Triton GEMMs off; ar_floor keeps XLA's defaults.
+    fast = re.findall(r"^ *(\d+)\. (\S+) .*\n    XLA_FLAGS \+= --xla_gpu_enable_triton_gemm=false$", out.stdout, re.M)
+    assert [name for _, name in fast] == QUICK_STEPS[1:]
+    off = run_quick("--dry-run", "--fast-compile-flags", "")
+    assert off.returncode == 0 and "XLA_FLAGS +=" not in off.stdout
 
     # Steps stay in priority order whatever order --steps names them; budgets scale and override.
     out = run_quick("--dry-run", "--steps", "engine,ar_floor", "--budget", "2", "--step-budget", "engine=7",
