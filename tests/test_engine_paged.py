@@ -1,9 +1,10 @@
 """The engine's paged KV cache (issue 45, part 1): the target's keys/values in a shared pool of
 pages read and written through a page table per row (`Engine(kv_pages=N)`). Greedy output of
-chain and tree drafters through the paged engine equals `generate`, with requests arriving and
-finishing at staggered times, waiting for pages, pages handed out again after frees, cancelled
-requests giving theirs back (the pool empty after every run), and no compile after warm-up; at
-the same cache bytes the paged engine runs 4x the concurrent short requests of the dense one."""
+every drafter kind, chains and trees, through the paged engine equals `generate`, with requests
+arriving and finishing at staggered times, waiting for pages, pages handed out again after
+frees, a prompt's first page shared (prefix caching), cancelled requests giving theirs back (the
+pool empty after every run), and no compile after warm-up; at the same cache bytes the paged
+engine runs 4x the concurrent short requests of the dense one."""
 
 from __future__ import annotations
 
@@ -12,17 +13,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_prompts
-from test_engine import MAX_NEW, PROMPTS, alone, backend_compiles, serve_engine_kwargs  # noqa: F401 (alone: a fixture)
-from tiny_configs import TINY_DFLASH
+from test_engine import MAX_NEW, PROMPTS, backend_compiles, serve_engine_kwargs
+from tiny_configs import TINY_DFLASH, TINY_DRAFT, TINY_GEMMA4, TINY_TARGET, VOCAB, tiny_dflash
 
 from spec_jax.app import serve
 from spec_jax.app.metrics import _EngineCollector
 from spec_jax.decoding.engine import Engine
 from spec_jax.decoding.generate import generate
 from spec_jax.decoding.pages import PagePool
-from spec_jax.drafters.dflash import DFlashDrafter
+from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
+from spec_jax.drafters.draft_model import DraftModelDrafter
+from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
+from spec_jax.drafters.gemma4_assistant import Gemma4AssistantDrafter, assistant_config_for_target, init_assistant_params
+from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params
 from spec_jax.drafters.ngram import NGramDrafter
-from spec_jax.models import paged
+from spec_jax.drafters.suffix import SuffixFirstDrafter
+from spec_jax.models import init_params, paged
 from spec_jax.models.attention import attend_cache_and_pass
 from spec_jax.models.config import GLOBAL_WINDOW
 from spec_jax.models.interface import chain_mask
@@ -31,55 +37,94 @@ from spec_jax.sharding import make_mesh
 K = 3
 PAGE = 8  # a divisor of the 128-slot block: a row of capacity 128 spans 16 pages, a prompt of 16 two
 POOL = 16  # pages: 2 or 3 requests at a time of the 8 slots, so later ones wait for pages while slots are free
+# test_engine's prompts (<= 16 tokens, rows 1 and 2 meet EOS mid-way), one repetitive (the
+# lookups draft from it) and one starting with PROMPTS[1]'s first page (prefix caching shares it).
+PAGED_PROMPTS = [*PROMPTS[:3], [5, 6, 7, 8, 5, 6, 7, 8, 5], PROMPTS[1][:PAGE] + PROMPTS[4][PAGE:], PROMPTS[5]]
 
 
-@pytest.fixture(scope="module")
-def want(alone):
-    """Each prompt's greedy continuation by plain `generate` (every drafter's greedy output is it)."""
-    return [ids for ids, _ in alone]
-
-
-def paged_engine(models, drafter, prefix_caching=False):
+def paged_engine(target, drafter, drafter_params=None, prefix_caching=False):
     """8 slots over a pool of POOL pages of PAGE slots (the same programs with or without
     prefix caching, which adds one admit per bucket)."""
-    return Engine(models.target, drafter, slots=8, max_model_len=48, chunk_steps=2, kv_pages=POOL,
+    return Engine(target, drafter, drafter_params, slots=8, max_model_len=48, chunk_steps=2, kv_pages=POOL,
                   kv_page_size=PAGE, prefix_caching=prefix_caching)
 
 
-def run_staggered(engine, cancel=None):
-    """PROMPTS[0:2] at once, then one more after each step; `cancel` (an index) is cancelled
+def run_staggered(engine, prompts, cancel=None):
+    """prompts[0:3] at once, then one more after each step; `cancel` (an index) is cancelled
     after its first step -> (each request's ids, whether a request waited with a slot free)."""
-    rids = [engine.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS[:2], MAX_NEW)]
+    rids = [engine.submit(p, max_new_tokens=n) for p, n in zip(prompts[:3], MAX_NEW)]
     got: dict[int, list[int]] = {}
     waited_for_pages = False
-    while engine.has_work() or len(rids) < len(PROMPTS):
+    while engine.has_work() or len(rids) < len(prompts):
         for e in engine.step():
             got.setdefault(e.request_id, []).extend(e.new_ids)
         waited_for_pages |= bool(engine.scheduler.waiting) and engine.num_live < engine.slots
         if cancel is not None and cancel < len(rids) and rids[cancel] in got:
             engine.cancel(rids[cancel])
             cancel = None
-        if len(rids) < len(PROMPTS):
-            rids.append(engine.submit(PROMPTS[len(rids)], max_new_tokens=MAX_NEW[len(rids)]))
+        if len(rids) < len(prompts):
+            rids.append(engine.submit(prompts[len(rids)], max_new_tokens=MAX_NEW[len(rids)]))
     return [got.get(r, []) for r in rids], waited_for_pages
 
 
-def test_paged_engine_equals_generate_for_a_chain_and_a_tree(models, want):
-    """A chain (length arithmetic) and a tree (accepted nodes moved within the row's pages):
-    the two ways a step commits to the target's cache, whatever the drafter."""
-    for drafter in (NGramDrafter(k=K), NGramDrafter(k=K, tree=6)):
-        engine = paged_engine(models, drafter)
+def every_drafter_kind(models) -> dict[str, tuple]:
+    """name -> (target, drafter, drafter params, prefix caching): every registered kind, chains
+    and trees (the two ways a step commits to the cache), the model drafters with test_engine's
+    mesh worker's shapes (K = 3). An engine compiles its own programs (seconds each), so kinds
+    share engines where the registry combines them: `self` (the draft model with the target's
+    config) is the draft-model kind, behind the suffix lookup. Prefix caching is on for it (its
+    dense draft cache starts from the whole prompt while the target's first page is shared), off
+    for the others (one more program each; the drafters that start from captured hidden states
+    refuse it)."""
+    llama = models.target
+    dflash_cfg = tiny_dflash(K + 1)
+    eagle3_cfg = Eagle3Config(layer=TINY_DRAFT, draft_vocab_size=VOCAB - 20, aux_layer_ids=(1, 2))
+    medusa_cfg = MedusaConfig.for_target(TINY_TARGET, num_heads=K)
+    assistant_cfg = assistant_config_for_target(TINY_GEMMA4, hidden_size=32, num_layers=2, k=K)
+    return {
+        "none": (llama, None, None, False),
+        "ngram": (llama, NGramDrafter(k=K), None, False),  # the programs of the two tests below
+        # Every draft accepted (the target drafts for itself): every step moves tree nodes.
+        "self / draft-model tree + suffix": (llama, SuffixFirstDrafter(DraftModelDrafter(TINY_TARGET, K, tree=6),
+                                                                        min_match=1, store_size=64),
+                                            models.params, True),
+        "dflash": (llama, DFlashDrafter(dflash_cfg, K), init_dflash_params(dflash_cfg, jax.random.key(3), scale=3.0),
+                   False),
+        "eagle3 tree": (llama, Eagle3Drafter(eagle3_cfg, K, tree=6),
+                        init_eagle3_params(eagle3_cfg, jax.random.key(4), scale=3.0), False),
+        "medusa": (llama, MedusaDrafter(medusa_cfg, K), init_medusa_params(medusa_cfg, jax.random.key(5), scale=3.0),
+                   False),
+        # The Gemma 4 assistant keeps no cache: it reads the target's pages (sliding and KV-shared layers).
+        "mtp tree (Gemma 4 assistant)": ((TINY_GEMMA4, init_params(TINY_GEMMA4, jax.random.key(6), scale=3.0)),
+                                         Gemma4AssistantDrafter(assistant_cfg, K, tree=6),
+                                         init_assistant_params(assistant_cfg, jax.random.key(7), scale=3.0), False),
+    }
+
+
+def test_paged_engine_equals_generate_for_every_drafter_kind(models):
+    """Every drafter kind, chain and tree, through the paged engine: requests arriving one per
+    step and finishing at staggered times (EOS or their cap), the pool (not the slots) holding
+    later ones back, pages freed and handed out again, a prompt sharing an earlier one's first
+    page where prefix caching is on; greedy output equals `generate`, no compile after warm-up,
+    the pool empty after."""
+    want = {}  # target config -> each prompt's greedy continuation by plain `generate`
+    for kind, (target, drafter, params, prefix_caching) in every_drafter_kind(models).items():
+        if target[0] not in want:
+            want[target[0]] = [generate(target, [p], max_new_tokens=n).generated_ids[0]
+                               for p, n in zip(PAGED_PROMPTS, MAX_NEW)]
+        engine = paged_engine(target, drafter, params, prefix_caching)
         engine.warmup([16])
         with backend_compiles() as compiles:
-            got, waited = run_staggered(engine)
-        assert got == want, drafter
-        assert compiles == [], drafter
-        assert waited, drafter  # the pool, not the slots, held a request back
-        assert max(engine.pages.handed_out.values()) >= 2, drafter  # pages freed and handed out again
-        assert engine.pages.used == 0 and engine.pages.owed() == 0, drafter
-    # Cancelled mid-stream: its pages go back; the others are unchanged.
-    got, _ = run_staggered(engine, cancel=1)
-    assert [g for i, g in enumerate(got) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+            got, waited = run_staggered(engine, PAGED_PROMPTS)
+        assert got == want[target[0]], kind
+        assert compiles == [], kind
+        assert waited, kind  # the pool, not the slots, held a request back
+        assert max(engine.pages.handed_out.values()) >= 2, kind  # pages freed and handed out again
+        assert engine.pages.shared_hits == (1 if prefix_caching else 0), kind
+        assert engine.pages.used == 0 and engine.pages.owed() == 0, kind
+    # Cancelled mid-stream (the last kind's engine): its pages go back; the others are unchanged.
+    got, _ = run_staggered(engine, PAGED_PROMPTS, cancel=1)
+    assert [g for i, g in enumerate(got) if i != 1] == [w for i, w in enumerate(want[target[0]]) if i != 1]
     assert len(got[1]) < MAX_NEW[1] and engine.pages.used == 0 and engine.pages.free == POOL
     assert (engine.pages.table == POOL).all()
 
@@ -89,7 +134,7 @@ def test_paged_engine_runs_4x_the_short_requests_at_the_same_cache_bytes(models)
     pages of 8; a dense engine runs at most its slots at once (1), the paged one runs 5 short
     requests (3 pages each at worst: prompt 5 + 4 new + one chunk's 8) at once."""
     dense = Engine(models.target, NGramDrafter(k=K), slots=1, max_model_len=48, chunk_steps=2)
-    paged = paged_engine(models, NGramDrafter(k=K))
+    paged = paged_engine(models.target, NGramDrafter(k=K))
     cache_bytes = [sum(x.nbytes for x in (*e.state.cache.k, *e.state.cache.v)) for e in (dense, paged)]
     assert cache_bytes[0] == cache_bytes[1]
     assert paged.open_slots == 8  # an empty pool: every free slot
@@ -118,7 +163,7 @@ def test_prefix_caching_shares_whole_prompt_pages_and_output_equals_generate(mod
     prompts = [base, base[:10] + [7, 8, 9], base[:PAGE] + [1, 2, 3, 4, 5, 6, 7, 8], base[:15] + [42],
                [base[0] + 1] + base[1:]]  # the last differs in its first page: nothing to share
     want = [generate(models.target, [p], max_new_tokens=24, ignore_eos=True).generated_ids[0] for p in prompts]
-    engine = paged_engine(models, NGramDrafter(k=K), prefix_caching=True)
+    engine = paged_engine(models.target, NGramDrafter(k=K), prefix_caching=True)
     engine.warmup([16])
     got: dict[int, list[int]] = {}
 

@@ -198,15 +198,15 @@ def test_concurrent_streams_equal_their_non_streamed_answers(server):
         assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_disconnect_mid_stream_frees_the_slot(server):
-    """A client that closes its stream has its request cancelled and its slot freed. Once the
-    request is half done, the engine is held before each chunk until the server cancels it, so
-    the request cannot run to its end first however fast the machine is (without the cancel, the
-    test fails on the wait, not on a race)."""
-    engine = server["engine"]
+def drop_a_stream_mid_way(port, engine):
+    """A client that closes its stream after 2 events -> those events, once the server has
+    cancelled its request and the engine freed it. Once the request is half done, the engine is
+    held before each chunk until the server cancels it, so the request cannot run to its end
+    first however fast the machine is (without the cancel, the test fails on the wait, not on a
+    race)."""
     cancelled_ids, cancelled, freed = [], threading.Event(), threading.Event()
     engine_cancel, engine_step = engine.cancel, engine.step
-    max_tokens = MAX_MODEL_LEN - 8
+    max_tokens = engine.max_model_len - 8
 
     def cancel(rid):  # the runner only cancels unfinished requests
         cancelled_ids.append(rid)
@@ -224,16 +224,49 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     engine.cancel, engine.step = cancel, step
     body = {"prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     try:
-        events = stream(server["port"], "/v1/completions", body, stop_after=2)
+        events = stream(port, "/v1/completions", body, stop_after=2)
         assert cancelled.wait(TIMEOUT), "the server did not cancel the request of a client that went away"
         assert freed.wait(TIMEOUT), "the cancelled request's slot was not freed"
     finally:
         engine.cancel, engine.step = engine_cancel, engine_step
     assert len(cancelled_ids) == 1
     assert len(events) == 2 and events[-1] != "[DONE]"
+    return events
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    """A client that closes its stream has its request cancelled and its slot freed."""
+    engine = server["engine"]
+    drop_a_stream_mid_way(server["port"], engine)
     assert engine.num_live == 0 and not engine.slot_table.live.any()
     assert request(server["port"], "GET", "/health")[1]["running"] == 0
     assert request(server["port"], "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4})[0] == 200
+
+
+def test_disconnect_mid_stream_frees_the_pages(server):
+    """Issue 45: with `--kv-pages`, a client that closes its stream gives its request's KV pages
+    back: the pool is empty after the run (the engine's count and /metrics), and the server
+    still answers. The module's engine with a pool of 8 pages of 32 (2 rows' worth)."""
+    target = server["target"]
+    engine = Engine(target, NGramDrafter(k=3), slots=3, max_model_len=MAX_MODEL_LEN, chunk_steps=2,
+                    kv_pages=8, kv_page_size=32)
+    engine.warmup([16])
+    state = ServerState(engine, target.tokenizer, target.chat_template, "tiny", "ngram")
+    with serving(state) as port:
+        held = []
+        engine_step = engine.step
+        engine.step = lambda: held.append(engine.pages.used) or engine_step()
+        try:
+            drop_a_stream_mid_way(port, engine)
+        finally:
+            engine.step = engine_step
+        assert max(held) >= 1  # the dropped request held pages while it ran
+        assert engine.pages.used == 0 and engine.pages.owed() == 0 and engine.pages.free == 8
+        metrics = scrape(port)
+        assert (metrics[("spec_jax_kv_pages_used", ())], metrics[("spec_jax_kv_pages_free", ())]) == (0, 8)
+        assert request(port, "GET", "/health")[0] == 200
+        assert request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4})[0] == 200
+        assert engine.pages.used == 0 and engine.num_live == 0
 
 
 def fewest_tokens_holding(tok, ids, text):
