@@ -25,6 +25,7 @@ from spec_jax.drafters.tree import (
     TreeDraft,
     best_first_tree,
     branch_first,
+    check_tree_setting,
     node_depths,
     select_best_nodes,
     static_tree,
@@ -58,7 +59,9 @@ def tree_paths(tokens, parents):
 # ------------------------------------------------------------------ builders
 def test_best_first_tree_takes_the_highest_scoring_prefixes():
     """Against brute force: every prefix of ranks (<= width per depth) scored by its log-prob sum;
-    the tree is the budget best, it is prefix-closed and siblings come in rank order."""
+    the tree is the budget best, it is prefix-closed and siblings come in rank order. Then ties
+    (rounded logits) and a vocabulary with fewer finite entries than the width (-inf scores):
+    still the best scores, distinct nodes (the node-at-a-time loop took a -inf node twice)."""
     depth, vocab, width, budget = 3, 6, 3, 9
     logprobs = jax.nn.log_softmax(2.0 * jax.random.normal(jax.random.key(0), (2, depth, vocab)), -1)
     tree = best_first_tree(logprobs, budget, width)
@@ -75,6 +78,22 @@ def test_best_first_tree_takes_the_highest_scoring_prefixes():
         assert sorted(paths.values())[1:] == sorted(t for _, t in best)
         scores = [sum(lp[row, i, t] for i, t in enumerate(paths[n])) for n in range(1, budget + 1)]
         assert np.all(np.diff(scores) <= 1e-6), "taken best first"
+
+    ties = jax.nn.log_softmax(jnp.round(3.0 * jax.random.normal(jax.random.key(1), (1, 4, 8))), -1)
+    masked = logprobs.at[:, :, 2:].set(-jnp.inf)  # 2 finite tokens per depth, width 3
+    for lp, budget, width in ((ties, 20, 4), (masked, 12, 3)):
+        tree = best_first_tree(lp, budget, width)
+        lp = np.asarray(lp[0])
+        paths = tree_paths(np.asarray(tree.tokens[0]), np.asarray(tree.parents[0]))
+        assert len(set(paths.values())) == budget + 1, "distinct nodes"
+        order = np.argsort(-lp, axis=-1, kind="stable")[:, :width]
+        every = sorted((sum(lp[i, order[i, r]] for i, r in enumerate(ranks))
+                        for d in range(1, lp.shape[0] + 1) for ranks in itertools.product(range(width), repeat=d)),
+                       reverse=True)
+        scores = [sum(lp[i, t] for i, t in enumerate(paths[n])) for n in range(1, budget + 1)]
+        np.testing.assert_allclose(np.maximum(scores, -1e30), np.maximum(every[:budget], -1e30), atol=1e-5)
+    with pytest.raises(ValueError, match="lower the tree budget or raise K"):
+        check_tree_setting(20, 1, static_ok=True, name="DFlash")
 
 
 def test_static_tree_follows_the_given_ranks():

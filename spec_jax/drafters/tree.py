@@ -64,6 +64,9 @@ def check_tree_setting(tree: TreeSetting, k: int, *, static_ok: bool, name: str)
     if isinstance(tree, (int, np.integer)):
         if tree < 0:
             raise ValueError(f"{name}: the tree budget must be >= 0 nodes (0 = a chain), got {tree}.")
+        if static_ok and tree and best_first_room(int(tree), k) < tree:  # a best-first tree over K positions
+            raise ValueError(f"{name}: a tree of {tree} nodes over K={k} draft position(s) holds at most "
+                             f"{best_first_room(int(tree), k)} distinct nodes; lower the tree budget or raise K.")
         return
     if not static_ok:
         raise ValueError(
@@ -146,56 +149,58 @@ def chunked_top_k(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.A
     return values, jnp.take_along_axis(index, at, axis=-1)
 
 
+def best_first_levels(budget: int, depth: int, width: int = 8) -> list[int]:
+    """How many nodes each level of a best-first tree keeps as candidates: the `budget` best
+    children of the previous level's, down to depth min(depth, budget)."""
+    width = min(width, budget)
+    return [min(budget, width ** (d + 1)) for d in range(min(depth, budget))]
+
+
+def best_first_room(budget: int, depth: int, width: int = 8) -> int:
+    """The most distinct nodes a best-first tree over `depth` positions can hold (vocabularies of
+    at least `width` tokens)."""
+    return sum(best_first_levels(budget, depth, width))
+
+
 def best_first_tree(logprobs: jax.Array, budget: int, width: int = 8) -> TreeDraft:
     """DDTree-style best-first tree over independent per-position distributions.
 
     logprobs [B, D, V]: the drafter's log-probabilities for depths 1..D (a block drafter's one
     pass, or Medusa's heads). A node's score is the sum of its path's log-probabilities; the tree
-    is the `budget` highest-scoring prefixes, taken best first. Each taken node puts two
-    successors on the frontier, its best child and its next-best sibling, so the frontier stays
-    O(budget) (the k-best paths through sorted lists). A node's parent and elder siblings score at
-    least as high, so they are always taken first: the result is a tree, siblings in rank order.
-    Candidates are the top `width` tokens per depth (deterministic, distinct)."""
+    is the `budget` highest-scoring prefixes, best first (ties: shallower, then earlier in the
+    level's order below), siblings in rank order. Candidates are the top `width` tokens per depth
+    (deterministic, distinct).
+
+    Built level by level, not node by node: a node's parent scores at least as high, so a node of
+    the best `budget` has its parent among them, and is among the `budget` best children of the
+    previous level's `budget` best. One top-k per level over budget x width candidates, then one
+    sort of the levels' nodes (`select_best_nodes`). A loop taking one node at a time ran ~30
+    small kernels per node on the GPU: a tree of 32 cost 934 more kernels a step than the chain
+    on the H100 (RESULTS.md, issue 46)."""
     batch, depth, _ = logprobs.shape
     width = min(width, budget, logprobs.shape[-1])
+    sizes = best_first_levels(budget, depth, width)  # a node at depth d has d - 1 ancestors in the tree
+    if sum(sizes) < budget:
+        raise ValueError(f"a best-first tree of {budget} nodes needs more candidates than {len(sizes)} depth(s) "
+                         f"of {width} tokens give ({sum(sizes)}): lower the tree budget or raise the width")
     top_lp, top_tokens = top_k(logprobs.astype(jnp.float32), width)  # [B, D, W]
-    rows = jnp.arange(batch)
-    size = 2 * budget + 1
-    neg = jnp.float32(-jnp.inf)
-    # The frontier: score, depth (0-based: depth 1 is index 0), rank, parent in-pass index.
-    f_score = jnp.full((batch, size), neg).at[:, 0].set(top_lp[:, 0, 0])
-    f_depth = jnp.zeros((batch, size), jnp.int32)
-    f_rank = jnp.zeros((batch, size), jnp.int32)
-    f_parent = jnp.zeros((batch, size), jnp.int32)
-    tokens = jnp.zeros((batch, budget), jnp.int32)
-    parents = jnp.zeros((batch, budget), jnp.int32)
-
-    def take(i, carry):
-        f_score, f_depth, f_rank, f_parent, tokens, parents = carry
-        j = jnp.argmax(f_score, axis=1)  # [B] best frontier entry (ties: the earliest pushed)
-        score, d, r, parent = f_score[rows, j], f_depth[rows, j], f_rank[rows, j], f_parent[rows, j]
-        tokens = tokens.at[:, i].set(top_tokens[rows, d, r])
-        parents = parents.at[:, i].set(parent)
-        f_score = f_score.at[rows, j].set(neg)
-        # Its best child (one level deeper) and its next sibling (same parent, next rank).
-        child_ok = d + 1 < depth
-        child_score = score + top_lp[rows, jnp.minimum(d + 1, depth - 1), 0]
-        sibling_ok = r + 1 < width
-        sibling_score = score - top_lp[rows, d, r] + top_lp[rows, d, jnp.minimum(r + 1, width - 1)]
-        slot = 2 * i + 1
-        f_score = f_score.at[:, slot].set(jnp.where(child_ok, child_score, neg))
-        f_depth = f_depth.at[:, slot].set(d + 1)
-        f_rank = f_rank.at[:, slot].set(0)
-        f_parent = f_parent.at[:, slot].set(i + 1)
-        f_score = f_score.at[:, slot + 1].set(jnp.where(sibling_ok, sibling_score, neg))
-        f_depth = f_depth.at[:, slot + 1].set(d)
-        f_rank = f_rank.at[:, slot + 1].set(r + 1)
-        f_parent = f_parent.at[:, slot + 1].set(parent)
-        return f_score, f_depth, f_rank, f_parent, tokens, parents
-
-    carry = (f_score, f_depth, f_rank, f_parent, tokens, parents)
-    *_, tokens, parents = jax.lax.fori_loop(0, budget, take, carry)
-    return TreeDraft(tokens=tokens, parents=parents)
+    rows = jnp.arange(batch)[:, None]
+    # Level 1: the root's children. Each level's nodes are in (score desc, parent, rank) order.
+    scores, tokens = top_lp[:, 0, :sizes[0]], top_tokens[:, 0, :sizes[0]]
+    all_scores, all_tokens = [scores], [tokens]
+    all_parents = [jnp.full((batch, sizes[0]), -1, jnp.int32)]
+    offset = 0  # the previous level's first node in the node list
+    for d in range(1, len(sizes)):
+        children = (scores[:, :, None] + top_lp[:, d, None, :]).reshape(batch, -1)  # [B, n * W]
+        scores, flat = jax.lax.top_k(children, sizes[d])  # ties: the earlier parent, then the lower rank
+        parent, rank = flat // width, flat % width
+        all_scores.append(scores)
+        all_tokens.append(top_tokens[:, d][rows, rank])
+        all_parents.append((offset + parent).astype(jnp.int32))
+        offset += sizes[d - 1]
+    depths = jnp.concatenate([jnp.full((batch, n), d + 1, jnp.int32) for d, n in enumerate(sizes)], axis=1)
+    return select_best_nodes(jnp.concatenate(all_tokens, axis=1), jnp.concatenate(all_parents, axis=1),
+                             jnp.concatenate(all_scores, axis=1), depths, budget)
 
 
 def static_tree_arrays(paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
