@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import sys
 
 # The suite checks tokens and distributions, not speed, and its time is mostly XLA compiling tiny
 # models: unoptimised CPU codegen compiles them about twice as fast (tests/fake_devices.py does
@@ -32,6 +33,15 @@ if not _ACCELERATOR and not os.environ.get("SPEC_JAX_TEST_OPTIMIZED"):
 # each preallocate most of the device's memory.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# One intra-op thread for torch (the transformers references). With a thread per core, each torch
+# op waits (spinning) for a thread that the other worker's process holds on these two cores:
+# transformers' greedy generate of the default model, 64 tokens, took 23-29 s with 2 threads and
+# 5-7 s with 1 (this 2-core machine under load, 2026-11-26). Set before torch is imported; the
+# CLI runs and subprocess workers inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported already (a plugin): the variable came too late for it
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # JAX's persistent compilation cache: a rerun of the suite (the fast lane in an inner loop) loads
 # the tiny models' programs instead of compiling them again; the subprocess workers and CLI runs

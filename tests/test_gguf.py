@@ -1,5 +1,6 @@
 """The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF) against transformers' GGUF loader."""
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -39,11 +40,20 @@ def model(default_model_installed):
 def hf_gguf(default_model_installed):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
     path = default_gguf_path()
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers' GGUF loader parses the file's metadata (49k vocabulary strings and merges) once
+    # for the config, once for the weights and once for the tokenizer, and builds gguf's tensor-name
+    # map once per module it walks (397 times for this model): the same file and the same map each
+    # time, ~25 s of this fixture's ~35 s. Each is built once here; the loader and its
+    # dequantization run as before.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return hf_model, hf_tok
 
 
