@@ -4,12 +4,14 @@ default model): JSON shape, greedy exactness of drafters, user errors exit 2 wit
 import json
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from spec_jax.checkpoints import save_hf_dir
+from spec_jax.checkpoints import load_target, save_hf_dir
 from spec_jax.app import bench
 from spec_jax.app.main import main
-from spec_jax.models import init_params
+from spec_jax.models import forward, init_cache, init_params
 from tiny_configs import small_llama
 
 VOCAB = 61
@@ -166,13 +168,17 @@ def test_bench_table_and_info(tiny_dir, tmp_path, capsys):
 
 def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, default_model_installed):
     """No --target, no --drafter: the drafter the measured table names for this backend (DFlash with
-    lookup on CPU), with the reason in the JSON, and the AR baseline's output; `--drafter eagle3`
-    says that none ships. Each run compiles the real model's loop (about 30 s here), so only these
-    two run: the shipped DFlash alone and the sampled default are not run again (the default runs
-    that DFlash, and default_drafter_spec's sampled choice is tested below), and the shipped draft
+    lookup on CPU), with the reason in the JSON, and plain decoding's output: each token is the
+    argmax of the default model's logits after the prompt and the tokens before it (one teacher-
+    forced forward pass; a plain-decoding run compiled the real model's loop again, ~25 s here,
+    and that loop equals transformers' greedy in test_gguf). `--drafter eagle3` says that none
+    ships. Each run compiles the real model's loop (about 30 s here), so only the default runs:
+    the shipped DFlash alone and the sampled default are not run again (the default runs that
+    DFlash, and default_drafter_spec's sampled choice is tested below), and the shipped draft
     model is loaded in test_roofline (its int8 weights dequantized) and decodes exactly like every
     draft model in the decoding tests."""
-    args = ["generate", "--prompt-ids", "1,9690,198,2683,359,253", "--max-new-tokens", "8", "--json",
+    prompt = [1, 9690, 198, 2683, 359, 253]
+    args = ["generate", "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "8", "--json",
             "--dtype", "float32"]
     out = run_json(capsys, args)
     row = out["results"][0]
@@ -183,9 +189,11 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
 
     measured = default_drafter_choice(True, None, 1, 0.0)
     assert out["drafter"].startswith(measured[0]) and measured[2] in out["drafter_reason"]
-    ar = run_json(capsys, args + ["--drafter", "none"])
-    assert ar["drafter"] == "none"
-    assert ar["results"][0]["generated_ids"] == row["generated_ids"]
+    target = load_target(None)  # the CLI's model (float32), loaded once per process
+    tokens = prompt + row["generated_ids"]
+    logits, _, _ = forward(target.params, target.cfg, jnp.asarray([tokens]), jnp.arange(len(tokens))[None],
+                           init_cache(target.cfg, 1, len(tokens)))
+    assert np.asarray(logits[0, len(prompt) - 1 : -1]).argmax(-1).tolist() == row["generated_ids"]
     assert "no EAGLE-3 drafter ships" in run_error(capsys, args + ["--drafter", "eagle3"])
 
 

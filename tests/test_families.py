@@ -9,6 +9,7 @@ Two layers keep every compiled loop cheap and still mix a sliding and a full lay
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -274,9 +275,9 @@ def _drafter(kind, cfg: ModelConfig, target_params):
     key = jax.random.key(7)
     if kind == "ngram":
         return NGramDrafter(k=3), None
-    if kind == "draft":
-        noisy = jax.tree_util.tree_map(
-            lambda x: x + 0.1 * jnp.std(x) * jax.random.normal(key, x.shape, x.dtype), target_params)
+    if kind == "draft":  # under jit: one compile, not eager ops per weight shape
+        noisy = jax.jit(lambda params: jax.tree_util.tree_map(
+            lambda x: x + 0.1 * jnp.std(x) * jax.random.normal(key, x.shape, x.dtype), params))(target_params)
         return DraftModelDrafter(cfg, k=3), noisy
     if kind in ("dflash", "dflash_tree"):  # dflash_tree: a best-first tree of 16 nodes
         dcfg = DFlashConfig(layer=dflash_layers(1, cfg.hidden_size, 4, 2, 16, 96, vocab_size=VOCAB),
@@ -294,10 +295,15 @@ def _drafter(kind, cfg: ModelConfig, target_params):
 
 
 def _hf_greedy(model, prompt, new):
+    return list(_hf_greedy_once(model, tuple(prompt), new))
+
+
+@functools.cache  # the cases share a family's prompts: each reference generation runs once
+def _hf_greedy_once(model, prompt: tuple[int, ...], new: int) -> tuple[int, ...]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return tuple(out[0, len(prompt):].tolist())
 
 
 def case_id(family: str, kind: str, batch: int) -> str:
