@@ -192,6 +192,47 @@ def test_prefix_caching_shares_whole_prompt_pages_and_output_equals_generate(mod
     assert engine.pages.used == 0 and engine.pages.free == POOL
 
 
+def test_paged_engine_with_chunked_prefill_equals_generate(models):
+    """Chunked prefill into pages (plain decoding, and DFlash, whose state starts from the
+    prompt's captured hidden states): two requests stream, then a 40-token prompt arrives and
+    prefills in 3 passes of 16 tokens (the smallest budget: one pass shape) between their
+    chunks, beside a prompt sharing its first 4 pages (prefix caching, plain decoding); greedy
+    output equals `generate`, no compile after warm-up, the pool empty after."""
+    long = make_prompts([40], seed=9)[0]
+    prompts, max_new = [PAGED_PROMPTS[1], PAGED_PROMPTS[0], long, long[:32] + [7]], [*MAX_NEW[1::-1], 8, 8]
+    want = [generate(models.target, [p], max_new_tokens=n).generated_ids[0] for p, n in zip(prompts[:2], max_new)]
+    want += generate(models.target, prompts[2:], max_new_tokens=8).generated_ids
+    dflash_cfg = tiny_dflash(2)  # every_drafter_kind's: its chunk program is shared
+    cases = {"none": (None, None, True),
+             "dflash": (DFlashDrafter(dflash_cfg, 1), init_dflash_params(dflash_cfg, jax.random.key(3), scale=3.0),
+                        False)}
+    for name, (drafter, params, prefix_caching) in cases.items():
+        engine = Engine(models.target, drafter, params, slots=8, max_model_len=48, chunk_steps=2, kv_pages=POOL,
+                        kv_page_size=PAGE, prefix_caching=prefix_caching, prefill_chunk_tokens=16)
+        engine.warmup([16, 64])
+        got: dict[int, list[int]] = {}
+        long_passes = streamed_meanwhile = 0
+        with backend_compiles() as compiles:
+            rids = [engine.submit(p, max_new_tokens=n) for p, n in zip(prompts[:2], max_new)]
+            for _ in range(2):  # the two short ones stream
+                for e in engine.step():
+                    got.setdefault(e.request_id, []).extend(e.new_ids)
+            rids += [engine.submit(p, max_new_tokens=n) for p, n in zip(prompts[2:], max_new[2:])]
+            while engine.has_work():
+                events = engine.step()
+                prefilling_long = rids[2] not in got  # each step until its first token runs one of its passes
+                long_passes += prefilling_long
+                streamed_meanwhile += prefilling_long and any(e.new_ids for e in events if e.request_id in rids[:2])
+                for e in events:
+                    got.setdefault(e.request_id, []).extend(e.new_ids)
+        assert [got[r] for r in rids] == want, name
+        assert compiles == [], name
+        assert long_passes == 3 and streamed_meanwhile >= 2, (name, long_passes, streamed_meanwhile)
+        assert engine.pages.shared_hits == (4 if prefix_caching else 0), name
+        assert engine.prefill_tokens_saved == (32 if prefix_caching else 0), name
+        assert engine.pages.used == 0 and engine.pages.owed() == 0 and not engine.prefill_plan.active, name
+
+
 def test_serve_kv_pages_reach_the_engine(monkeypatch):
     kwargs = serve_engine_kwargs(monkeypatch, ["--kv-pages", "64", "--kv-page-size", "32", "--prefix-caching"])
     assert (kwargs["kv_pages"], kwargs["kv_page_size"], kwargs["prefix_caching"]) == (64, 32, True)
@@ -256,8 +297,6 @@ def test_page_pool_hands_out_grows_and_takes_back():
 def test_paged_engine_settings_are_checked(models):
     with pytest.raises(ValueError, match="divide 128"):
         Engine(models.target, slots=2, max_model_len=48, kv_pages=4, kv_page_size=48)
-    with pytest.raises(ValueError, match="chunked prefill"):
-        Engine(models.target, slots=2, max_model_len=48, kv_pages=4, prefill_chunk_tokens=32)
     with pytest.raises(ValueError, match="give kv_pages too"):
         Engine(models.target, slots=2, max_model_len=48, prefix_caching=True)
     with pytest.raises(ValueError, match="does not run on a mesh"):

@@ -124,9 +124,6 @@ def check_cache_options(model: Any, drafter: Drafter | None, mesh: Any, prefill_
     if mesh is not None:
         raise ValueError("a paged KV cache (kv_pages) does not run on a mesh yet: its pool has no row axis to "
                          "split over `data`; leave kv_pages unset with mesh=.")
-    if prefill_chunk_tokens is not None:
-        raise ValueError("a paged KV cache (kv_pages) does not take chunked prefill yet (its prefill rows keep "
-                         "a dense cache); leave prefill_chunk_tokens unset with kv_pages.")
     if not callable(getattr(model, "init_paged_cache", None)):
         raise ValueError(f"kv_pages needs a target whose cache can be paged; {type(model).__name__} offers no "
                          "`init_paged_cache` (spec_jax's own decoder does): leave kv_pages unset for this target.")
@@ -395,7 +392,7 @@ class Engine:
                                                                          self.chunk_steps, table))]
         plan = self.prefill_plan
         for bucket in buckets:
-            if self.pages is not None and self.pages.prefix_caching:
+            if plan is None and self.pages is not None and self.pages.prefix_caching:
                 jobs.append(self.programs.admit_after_prefix_job(bucket, self.programs.admit_after_prefix_args(
                     self.state, 0, probe, bucket, table[0], 0)))
             if plan is None:
@@ -403,10 +400,11 @@ class Engine:
                     self.state, 0, probe, bucket, None if table is None else table[0])))
             else:
                 jobs.append(self.programs.finish_job(bucket, self.programs.finish_args(
-                    self.state, self.prefill_state, 0, 0, probe, bucket)))
+                    self.state, self.prefill_state, 0, 0, probe, bucket, None if table is None else table[0])))
         for rows, width in [] if plan is None else plan.shapes():
             jobs.append(self.programs.prefill_pass_job(self.programs.prefill_pass_args(
-                self.prefill_state, np.arange(rows), np.zeros((rows, width)), np.zeros((rows,)), np.zeros((rows,)))))
+                self.prefill_state, np.arange(rows), np.zeros((rows, width)), np.zeros((rows,)), np.zeros((rows,)),
+                self.state, None if table is None else table[:rows])))
         self.programs.compile_all(jobs, workers)
         return self.programs.tally.since(before, time.perf_counter() - t0)
 
@@ -437,11 +435,7 @@ class Engine:
 
     def _admit_waiting(self) -> list[int]:
         """Prefill waiting requests into free slots -> the slots admitted."""
-        claim, shared = None, {}
-        if self.pages is not None:  # the pool covers its worst case (its cached prefix pages shared)
-            def claim(slot: int, params: RequestParams) -> bool:
-                shared[slot] = self.pages.prefix_pages(params.prompt_ids)
-                return self.pages.reserve(slot, self.worst_tokens(params), shared[slot])
+        claim, shared = self._page_claim()
         admissions = self.scheduler.admissions(self.slot_table.free_slots(), claim)
         for slot, rid, params, submitted_at in admissions:
             bucket = min(prompt_bucket(len(params.prompt_ids)), self.capacity)
@@ -454,6 +448,19 @@ class Engine:
             self.slot_table.occupy(slot, rid, params, stop_id_array(params.stop_ids), submitted_at)
             self.positions.restart(slot)
         return [slot for slot, *_ in admissions]
+
+    def _page_claim(self) -> tuple[Any, dict[int, list[int]]]:
+        """(the scheduler's claim: whether the pool covers a request's worst case beside the running
+        ones', its cached prefix pages shared; the shared pages it took, by slot), (None, {}) dense."""
+        shared: dict[int, list[int]] = {}
+        if self.pages is None:
+            return None, shared
+
+        def claim(slot: int, params: RequestParams) -> bool:
+            shared[slot] = self.pages.prefix_pages(params.prompt_ids)
+            return self.pages.reserve(slot, self.worst_tokens(params), shared[slot])
+
+        return claim, shared
 
     def _admit_paged(self, slot: int, params: RequestParams, bucket: int, start: int) -> None:
         """Prefill a request into its pages: the whole prompt, or (prefix caching) the part after
@@ -476,18 +483,42 @@ class Engine:
         plan = self.prefill_plan
         reserved = plan.reserved_slots
         free = [slot for slot in self.slot_table.free_slots() if slot not in reserved]
-        for slot, rid, params, submitted_at in self.scheduler.admissions(free[: len(plan.free_rows())]):
-            plan.start(rid, params, submitted_at, slot)
+        claim, shared = self._page_claim()
+        for slot, rid, params, submitted_at in self.scheduler.admissions(free[: len(plan.free_rows())], claim):
+            started = plan.start(rid, params, submitted_at, slot)
+            if self.pages is not None:
+                # The prompt's pages (and its first token's) up front: its reservation holds them
+                # anyway, and the table stays fixed while its chunks run. Shared prefix pages are
+                # committed already: its chunks start after them.
+                self.pages.grow(slot, len(params.prompt_ids) + 1)
+                started.done = len(shared[slot]) * self.pages.page_size
+                self.prefill_tokens_saved += started.done
         chunk = plan.next_pass()
         if chunk is None:
             return []
-        args = self.programs.prefill_pass_args(self.prefill_state, chunk.rows, chunk.tokens, chunk.starts, chunk.valid)
-        self.prefill_state = self.programs.prefill_pass(args)(*args)
+        page_rows = None
+        if self.pages is not None:  # each row's slot's pages (padding rows: none, their writes dropped)
+            page_rows = np.full((len(chunk.rows), self.pages.pages_per_row), self.pages.num_pages, np.int32)
+            for i, row in enumerate(chunk.rows.tolist()):
+                if row in plan.active:
+                    page_rows[i] = self.pages.table[plan.active[row].slot]
+        args = self.programs.prefill_pass_args(self.prefill_state, chunk.rows, chunk.tokens, chunk.starts, chunk.valid,
+                                               self.state, page_rows)
+        if self.pages is None:
+            self.prefill_state = self.programs.prefill_pass(args)(*args)
+        else:
+            self.state, self.prefill_state = self.programs.prefill_pass(args)(*args)
         self.prefill_passes[chunk.tokens.shape] += 1
         admitted = []
         for p in plan.advance(chunk):
             bucket = min(prompt_bucket(len(p.params.prompt_ids)), self.capacity)
-            args = self.programs.finish_args(self.state, self.prefill_state, p.row, p.slot, p.params, bucket)
+            page_row = None
+            if self.pages is not None:
+                page_row = self.pages.table[p.slot]
+                self.pages.register(p.slot, p.params.prompt_ids)
+                self._row_lengths[p.slot] = len(p.params.prompt_ids) + 1
+            args = self.programs.finish_args(self.state, self.prefill_state, p.row, p.slot, p.params, bucket,
+                                             page_row)
             self.state = self.programs.finish_prefill(bucket, args)(*args)
             self.slot_table.occupy(p.slot, p.rid, p.params, stop_id_array(p.params.stop_ids), p.submitted_at)
             self.positions.restart(p.slot)
@@ -508,6 +539,11 @@ class Engine:
             for slot in self.slot_table.running:
                 self.pages.grow(slot, int(self._row_lengths[slot]) + self.chunk_overshoot)
             table = self.pages.table
+            if self.prefill_plan is not None and self.prefill_plan.active:
+                # A row still prefilling holds its prompt's pages, but the chunk runs its (done) row
+                # too, writing at its stale length: it sees no pages until it starts.
+                table = table.copy()
+                table[sorted(self.prefill_plan.reserved_slots)] = self.pages.num_pages
         args = self.programs.chunk_args(self.state, self.slot_table, self.chunk_steps, table)
         self.state = self.programs.chunk(self.k, args)(*args)
         state = self.state
@@ -531,8 +567,9 @@ class Engine:
         """Free slots' pages back to the pool (finished and cancelled requests)."""
         if self.pages is None:
             return
+        prefilling = set() if self.prefill_plan is None else self.prefill_plan.reserved_slots
         for slot in np.flatnonzero(self.pages.reserved).tolist():
-            if slot not in self.slot_table.running:
+            if slot not in self.slot_table.running and slot not in prefilling:
                 self.pages.release(slot)
 
     def _feed_suffix_store(self, tokens: Any, lengths: Any, done: Any) -> None:

@@ -372,18 +372,28 @@ class EnginePrograms:
             hidden, captured, _ = forward_capturing(Target(params, model), jnp.zeros((rows, 1), jnp.int32),
                                                     jnp.zeros((rows, 1), jnp.int32), cache, capture)
             return PrefillRows(
-                cache=cache,
+                cache=cache if self.kv_pages is None else self._prefill_rows_paged_cache(rows),
                 captured=None if captured is None else jnp.zeros((rows, capacity, captured.shape[-1]), captured.dtype),
                 last_hidden=hidden[:, 0])
 
         return jax.eval_shape(fn, self.target_params)
 
+    def _prefill_rows_paged_cache(self, rows: int) -> Any:
+        """Paged: the prefill rows' cache keeps only what is per row (lengths, recurrent states,
+        the rows' page tables); their keys/values go straight into the state's pool, through the
+        pages of the slot each prompt will run in (a 1-page placeholder pool stands in here)."""
+        return self.model.init_paged_cache(rows, self.capacity, 1, self.page_size)
+
     def prefill_pass_args(self, prefill_rows: PrefillRows, rows: np.ndarray, tokens: np.ndarray,
-                          starts: np.ndarray, valid: np.ndarray) -> tuple:
+                          starts: np.ndarray, valid: np.ndarray, state: LoopState | None = None,
+                          page_rows: Any = None) -> tuple:
         """A prefill pass's arguments: which rows [r] (distinct), their next tokens [r, W], where
-        each starts [r] (0: a new prompt) and how many of its W tokens are prompt [r]."""
-        return (prefill_rows, self.target_params, *(self.place(np.asarray(x, np.int32))
-                                                    for x in (rows, tokens, starts, valid)))
+        each starts [r] (0: a new prompt) and how many of its W tokens are prompt [r]. Paged: the
+        first argument is (state, prefill_rows), both donated (the pass writes the state's pool),
+        and the last the page-table rows [r, pages_per_row] of the slots the prompts will run in."""
+        head = prefill_rows if self.kv_pages is None else (state, prefill_rows)
+        return (head, self.target_params, *(self.place(np.asarray(x, np.int32))
+                                            for x in (rows, tokens, starts, valid))) + self._page_args(page_rows)
 
     def prefill_pass(self, args: tuple) -> Any:
         return self._compile(*self.prefill_pass_job(args))
@@ -392,28 +402,43 @@ class EnginePrograms:
         """(key, function, arguments) of the prefill pass at the arguments' shape [r, W]."""
         model, capture, cache_axes = self.model, self._capture_layers(), self.batch_axes.cache
 
-        def prefill_pass(prefill_rows, target_params, rows, tokens, starts, valid):
+        def run_pass(prefill_rows, target_params, rows, tokens, starts, valid, pools=None):
+            """The pass on the rows' caches; pools (paged) = (the state's cache, the rows' page
+            tables [r, n]) -> (the new prefill rows, the cache the pass wrote)."""
             cache = take_rows(prefill_rows.cache, cache_axes, rows)
-            fresh = model.init_cache(rows.shape[0], self.capacity)
+            fresh = (model.init_cache(rows.shape[0], self.capacity) if pools is None
+                     else self._prefill_rows_paged_cache(rows.shape[0]))
             cache = jax.tree_util.tree_map(  # a row at 0 starts a new prompt: an empty cache
                 lambda axis, old, new: old if axis == NO_BATCH_AXIS else jnp.where(
                     (starts == 0).reshape([-1 if d == axis else 1 for d in range(old.ndim)]), new, old),
                 cache_axes, cache, fresh)
+            if pools is not None:  # committed at starts (a prefix-cached prompt starts past its shared pages)
+                cache = cache.replace(k=pools[0].k, v=pools[0].v, page_table=pools[1], lengths=starts)
             captured = None if prefill_rows.captured is None else prefill_rows.captured[rows]
             cache, captured, last_hidden = prefill_chunk(
                 Target(target_params, model), cache, captured, prefill_rows.last_hidden[rows], tokens, starts,
                 valid, capture)
-            return PrefillRows(
+            return PrefillRows(  # put_rows keeps the placeholder pools (they have no row axis)
                 cache=put_rows(prefill_rows.cache, cache_axes, rows, cache),
                 captured=None if captured is None else prefill_rows.captured.at[rows].set(captured),
-                last_hidden=prefill_rows.last_hidden.at[rows].set(last_hidden))
+                last_hidden=prefill_rows.last_hidden.at[rows].set(last_hidden)), cache
 
-        return ("prefill_pass", *args[3].shape), prefill_pass, args  # args[3]: tokens [r, W]
+        def prefill_pass(prefill_rows, target_params, rows, tokens, starts, valid):
+            return run_pass(prefill_rows, target_params, rows, tokens, starts, valid)[0]
+
+        def paged_prefill_pass(state_and_rows, target_params, rows, tokens, starts, valid, page_rows):
+            state, prefill_rows = state_and_rows
+            prefill_rows, cache = run_pass(prefill_rows, target_params, rows, tokens, starts, valid,
+                                           (state.cache, page_rows))
+            return state.replace(cache=state.cache.replace(k=cache.k, v=cache.v)), prefill_rows
+
+        fn = prefill_pass if self.kv_pages is None else paged_prefill_pass
+        return ("prefill_pass", *args[3].shape), fn, args  # args[3]: tokens [r, W]
 
     def finish_args(self, state: LoopState, prefill_rows: PrefillRows, row: int, slot: int,
-                    params: RequestParams, bucket: int) -> tuple:
+                    params: RequestParams, bucket: int, page_row: Any = None) -> tuple:
         """A finish's arguments: the admit's (`admit_args`), with the prefilled row."""
-        admit = self.admit_args(state, slot, params, bucket)
+        admit = self.admit_args(state, slot, params, bucket, page_row)
         return (admit[0], prefill_rows, self.place(np.asarray([row], np.int32)), *admit[1:])
 
     def finish_prefill(self, bucket: int, args: tuple) -> Any:
@@ -426,14 +451,19 @@ class EnginePrograms:
         depth = self.depth
 
         def finish_prefill(state, prefill_rows, row, slot, target_params, drafter_params, prompt, prompt_length,
-                           key, sampling, max_new, stop_ids):
+                           key, sampling, max_new, stop_ids, *page_row):
             captured = None if prefill_rows.captured is None else prefill_rows.captured[row][:, : prompt.shape[1]]
+            cache = take_rows(prefill_rows.cache, axes.cache, row)
+            if page_row:  # paged: the prompt is in the slot's pages already
+                cache = cache.replace(k=state.cache.k, v=state.cache.v, page_table=page_row[0])
             started = start_state(Target(target_params, model), drafter, drafter_params, prompt, prompt_length,
-                                  prefill_rows.last_hidden[row], captured,
-                                  take_rows(prefill_rows.cache, axes.cache, row), key, sampling, max_new,
+                                  prefill_rows.last_hidden[row], captured, cache, key, sampling, max_new,
                                   stop_ids, capacity, top)
             started = with_depth_state(started, depth, None if depth is None else state.depth.costs)
-            return merge_row(state, started, slot, axes)
+            merged = merge_row(state, started, slot, axes)
+            if page_row:  # the pools have no row axis
+                merged = merged.replace(cache=merged.cache.replace(k=started.cache.k, v=started.cache.v))
+            return merged
 
         return ("finish_prefill", bucket), finish_prefill, args
 
