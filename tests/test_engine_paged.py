@@ -3,7 +3,8 @@ pages read and written through a page table per row (`Engine(kv_pages=N)`). Gree
 every drafter kind, chains and trees, through the paged engine equals `generate`, with requests
 arriving and finishing at staggered times, waiting for pages, pages handed out again after
 frees, a prompt's first page shared (prefix caching), cancelled requests giving theirs back (the
-pool empty after every run), and no compile after warm-up; at the same cache bytes the paged
+pool empty after every run), and no compile after warm-up; chunked prefill writes a long prompt
+into its pages while other requests stream; at the same cache bytes the paged
 engine runs 4x the concurrent short requests of the dense one."""
 
 from __future__ import annotations
@@ -231,11 +232,19 @@ def test_paged_engine_with_chunked_prefill_equals_generate(models):
         assert engine.pages.shared_hits == (4 if prefix_caching else 0), name
         assert engine.prefill_tokens_saved == (32 if prefix_caching else 0), name
         assert engine.pages.used == 0 and engine.pages.owed() == 0 and not engine.prefill_plan.active, name
+    # Cancelled mid-prefill (the last engine): its pages go back.
+    rid = engine.submit(long, max_new_tokens=8)
+    assert engine.step() == [] and engine.pages.used == 6  # its prompt's pages, granted up front
+    engine.cancel(rid)
+    assert [e.finish_reason for e in engine.step()] == ["cancelled"]
+    assert engine.pages.used == 0 and engine.pages.owed() == 0 and not engine.has_work()
 
 
 def test_serve_kv_pages_reach_the_engine(monkeypatch):
-    kwargs = serve_engine_kwargs(monkeypatch, ["--kv-pages", "64", "--kv-page-size", "32", "--prefix-caching"])
+    kwargs = serve_engine_kwargs(monkeypatch, ["--kv-pages", "64", "--kv-page-size", "32", "--prefix-caching",
+                                               "--prefill-chunk-tokens", "64"])
     assert (kwargs["kv_pages"], kwargs["kv_page_size"], kwargs["prefix_caching"]) == (64, 32, True)
+    assert kwargs["prefill_chunk_tokens"] == 64  # chunked prefill into pages
     assert serve.PAGE_SIZE == paged.PAGE_SIZE
 
 

@@ -161,7 +161,8 @@ class Engine:
     (padding included, >= 16) one step prefills: waiting prompts, up to `prefill_rows` of them,
     prefill together in one pass per step, a long one in chunks between decode chunks, so running
     streams never wait longer than one such pass (`prefill_plan`; it keeps `prefill_rows` extra
-    rows of target cache). kv_pages: None (each slot holds a dense target cache of the whole
+    rows of target cache, or with kv_pages writes each prompt into its slot's pages, granted for
+    the whole prompt when it starts). kv_pages: None (each slot holds a dense target cache of the whole
     capacity), or the target's cache is a shared pool of that many pages of `kv_page_size` slots
     (`spec_jax.models.paged`): a request takes pages as it grows and gives them back when it
     ends, so the same memory holds many more short requests; a request waits in the queue until

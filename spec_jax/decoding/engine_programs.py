@@ -9,7 +9,10 @@ with the state donated:
   - with chunked prefill (`prefill_rows`), instead of admits: a prefill pass per shape [r, W]
     (`chunked.prefill_chunk` on r of the `PrefillRows`' rows: their target caches and captured
     hidden states, kept apart from the running rows), and a finish per prompt bucket
-    (`loop.start_state` on a prefilled row, scattered into its slot as an admit is).
+    (`loop.start_state` on a prefilled row, scattered into its slot as an admit is). With a paged
+    cache the prefill rows keep only their per-row parts: a pass writes each prompt's keys/values
+    straight into the pages of the slot it will run in (the state and the rows donated together),
+    and the finish reads them there.
 Programs are shared between engines of the same configuration (a process that builds several
 engines compiles each program once).
 """
