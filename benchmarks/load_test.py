@@ -23,9 +23,9 @@ the workload suffix speculation is for; humaneval (the default) mixes prompt len
 
 --long-prompt-gap N measures instead what chunked prefill is for (issue 45): running streams'
 longest gap between two hand-outs while one N-token prompt is admitted, in the engine itself (no
-HTTP), for the one-pass admit and for each --prefill-chunk-tokens budget:
+HTTP), for the one-pass admit and for each --prefill-chunk-tokens budget, on each --cache engine:
 
-    python benchmarks/load_test.py --long-prompt-gap 2000 --prefill-chunk-tokens 128 256
+    python benchmarks/load_test.py --long-prompt-gap 2000 --prefill-chunk-tokens 128 256 --cache paged
 """
 
 from __future__ import annotations
@@ -205,9 +205,10 @@ def plot(rows, path: Path, title: str = "spec-jax serve, default model on CPU, l
 def long_prompt_gap(target, args) -> list[dict]:
     """Three streams decode (plain, greedy, --chunk-steps per step); then one --long-prompt-gap
     token prompt arrives. Per prefill mode (one pass, or chunks of each --prefill-chunk-tokens
-    budget): the streams' gap between two hand-outs before it arrived (p50) and while it was
-    admitted (until its first token: the longest, and p50), and its time to first token."""
-    from spec_jax.decoding.engine import Engine
+    budget), on each --cache engine: the streams' gap between two hand-outs before it arrived (p50)
+    and while it was admitted (until its first token: the longest, and p50), and its time to first
+    token."""
+    from spec_jax.decoding.engine import Engine, model_length_and_capacity
 
     rng = np.random.RandomState(0)
     vocab = int(target.model.vocab_size)
@@ -215,9 +216,13 @@ def long_prompt_gap(target, args) -> list[dict]:
     long_prompt = rng.randint(3, vocab, args.long_prompt_gap).tolist()
     stream_tokens = 160
     rows = []
-    for budget in [None, *args.prefill_chunk_tokens]:
+    for cache, budget in [(c, b) for c in args.cache for b in [None, *args.prefill_chunk_tokens]]:
+        paged = {}
+        if cache == "paged":  # the dense engine's cache bytes, as the load runs' default
+            capacity = model_length_and_capacity(args.long_prompt_gap + 64, 0, int(target.model.max_positions))[1]
+            paged = dict(kv_pages=args.kv_pages or 4 * capacity // args.kv_page_size, kv_page_size=args.kv_page_size)
         engine = Engine(target, slots=4, max_model_len=args.long_prompt_gap + 64, chunk_steps=args.chunk_steps,
-                        prefill_chunk_tokens=budget, prefill_rows=2)
+                        prefill_chunk_tokens=budget, prefill_rows=2, **paged)
         t0 = time.perf_counter()
         engine.warmup([32, args.long_prompt_gap])
         compile_s = time.perf_counter() - t0
@@ -240,7 +245,7 @@ def long_prompt_gap(target, args) -> list[dict]:
         before = np.diff(handouts[:arrived])
         during = np.diff(handouts[arrived - 1:])
         row = {
-            "prefill": "one pass" if budget is None else f"chunks of {budget} tokens",
+            "cache": cache, "prefill": "one pass" if budget is None else f"chunks of {budget} tokens",
             "long_prompt_tokens": args.long_prompt_gap, "streams": len(streams),
             "gap_before_p50_ms": 1e3 * float(np.median(before)),
             "longest_gap_while_admitting_ms": 1e3 * float(during.max()),
