@@ -74,6 +74,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -775,6 +776,20 @@ def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], start
         lines.append(f"| {i} | {r['step']} | {r.get('target') or '-'} | {r['status']} | "
                      f"{r['seconds']:.0f} / {r['budget_s']:.0f} | {compiled} | {headline} |")
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    if args.archive:
+        write_archive(args.out, args.archive)
+
+
+def write_archive(out: Path, archive: Path) -> None:
+    """The results so far (JSON, logs, summaries; the warm phase's too), not the caches, in one
+    .tar.gz: a lease's tool may bring back only a few files. Rewritten after every step."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(archive.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        for path in sorted([*out.glob("*.*"), *out.glob("warm/*.*")]):
+            if path.suffix in (".json", ".md", ".log") and path.is_file():
+                tar.add(path, arcname=str(path.relative_to(out.parent)))
+    partial.replace(archive)
 
 
 def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str, float]) -> None:
@@ -919,6 +934,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"exactness), to compile faster (default: {FAST_COMPILE_FLAGS!r}; '' = XLA's defaults)")
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # a warm-phase child
     p.add_argument("--skip-ar", action="store_true", help=argparse.SUPPRESS)  # dflash_trees without its AR row
+    p.add_argument("--archive", type=Path, default=None, metavar="FILE.tar.gz",
+                   help="also write the results (JSON, logs, summaries, not the caches) to this archive after "
+                        "every step (for a lease whose tool brings back only a few files)")
     p.add_argument("--commit", default=None, help="commit recorded with every result (default: git rev-parse HEAD)")
     p.add_argument("--dry-run", action="store_true", help="print every step's command and budget; run nothing")
     p.add_argument("--run-step", choices=list(BY_NAME), default=None,

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_quick.py"
@@ -80,10 +81,12 @@ def test_the_warm_phase_compiles_what_the_timed_steps_then_load(tmp_path):
     into one process per batch and tree is checked in the --dry-run test)."""
     out = tmp_path / "quick"
     run = run_quick(out, "--steps", "ar_floor,capacity,exactness", "--warm-budget", "600", "--budget", "1.5",
-                    "--compile-cache", str(tmp_path / "cache"))
+                    "--compile-cache", str(tmp_path / "cache"), "--warm-jobs", "1", "--archive", str(tmp_path / "r.tgz"))
     assert run.returncode == 0, run.stdout + run.stderr
     warm = json.loads((out / "summary.json").read_text())["warm"]
     assert warm["processes"] == {"ar_floor": "ok", "capacity": "ok"}, warm
+    # One warm process at a time (--warm-jobs 1): capacity started after ar_floor ended.
+    assert warm["jobs"] == 1 and sum(warm["process_seconds"].values()) <= warm["seconds"] + 1, warm
     assert {p.name for p in (out / "warm").glob("*.json")} == {"ar_floor.json", "capacity.json"}
     summary = records(out)
     assert list(summary) == ["ar_floor", "capacity", "exactness"]
@@ -98,6 +101,11 @@ def test_the_warm_phase_compiles_what_the_timed_steps_then_load(tmp_path):
     exact = summary["exactness"]
     assert exact["status"] == "ok" and exact["result"]["counts"] == {"passed": 1}, exact
     assert exact["seconds"] <= warm["seconds"] + 1
+    # --archive: every result file, the warm phase's logs too, none of the caches.
+    with tarfile.open(tmp_path / "r.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"quick/summary.md", "quick/summary.json", "quick/capacity.log", "quick/warm/ar_floor.log"} <= names
+    assert not any("cache" in n for n in names), names
 
 
 def test_a_step_over_its_budget_is_recorded_and_the_suite_goes_on(tmp_path):
