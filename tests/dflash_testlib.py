@@ -82,18 +82,17 @@ def greedy_sequences(model, prompts: list[list[int]], total_length: int) -> torc
     return torch.stack(out)
 
 
-def greedy_continuations(model, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """transformers' greedy `new` tokens after each prompt: plain decoding's tokens without a
-    compiled plain loop. An explicit attention mask: generate would take a prompt's 0s (its pad
-    id) for padding, as `greedy_sequences` (fitting data only) does."""
+def greedy_choices(model, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy choice at each position of each continuation, from one forward pass
+    over the prompt and the continuation: equal to `continuations` exactly when they are the
+    model's greedy tokens (each the argmax after the tokens before it), so plain decoding's tokens
+    are checked without a compiled plain loop or a cached `generate` loop per prompt. No attention
+    mask: every token is real (generate would take a prompt's 0s, its pad id, for padding)."""
     out = []
     with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out.append(model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=0, eos_token_id=None,
-            )[0, len(p):].tolist())
+        for p, c in zip(prompts, continuations):
+            logits = model(torch.tensor([list(p) + list(c)])).logits[0, len(p) - 1 : len(p) + len(c) - 1]
+            out.append(logits.argmax(-1).tolist())
     return out
 
 

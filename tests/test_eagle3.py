@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_testlib import VOCAB, greedy_continuations, spec_jax_greedy_steps, tiny_targets
+from dflash_testlib import VOCAB, greedy_choices, spec_jax_greedy_steps, tiny_targets
 from eagle3_testlib import (
     draft_to_target_ids,
     load_reference_eagle3,
@@ -233,10 +233,10 @@ def test_greedy_eagle3_equals_ar_and_reference_loop(name, targets, tmp_path_fact
     max_new = 24
     # Batch 8 of mixed lengths through the jitted loop; batch 1 is the step-by-step comparison
     # with the reference below (the same prefill and step functions the loop runs). Plain
-    # decoding's tokens: the torch target's greedy ones (no plain loop to compile).
-    plain = greedy_continuations(model, prompts, max_new)
+    # decoding's tokens: the torch target's greedy ones (greedy_choices: no plain loop to compile).
     spec = generate(loaded, prompts, drafter, params, max_new_tokens=max_new, ignore_eos=True)
-    assert spec.generated_ids == plain
+    assert all(len(row) == max_new for row in spec.generated_ids)
+    assert spec.generated_ids == greedy_choices(model, prompts, spec.generated_ids)
     assert spec.stats.accepted > 0, f"{name}: the fitted drafter never got a draft accepted"
     # Tokens and per-step acceptance lengths equal the torch reference loop's (steps cut by the
     # length cap in spec_jax are not compared).
