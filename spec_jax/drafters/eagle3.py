@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.drafters.draft_vocab import draft_logits_of, draft_vocab_specs, to_target_vocab
-from spec_jax.drafters.pair_cache import PairCacheDrafter, PairCacheState
+from spec_jax.drafters.pair_cache import PairCacheConfig, PairCacheDrafter, PairCacheState
 from spec_jax.models.config import GLOBAL_WINDOW, ModelConfig
 from spec_jax.models.decoder import decoder_layer, einsum, embed, rms_norm, rope_inv_freq
 from spec_jax.models.interface import Target, TargetModel
@@ -52,7 +52,7 @@ def default_aux_layer_ids(num_target_layers: int, distinct: bool = False) -> tup
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Config:
+class Eagle3Config(PairCacheConfig):
     """Static hyperparameters of an EAGLE-3 drafter (hashable).
 
     layer:            the draft decoder layers' config (Llama or Qwen3; vocab_size = target vocab)
@@ -91,10 +91,6 @@ class Eagle3Config:
             raise ValueError("EAGLE-3 drafters with sliding-window layers are not supported.")
 
     @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
     def feature_size(self) -> int:
         """Width of one target hidden state."""
         return self.target_hidden_size or self.layer.hidden_size
@@ -107,11 +103,6 @@ class Eagle3Config:
     @property
     def dtype(self) -> str:
         return self.layer.dtype
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Pair-cache bytes per committed token (every draft layer caches k and v)."""
-        return self.layer.kv_bytes_per_token
 
 
 def eagle3_weight_specs(cfg: Eagle3Config) -> dict[str, Any]:

@@ -70,6 +70,20 @@ def pairs_and_passes(
     return for_layer
 
 
+class PairCacheConfig:
+    """Mixed into a pair-cache drafter's config (a dataclass with the field `layer`, the drafter's
+    layer stack as a `ModelConfig`): the width the loop and training read, and the cache's bytes."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Pair-cache bytes per committed token (every draft layer caches k and v)."""
+        return self.layer.kv_bytes_per_token
+
+
 class PairCacheDrafter:
     """The drafter protocol's methods for a pair-cache chain drafter (see the module docstring).
     Pair t sits at RoPE position t + 1 (attention sees relative positions only)."""

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spec_jax.drafters.pair_cache import PairCacheDrafter
+from spec_jax.drafters.pair_cache import PairCacheConfig, PairCacheDrafter
 from spec_jax.models.config import FULL_ATTENTION, ModelConfig
 from spec_jax.models.decoder import decoder_layer, einsum, layer_style, rms_norm, rope_inv_freq
 from spec_jax.models.interface import FINAL_HIDDEN, Target, TargetModel
@@ -46,7 +46,7 @@ NAME = "Qwen3.5 / Qwen3-Next MTP head (--drafter mtp)"
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenMtpConfig:
+class QwenMtpConfig(PairCacheConfig):
     """Static hyperparameters of the MTP head (hashable).
 
     layer: the MTP layer's config: the target's, with one layer, of type full_attention (its
@@ -73,15 +73,6 @@ class QwenMtpConfig:
             moe = dataclasses.replace(moe, dense_layers=tuple(i for i in moe.dense_layers if i < num_layers))
         layer = target.replace(num_layers=num_layers, layer_types=(FULL_ATTENTION,) * num_layers, moe=moe)
         return cls(layer=layer, default_k=default_k)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Pair-cache bytes per committed token (`spec-jax info`)."""
-        return self.layer.kv_bytes_per_token
 
 
 def mtp_weight_specs(cfg: QwenMtpConfig) -> dict[str, Any]:
