@@ -72,16 +72,11 @@ def pairs_and_passes(
 
 class PairCacheConfig:
     """Mixed into a pair-cache drafter's config (a dataclass with the field `layer`, the drafter's
-    layer stack as a `ModelConfig`): the width the loop and training read, and the cache's bytes."""
+    layer stack as a `ModelConfig`): the width the loop and training read, and the pair cache's
+    bytes per committed token (every draft layer caches k and v), as DFlashConfig reads them."""
 
-    @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Pair-cache bytes per committed token (every draft layer caches k and v)."""
-        return self.layer.kv_bytes_per_token
+    hidden_size = property(lambda self: self.layer.hidden_size)
+    kv_bytes_per_token = property(lambda self: self.layer.kv_bytes_per_token)
 
 
 class PairCacheDrafter:
