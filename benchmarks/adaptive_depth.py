@@ -11,11 +11,16 @@ depth. Compiles and the one cost measurement are not timed. Every output is chec
 to plain decoding.
 
     python benchmarks/adaptive_depth.py --max-new-tokens 64 --repeats 3 --out benchmarks/results/adaptive_depth
+
+`--random-drafter` takes the default drafter's model part alone (no prompt lookup) and re-draws its
+weights (same shapes, normal * 0.02; vectors kept), so it never gets a draft accepted: the adaptive policy's floor against plain decoding (issue 41's
+">= 0.95x" bar). `--batch N` runs N prompts per call (the list cycled), the rows' tokens summed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -29,6 +34,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--batch", type=int, default=1, help="prompts per generate call (default 1)")
+    p.add_argument("--random-drafter", action="store_true",
+                   help="the default drafter's shapes with random weights: never accepted")
     args = p.parse_args()
 
     from spec_jax.app import compilation_cache
@@ -41,8 +49,18 @@ def main() -> None:
     from spec_jax.humaneval import humaneval_problems
 
     target = load_target(None, dtype="float32")
-    drafter, drafter_params, _ = default_drafter(target, batch_size=1)
+    drafter, drafter_params, _ = default_drafter(target, batch_size=args.batch)
     drafter = with_tree(drafter, 0)
+    if args.random_drafter:  # the model drafter alone (prompt lookup would get copies accepted)
+        import jax
+
+        drafter = dataclasses.replace(drafter.model, k=drafter.k) if hasattr(drafter, "model") else drafter
+
+        leaves, tree = jax.tree_util.tree_flatten(drafter_params)
+        keys = jax.random.split(jax.random.key(0), len(leaves))
+        drafter_params = jax.tree_util.tree_unflatten(tree, [
+            (0.02 * jax.random.normal(k, x.shape)).astype(x.dtype) if getattr(x, "ndim", 0) >= 2 else x
+            for k, x in zip(keys, leaves)])
 
     def chat(text):
         return apply_chat_template(target.tokenizer, [{"role": "user", "content": text}], target.chat_template)
@@ -50,6 +68,15 @@ def main() -> None:
     prompts = [("chat", p.text, chat(p.text)) for p in chat_prompts(args.chat)]
     prompts += [("humaneval", prob["task_id"], chat("Complete this Python function:\n" + prob["prompt"]))
                 for prob in humaneval_problems()[: args.humaneval]]
+    if args.batch > 1:  # each unit: `batch` prompts of one kind, that kind's list cycled
+        units = []
+        for kind in ("chat", "humaneval"):
+            part = [q for q in prompts if q[0] == kind]
+            units += [(kind, part[i][1], [part[(i + j) % len(part)][2] for j in range(args.batch)])
+                      for i in range(len(part))]
+        prompts = units
+    else:
+        prompts = [(kind, label, [ids]) for kind, label, ids in prompts]
     methods = {
         "plain": dict(drafter=None, drafter_params=None),
         f"fixed K={drafter.k}": dict(drafter=drafter, drafter_params=drafter_params),
@@ -57,7 +84,7 @@ def main() -> None:
     }
     common = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     for name, kw in methods.items():  # compile, and measure the depth costs once
-        r = generate(target, [prompts[0][2]], **kw, **common)
+        r = generate(target, prompts[0][2], **kw, **common)
         print(f"warm-up {name}: compile {r.compile_s:.1f}s", flush=True)
         if r.depth_costs is not None:
             costs = r.depth_costs
@@ -70,9 +97,9 @@ def main() -> None:
         for rep in range(args.repeats):
             order = list(methods) if rep % 2 == 0 else list(reversed(methods))
             for name in order:
-                r = generate(target, [ids], **methods[name], **common)
+                r = generate(target, ids, **methods[name], **common)
                 speeds[name].append(r.tokens_per_second)
-                outputs[name] = r.generated_ids[0]
+                outputs[name] = r.generated_ids
                 if r.depth_counts is not None:
                     depth_counts = r.depth_counts
                     tau = r.stats.tau
