@@ -103,6 +103,7 @@ def every_drafter_kind(models) -> dict[str, tuple]:
     }
 
 
+@pytest.mark.slow  # seven engines' programs (about 45 s): the full suite; the fast lane keeps the chunked-prefill case
 def test_paged_engine_equals_generate_for_every_drafter_kind(models):
     """Every drafter kind, chain and tree, through the paged engine: requests arriving one per
     step and finishing at staggered times (EOS or their cap), the pool (not the slots) holding

@@ -48,6 +48,7 @@ def run_staggered(engine):
     return [got[r] for r in rids]
 
 
+@pytest.mark.slow  # an engine per drafter and a recurrent target (about 28 s): the full suite
 def test_chunked_batched_prefill_equals_generate_for_drafters_and_a_recurrent_target(models):
     eagle3 = Eagle3Config(layer=TINY_DRAFT, draft_vocab_size=VOCAB - 20, aux_layer_ids=(1, 2))
     qwen = (QWEN3_5, init_params(QWEN3_5, jax.random.key(7), scale=3.0))

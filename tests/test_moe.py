@@ -131,6 +131,7 @@ def moe_spec_cases() -> list[tuple[str, str, int]]:
     return MOE_SPEC_CASES
 
 
+@pytest.mark.slow  # a loop per drafter and family (about 40 s): the full suite
 def test_greedy_speculation_on_moe_targets_equals_plain_decoding(tmp_path):
     """Greedy speculative tokens == transformers' greedy tokens (which our plain decoding equals:
     test_families' 64-token test) on the tiny random Qwen3-MoE, Mixtral and gpt-oss of
