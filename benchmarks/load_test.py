@@ -19,6 +19,12 @@ sends repeated coding-agent requests under one system prompt (benchmarks/suffix_
 the workload suffix speculation is for; humaneval (the default) mixes prompt lengths.
 
     python benchmarks/load_test.py --concurrency 1 4 16 --drafters none adaptive --max-tokens 16 32
+
+`--drafters default` is what `spec-jax serve` runs without --drafter: the measured drafter for
+the engine's slots, each step picking its depth (issue 41's "never below 0.97x plain decoding"
+bar); `--slots 8` keeps serve's default engine whatever the number of clients:
+
+    python benchmarks/load_test.py --concurrency 1 8 16 --slots 8 --drafters none default --cache dense
     python benchmarks/load_test.py --concurrency 1 4 16 --drafters none suffix --workload agent
 
 --long-prompt-gap N measures instead what chunked prefill is for (issue 45): running streams'
@@ -92,27 +98,29 @@ def start_server(state):
     return server, thread, sock.getsockname()[1]
 
 
-def make_engine(target, drafter, drafter_params, concurrency, args, k_choices, cache):
+def make_engine(target, drafter, drafter_params, slots, args, k_choices, cache, k=None):
     """The engine of one run: dense, or paged over --kv-pages pages (default: the dense engine's
     cache bytes, slots x capacity / page size)."""
     from spec_jax.decoding.engine import Engine
 
-    options = dict(slots=concurrency, max_model_len=args.max_model_len, chunk_steps=args.chunk_steps,
-                   k_choices=k_choices, max_admits_per_step=args.max_admits)
+    options = dict(slots=slots, max_model_len=args.max_model_len, chunk_steps=args.chunk_steps,
+                   k_choices=k_choices, k=k, max_admits_per_step=args.max_admits)
     if cache == "dense":
         return Engine(target, drafter, drafter_params, **options)
     kv_pages = args.kv_pages
     if kv_pages is None:  # a dense engine is built (not compiled) only to read its capacity
         dense = Engine(target, drafter, drafter_params, **options)
-        kv_pages = concurrency * dense.capacity // args.kv_page_size
+        kv_pages = slots * dense.capacity // args.kv_page_size
         del dense
     return Engine(target, drafter, drafter_params, kv_pages=kv_pages, kv_page_size=args.kv_page_size, **options)
 
 
-def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, k_choices=None, cache="dense") -> dict:
+def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, k_choices=None, cache="dense",
+             k=None) -> dict:
     from spec_jax.app.openai_api import ServerState
 
-    engine = make_engine(target, drafter, drafter_params, concurrency, args, k_choices, cache)
+    slots = args.slots or concurrency
+    engine = make_engine(target, drafter, drafter_params, slots, args, k_choices, cache, k)
     t0 = time.perf_counter()
     engine.warmup([len(b["prompt_ids"]) for b in bodies])
     compile_s = time.perf_counter() - t0
@@ -157,7 +165,8 @@ def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, 
     tokens = sum(r["tokens"] for r in results)
     gaps = [g for r in results for g in r["gaps"]]
     row = {
-        "drafter": label, "cache": cache, "concurrency": concurrency, "requests": len(results), "output_tokens": tokens,
+        "drafter": label, "cache": cache, "concurrency": concurrency, "slots": slots, "requests": len(results),
+        "output_tokens": tokens,
         "wall_s": wall, "tokens_per_s": tokens / wall,
         "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in results], 50),
         "ttft_p99_ms": 1e3 * percentile([r["ttft"] for r in results], 99),
@@ -290,9 +299,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--max-tokens", type=int, nargs="+", default=[32, 64, 96])
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--chunk-steps", type=int, default=4)
+    p.add_argument("--slots", type=int, default=None,
+                   help="engine slots (default: the run's concurrency; `spec-jax serve` defaults to 8)")
     p.add_argument("--drafters", nargs="+", default=["none", "default"],
-                   help="none, default (the default drafter at batch 1), adaptive (that drafter with "
-                        "adaptive K over --k-choices), or a --drafter KIND")
+                   help="none, default (`spec-jax serve`'s: the measured drafter for the engine's slots, "
+                        "with its default depth policy), batch1 (the default drafter at batch 1, fixed K), "
+                        "adaptive (that drafter with adaptive K over --k-choices), or a --drafter KIND")
     p.add_argument("--k-choices", type=int, nargs="+", default=[1, 2, 4, 7])
     p.add_argument("--max-admits", type=int, default=None, help="the engine's max_admits_per_step")
     p.add_argument("--cache", nargs="+", choices=["dense", "paged"], default=["dense", "paged"],
@@ -310,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                    help="with --long-prompt-gap: the chunked-prefill budgets to measure beside the one-pass admit")
     args = p.parse_args(argv)
 
-    from spec_jax.app.inputs import build_drafter, parse_drafter_spec
+    from spec_jax.app.inputs import build_drafter, default_drafter_spec, parse_drafter_spec
     from spec_jax.checkpoints import load_target
     from spec_jax.checkpoints.shipped import default_drafter, default_drafter_choice
 
@@ -325,9 +337,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     rows = []
     for name in args.drafters:
         k_choices = None
+        if name == "default":  # serve's default: depends on the engine's slots
+            for n in args.concurrency:
+                slots = args.slots or n
+                spec = default_drafter_spec(args.target, None, batch=slots)
+                drafter, params = build_drafter(spec, target)
+                label = f"default ({spec.label}, {slots} slots)"
+                count = max(4, int(round(args.requests_per_client * n)))
+                run_bodies = [bodies[i % len(bodies)] for i in range(count)]
+                for cache in args.cache:
+                    rows.append(run_load(target, drafter, params, label, n, run_bodies, args, None, cache,
+                                         k=spec.generate_k))
+            continue
         if name == "none":
             drafter, params, label = None, None, "none"
-        elif name in ("default", "adaptive"):
+        elif name in ("batch1", "adaptive"):
             drafter, params, reason = default_drafter(target, batch_size=1)
             kind = default_drafter_choice(True, None, 1)[0]
             label = f"{kind} K={drafter.k} (default at batch 1)"

@@ -63,6 +63,12 @@ else:
     # cache off). The suite trims its own directory once per run instead (trim_test_cache).
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 
+# The adaptive depth's measured step costs (spec_jax.decoding.depth_costs) stay out of the user's
+# own file: beside the compilation cache (kept across runs like it), or measured afresh when off.
+os.environ.setdefault(
+    "SPEC_JAX_DEPTH_COSTS", "off" if _TEST_CACHE == "off" else os.path.join(os.path.dirname(os.path.abspath(_TEST_CACHE)), "test-depth-costs.json")
+)
+
 TEST_CACHE_MAX_BYTES = 2 << 30
 
 

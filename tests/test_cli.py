@@ -189,6 +189,8 @@ def test_default_model_uses_the_measured_default_drafter_and_matches_ar(capsys, 
 
     measured = default_drafter_choice(True, None, 1, 0.0)
     assert out["drafter"].startswith(measured[0]) and measured[2] in out["drafter_reason"]
+    # Each step picked its depth (the measured table's default; --k N would pin K).
+    assert "k=adaptive" in out["drafter"] and sum(out["depth_counts"].values()) == out["stats"]["steps"]
     target = load_target(None)  # the CLI's model (float32), loaded once per process
     tokens = prompt + row["generated_ids"]
     logits, _, _ = forward(target.params, target.cfg, jnp.asarray([tokens]), jnp.arange(len(tokens))[None],
@@ -215,6 +217,11 @@ TABLE = {
         "backends": {"cpu": {"greedy": [{"up_to_batch": 1, "tree": 16, "why": "one: tree"},
                                         {"up_to_batch": None, "tree": 0, "why": "bigger batches: chain"}]}},
         "unmeasured": [{"up_to_batch": None, "tree": 0, "why": "unmeasured: chain"}],
+    },
+    "depth": {
+        "backends": {"cpu": {"greedy": [{"up_to_batch": 1, "depth": "adaptive", "why": "one: adaptive"},
+                                        {"up_to_batch": None, "depth": "fixed", "why": "bigger: fixed"}]}},
+        "unmeasured": [{"up_to_batch": None, "depth": "adaptive", "why": "unmeasured: adaptive"}],
     },
 }
 
@@ -243,7 +250,8 @@ def test_default_drafter_choice_reads_the_measured_table(backend, batch, tempera
 
 def test_default_drafter_spec_follows_the_table(monkeypatch):
     """The CLI's default (no --target, no --drafter) is the table's choice for the batch and
-    temperature, with its tree and both reasons; a named target never gets a default drafter."""
+    temperature, with its tree, its depth policy (adaptive unless K is given) and the reasons; a
+    named target never gets a default drafter."""
     from spec_jax.app.inputs import default_drafter_spec
     from spec_jax.checkpoints import shipped
 
@@ -252,15 +260,18 @@ def test_default_drafter_spec_follows_the_table(monkeypatch):
                        "unmeasured": TABLE[section]["unmeasured"]} for section in TABLE}
     monkeypatch.setattr(shipped, "measured_defaults", lambda: table)
     one, several = default_drafter_spec(None, None, batch=1), default_drafter_spec(None, None, batch=8)
-    assert (one.kind, one.k, one.tree) == ("dflash+ngram", None, 16)
-    assert "one greedy" in one.reason and "one: tree" in one.reason
-    assert (several.kind, several.k, several.tree) == ("draft-model+ngram", 2, None)
-    assert "bigger batches: chain" in several.reason
+    assert (one.kind, one.k, one.tree, one.adaptive) == ("dflash+ngram", None, 16, True)
+    assert "one greedy" in one.reason and "one: tree" in one.reason and "one: adaptive" in one.reason
+    assert (several.kind, several.k, several.tree, several.adaptive) == ("draft-model+ngram", 2, None, False)
+    assert "bigger batches: chain" in several.reason and "fixed" not in several.reason
     assert default_drafter_spec(None, 4, batch=8).k == 4
+    pinned = default_drafter_spec(None, 4, batch=1)  # --k N pins K
+    assert (pinned.k, pinned.adaptive) == (4, False) and "adaptive" not in pinned.reason
     many = default_drafter_spec(None, 4, batch=9)
     assert (many.kind, many.k) == ("none", None) and many.reason.endswith("more greedy")
     sampled = default_drafter_spec(None, None, batch=1, temperature=0.7)
     assert (sampled.kind, sampled.k) == ("ngram", 3) and "unmeasured: chain" in sampled.reason
+    assert sampled.adaptive and "unmeasured: adaptive" in sampled.reason
     assert default_drafter_spec("some/model", None, batch=1).kind == "none"
 
 
@@ -271,7 +282,7 @@ def test_the_shipped_measured_table_is_well_formed():
     from spec_jax.drafters import registry
 
     table = measured_defaults()
-    for section, value in (("drafter", "kind"), ("tree", "tree")):
+    for section, value in (("drafter", "kind"), ("tree", "tree"), ("depth", "depth")):
         lists = [table[section]["unmeasured"]]
         lists += [entries for modes in table[section]["backends"].values() for entries in modes.values()]
         for entries in lists:
@@ -279,6 +290,8 @@ def test_the_shipped_measured_table_is_well_formed():
             assert all(e["why"] and value in e for e in entries)
             if section == "drafter":
                 assert all(e["kind"] in registry.names() for e in entries)
+            elif section == "depth":
+                assert all(e["depth"] in ("adaptive", "fixed") for e in entries)
             else:
                 assert all(e["tree"] >= 0 for e in entries)
 

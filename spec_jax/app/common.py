@@ -146,7 +146,8 @@ def drafter_spec_from_args(
     args: argparse.Namespace, prompts: Sequence[str] = (), batch: int = 1, adaptive_ok: bool = False
 ) -> DrafterSpec:
     """`--drafter KIND` or `--drafter KIND=PATH`; without --drafter, `default_drafter_spec` for
-    `batch` prompts decoded together at the command's --temperature.
+    `batch` prompts decoded together at the command's --temperature (adaptive depth by default
+    where the command runs it: `adaptive_ok`).
 
     The old two-word form `--drafter dflash PATH` cannot be told apart from a prompt, so it is
     refused (naming the one-word form) when the word after it is an existing path."""
@@ -163,7 +164,9 @@ def drafter_spec_from_args(
         spec = default_drafter_spec(args.target, k, batch=batch,
                                     temperature=getattr(args, "temperature", 0.0))
         spec = spec if tree is None else dataclasses.replace(spec, tree=tree)
-        return dataclasses.replace(spec, adaptive=adaptive and spec.kind != "none")
+        # The default drafter picks its depth per step where the measured table says so (and
+        # the command can run it), unless --k pins K.
+        return dataclasses.replace(spec, adaptive=(adaptive or (spec.adaptive and adaptive_ok)) and spec.kind != "none")
     spec = parse_drafter_spec(args.drafter, k)
     spec = dataclasses.replace(spec, tree=tree, adaptive=adaptive and spec.kind != "none")
     if registry.get(spec.kind).takes_path and spec.path is None and prompts:

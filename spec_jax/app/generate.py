@@ -59,7 +59,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             f"--stream prints one answer as it comes, got {len(prompts)} prompts; pass one prompt "
             "(or drop --stream to generate them all as one batch)."
         )
-    spec = drafter_spec_from_args(args, args.prompts, batch=len(prompts), adaptive_ok=True)
+    # The stream does not run the adaptive depth on a mesh yet: there the default pins K.
+    spec = drafter_spec_from_args(args, args.prompts, batch=len(prompts),
+                                  adaptive_ok=not (args.stream and args.mesh) or args.k == "adaptive")
     sampling = sampling_kwargs(args)
 
     t0 = time.perf_counter()
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     drafter, drafter_params = inputs.build_drafter(spec, target)
     mesh = inputs.mesh_kwargs(args.mesh, target)
 
-    log(f"generating: {len(prompt_ids)} prompt(s), drafter {spec.kind}, K={inputs.drafter_k(drafter)}"
+    depth = f"adaptive, at most {inputs.drafter_k(drafter)}" if spec.adaptive else inputs.drafter_k(drafter)
+    log(f"generating: {len(prompt_ids)} prompt(s), drafter {spec.kind}, K={depth}"
         + (f" ({spec.reason})" if spec.reason else ""))
     if spec.adaptive:  # each step picks its depth, the drafter's K the largest
         sampling = dict(sampling, k=spec.generate_k)

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spec_jax.checkpoints import LoadedModel, apply_chat_template, load_target
-from spec_jax.checkpoints.shipped import default_drafter_choice, default_tree_choice, load_drafter
+from spec_jax.checkpoints.shipped import (
+    default_depth_choice,
+    default_drafter_choice,
+    default_tree_choice,
+    load_drafter,
+)
 from spec_jax.drafters import registry
 
 
@@ -216,12 +221,17 @@ def default_drafter_spec(
     target_arg: str | None, k: int | None, batch: int = 1, temperature: float = 0.0
 ) -> DrafterSpec:
     """`generate` without --drafter: `default_drafter_choice` for the default model (no --target)
-    at this batch size and temperature, with the reason in `DrafterSpec.reason`."""
+    at this batch size and temperature, with the reason in `DrafterSpec.reason`; each step picks
+    its depth (`adaptive`) where `default_depth_choice` says so and no K is given."""
+    pinned = k is not None
     kind, k, reason = default_drafter_choice(target_arg is None, k, batch, temperature)
     if kind == "none":
         return DrafterSpec(kind, None, k, reason=reason)
     tree, why = default_tree_choice(batch, temperature)
-    return DrafterSpec(kind, None, k, reason=f"{reason}; {why}", tree=tree or None)
+    depth, depth_why = default_depth_choice(batch, temperature)
+    adaptive = depth == "adaptive" and not pinned  # --k N pins K
+    reason = f"{reason}; {why}" + (f"; {depth_why}" if adaptive else "")
+    return DrafterSpec(kind, None, k, reason=reason, tree=tree or None, adaptive=adaptive)
 
 
 def drafter_k(drafter: Any) -> int:

@@ -169,6 +169,16 @@ def default_tree_choice(
     return entry["tree"], entry["why"]
 
 
+def default_depth_choice(
+    batch_size: int = 1, temperature: float = 0.0, backend: str | None = None, table: dict | None = None
+) -> tuple[str, str]:
+    """("adaptive" or "fixed", reason) for the default drafter when no K is given: whether each
+    step picks its depth (`spec_jax.decoding.depth`) or drafts the drafter's K, per backend,
+    decoding mode and batch size, from the measured table."""
+    entry = measured_entry((table or measured_defaults())["depth"], _backend(backend), temperature, batch_size)
+    return entry["depth"], entry["why"]
+
+
 def moe_target_choice(backend: str | None = None, table: dict | None = None) -> tuple[int | None, int, str]:
     """(largest K, tree budget, reason) for a drafter on a mixture-of-experts target when the
     caller names no K (None: the drafter's own) and no tree, per backend, from the measured table:

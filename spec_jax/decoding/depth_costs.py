@@ -67,12 +67,19 @@ def measure_costs(run: Callable[[Any], Any], inputs: Any, depths: tuple[int, ...
             best, steps = min(best, time.perf_counter() - t0), int(out.steps)
         return best, steps
 
+    from tqdm.auto import tqdm
+
     n = len(depths)
-    prefill_s, _ = timed([1.0] * n, 1)  # max_new_tokens = 1: prefill, no step
-    costs = []
-    for i in range(n):
-        seconds, steps = timed([1.0 if j == i else math.inf for j in range(n)], new_tokens)
-        costs.append(max(seconds - prefill_s, 1e-6) / max(steps, 1))
+    # Seconds to tens of seconds on a CPU, once per configuration: say what the pause is.
+    with tqdm(total=n + 1, desc=f"timing a step at depths {', '.join(map(str, depths))} (once, kept)",
+              unit="run", leave=False, disable=None) as bar:
+        prefill_s, _ = timed([1.0] * n, 1)  # max_new_tokens = 1: prefill, no step
+        bar.update()
+        costs = []
+        for i in range(n):
+            seconds, steps = timed([1.0 if j == i else math.inf for j in range(n)], new_tokens)
+            costs.append(max(seconds - prefill_s, 1e-6) / max(steps, 1))
+            bar.update()
     return shallower_never_dearer(costs)
 
 
