@@ -143,6 +143,11 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     chosen = picked(jnp.asarray([0.0, 0.2, 0.6, 0.95]))
     assert [policy.depths[int(i)] for i in chosen] == [0, 0, 4, 7]
     assert AdaptiveDepth().probe_every == 16
+    # After enough plain steps a probe drafts at the cheapest depth, the deepest of equal ones.
+    idle = dict(accepted_ema=jnp.zeros((1,)), tried_ema=jnp.ones((1,)), idle_steps=jnp.int32(1000))
+    for probe_costs, probed in (((1.0, 2.0, 2.0, 2.0), 7), ((1.0, 1.5, 2.0, 2.0), 2), ((1.0, 3.0, 2.0, 2.5), 4)):
+        state = policy.initial_state(1, 8, jnp.asarray(probe_costs)).replace(**idle)
+        assert policy.depths[int(choose(policy, state, jnp.ones((1,), bool)))] == probed
     with pytest.raises(ValueError, match="one cost per depth"):
         AdaptiveDepth(depths=(0, 2), costs=(1.0,))
     with pytest.raises(ValueError, match="needs a drafter"):

@@ -21,8 +21,11 @@ current step's drafts, so each step is an ordinary speculative step at a depth f
 drafts: greedy output is token-identical to plain decoding, sampled output keeps its distribution.
 
 Exploration: after a run of K = 0 steps (which observe nothing) as long as `probe_every` times the
-smallest depth's cost over a plain step's, one step drafts at the smallest depth, so a drafter
-that starts being right again is noticed, at a cost of about 1 / probe_every of the time.
+cheapest drafting depth's cost over a plain step's, one step drafts at that depth (the deepest
+of equally cheap ones), so a drafter that starts being right again is noticed, at a cost of about
+1 / probe_every of the time. Each drafting step in a row that no row accepted a draft from
+doubles that wait, up to 2^probe_backoff times (a drafter that is never right costs a few
+probes per answer, not one every few dozen steps); a step with a draft accepted resets it.
 
 Drafter state across K = 0 steps: kept current, never caught up later (a catch-up would need a
 pass as wide as the longest run of plain steps). A K = 0 step calls the drafter's optional
@@ -60,9 +63,11 @@ class AdaptiveDepth:
                   measured at first use (`spec_jax.decoding.depth_costs`).
     decay:        weight of the acceptance history per step (0.8: about the last 5 steps).
     prior:        acceptance rate assumed before any step drafted, worth `prior_weight` drafts.
-    probe_every:  after this many K = 0 steps in a row, times the cost ratio of the smallest
-                  depth to a plain step, one step drafts at the smallest depth (so probing
+    probe_every:  after this many K = 0 steps in a row, times the cost ratio of the cheapest
+                  drafting depth to a plain step, one step drafts at that depth (so probing
                   costs at most about 1 / probe_every of the time).
+    probe_backoff: each drafting step in a row with no draft accepted doubles the wait before
+                  the next probe, at most 2^probe_backoff times.
     """
 
     depths: tuple[int, ...] | None = None
@@ -71,6 +76,7 @@ class AdaptiveDepth:
     prior: float = 0.6
     prior_weight: float = 2.0
     probe_every: int = 16
+    probe_backoff: int = 3
 
     def __post_init__(self):
         if self.depths is not None:
@@ -90,6 +96,8 @@ class AdaptiveDepth:
             raise ValueError(f"need 0 <= prior < 1 and prior_weight > 0, got {self.prior}, {self.prior_weight}.")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}.")
+        if not 0 <= self.probe_backoff <= 16:
+            raise ValueError(f"probe_backoff must be in 0..16 (doublings of the probe wait), got {self.probe_backoff}.")
 
     def for_k(self, k: int) -> "AdaptiveDepth":
         """This policy with its depths filled in from the drafter's K when it names none."""
@@ -110,6 +118,7 @@ class AdaptiveDepth:
             accepted_ema=jnp.full((batch,), self.prior * self.prior_weight, jnp.float32),
             tried_ema=jnp.full((batch,), self.prior_weight, jnp.float32),
             idle_steps=jnp.zeros((), jnp.int32),
+            missed=jnp.zeros((), jnp.int32),
             costs=jnp.asarray(costs, jnp.float32).reshape(n),
             counts=jnp.zeros((n,), jnp.int32),
             trace=jnp.full((capacity,), -1, jnp.int32),
@@ -150,6 +159,7 @@ class DepthState:
     accepted_ema: [B] float32  discounted drafts accepted per row (prior included)
     tried_ema:    [B] float32  discounted drafts tried per row; acceptance rate = accepted / tried
     idle_steps:   []  int32    K = 0 steps in a row just before this one
+    missed:       []  int32    drafting steps in a row in which no row accepted a draft
     costs:        [n] float32  time of one step at each depth
     counts:       [n] int32    steps taken at each depth
     trace:        [S] int32    the depth of step i (-1: no step i)
@@ -158,6 +168,7 @@ class DepthState:
     accepted_ema: jax.Array
     tried_ema: jax.Array
     idle_steps: jax.Array
+    missed: jax.Array
     costs: jax.Array
     counts: jax.Array
     trace: jax.Array
@@ -173,11 +184,16 @@ def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array) -> jax.Arr
     usable = jnp.isfinite(state.costs)
     value = jnp.where(usable, tokens / state.costs, -1.0)
     best = jnp.argmax(value).astype(jnp.int32)
-    # Probe: the smallest usable depth > 0 drafts once after probe_every x (its cost / a plain
-    # step's) idle steps, so probing costs at most about 1 / probe_every of the time.
+    # Probe: the cheapest usable depth > 0 (the deepest of equally cheap ones, which observes
+    # more drafts for the same time: on CPU depths 2-7 often measure alike) drafts once after
+    # probe_every x (its cost / a plain step's) idle steps, so probing costs at most about
+    # 1 / probe_every of the time.
     probe_ok = usable & (depths > 0)
-    probe = jnp.argmax(probe_ok).astype(jnp.int32)
-    wait = policy.probe_every * state.costs[probe] / state.costs[0]  # depths[0] is 0 when best is
+    cheapest = jnp.min(jnp.where(probe_ok, state.costs, jnp.inf))
+    candidates = probe_ok & (state.costs <= cheapest)
+    probe = (len(policy.depths) - 1 - jnp.argmax(candidates[::-1])).astype(jnp.int32)
+    backoff = jnp.exp2(jnp.minimum(state.missed, policy.probe_backoff).astype(jnp.float32))
+    wait = backoff * policy.probe_every * state.costs[probe] / state.costs[0]  # depths[0] is 0 when best is
     should_probe = (depths[best] == 0) & (state.idle_steps >= wait) & jnp.any(probe_ok)
     return jnp.where(should_probe, probe, best)
 
@@ -194,6 +210,8 @@ def record(policy: AdaptiveDepth, state: DepthState, choice: jax.Array, step: ja
         accepted_ema=jnp.where(observe, decay * state.accepted_ema + accepted, state.accepted_ema),
         tried_ema=jnp.where(observe, decay * state.tried_ema + tried, state.tried_ema),
         idle_steps=jnp.where(depth == 0, state.idle_steps + 1, 0).astype(jnp.int32),
+        missed=jnp.where(depth == 0, state.missed,
+                         jnp.where(jnp.any(observe & (accepted > 0)), 0, state.missed + 1)).astype(jnp.int32),
         counts=state.counts.at[choice].add(1),
         trace=state.trace.at[step].set(depth, mode="drop"),
     )
