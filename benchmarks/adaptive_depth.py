@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--batch", type=int, default=1, help="prompts per generate call (default 1)")
+    p.add_argument("--units", type=int, default=None,
+                   help="with --batch: calls per prompt kind (default: one per prompt, each starting at it)")
     p.add_argument("--random-drafter", action="store_true",
                    help="the default drafter's shapes with random weights: never accepted")
     args = p.parse_args()
@@ -73,7 +75,7 @@ def main() -> None:
         for kind in ("chat", "humaneval"):
             part = [q for q in prompts if q[0] == kind]
             units += [(kind, part[i][1], [part[(i + j) % len(part)][2] for j in range(args.batch)])
-                      for i in range(len(part))]
+                      for i in range(len(part))][: args.units]
         prompts = units
     else:
         prompts = [(kind, label, [ids]) for kind, label, ids in prompts]

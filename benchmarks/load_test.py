@@ -16,7 +16,8 @@ gap, so ITL is per event and TPOT per token.
 the same cache bytes as the dense run, --kv-pages N to set a budget), and reports the pages in use
 (the most at once, and after the run: 0 when every request gave its pages back). --workload agent
 sends repeated coding-agent requests under one system prompt (benchmarks/suffix_speculation.py's),
-the workload suffix speculation is for; humaneval (the default) mixes prompt lengths.
+the workload suffix speculation is for; humaneval (the default) mixes prompt lengths; chat sends the
+general chat prompts (assets/chat_prompts.json).
 
     python benchmarks/load_test.py --concurrency 1 4 16 --drafters none adaptive --max-tokens 16 32
 
@@ -269,14 +270,19 @@ def long_prompt_gap(target, args) -> list[dict]:
 
 
 def workload(target, args) -> list[dict]:
-    """The request bodies: HumanEval prompts (every 7th: short and long ones alternate), or the
-    agent workload (one system prompt, five tasks repeated)."""
+    """The request bodies: HumanEval prompts (every 7th: short and long ones alternate), general
+    chat prompts (assets/chat_prompts.json: stories, explanations, recipes, lists), or the agent
+    workload (one system prompt, five tasks repeated)."""
     from spec_jax.checkpoints import apply_chat_template
 
     if args.workload == "agent":
         from suffix_speculation import SYSTEM, TASKS
 
         chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}] for task in TASKS]
+    elif args.workload == "chat":
+        from spec_jax.app.bench import chat_prompts
+
+        chats = [[{"role": "user", "content": prompt.text}] for prompt in chat_prompts(10**6)]
     else:
         from spec_jax.humaneval import humaneval_problems
 
@@ -312,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--kv-pages", type=int, default=None, metavar="N",
                    help="the paged engine's pool (default: the dense engine's cache bytes, slots x capacity / page size)")
     p.add_argument("--kv-page-size", type=int, default=128, help="slots per page (a divisor of 128)")
-    p.add_argument("--workload", choices=["humaneval", "agent"], default="humaneval",
+    p.add_argument("--workload", choices=["humaneval", "chat", "agent"], default="humaneval",
                    help="humaneval: mixed prompt lengths; agent: repeated requests under one system prompt")
     p.add_argument("--target", default=None, help="the target (default: the default model)")
     p.add_argument("--out", default=None, help="directory for load_test.json and load_test.png")

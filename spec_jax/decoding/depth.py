@@ -76,7 +76,7 @@ class AdaptiveDepth:
     prior: float = 0.6
     prior_weight: float = 2.0
     probe_every: int = 16
-    probe_backoff: int = 3
+    probe_backoff: int = 1
 
     def __post_init__(self):
         if self.depths is not None:
