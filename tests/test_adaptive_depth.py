@@ -143,6 +143,16 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     chosen = picked(jnp.asarray([0.0, 0.2, 0.6, 0.95]))
     assert [policy.depths[int(i)] for i in chosen] == [0, 0, 4, 7]
     assert AdaptiveDepth().probe_every == 16
+    # The pool: every observing row's drafts together, weighed as one row's; an admitted row (the
+    # engine's) starts from its rate instead of the prior.
+    from spec_jax.decoding.depth import admitted_row, record
+
+    missed = record(policy, policy.initial_state(2, 8, costs), jnp.int32(3), jnp.int32(0), jnp.ones((2,), bool),
+                    jnp.asarray([0, 1]))  # depth 7: the rows accepted 0 and 1 drafts
+    rate = float(missed.pool_accepted / missed.pool_tried)
+    assert np.isclose(rate, (0.8 * 1.2 + 0.5) / (0.8 * 2.0 + 1.5)) and rate < policy.prior
+    row = admitted_row(policy, policy.initial_state(1, 8, costs), missed)
+    assert np.isclose(float(row.accepted_ema[0] / row.tried_ema[0]), rate)
     # After enough plain steps a probe drafts at the cheapest depth, the deepest of equal ones.
     idle = dict(accepted_ema=jnp.zeros((1,)), tried_ema=jnp.ones((1,)), idle_steps=jnp.int32(1000))
     for probe_costs, probed in (((1.0, 2.0, 2.0, 2.0), 7), ((1.0, 1.5, 2.0, 2.0), 2), ((1.0, 3.0, 2.0, 2.5), 4)):

@@ -213,7 +213,7 @@ def test_every_drafter_kind_on_a_mesh():
         assert r["tau"] >= 1.0
 
 
-def serve_engine_kwargs(monkeypatch, argv: list[str]) -> dict:
+def serve_engine_kwargs(monkeypatch, argv: list[str], drafter: list[str] | None = None) -> dict:
     """The keywords `spec-jax serve ARGV` builds its Engine with; nothing loads or compiles (the
     target, the drafter (n-gram) and the engine are stood in for)."""
     import argparse
@@ -237,7 +237,8 @@ def serve_engine_kwargs(monkeypatch, argv: list[str]) -> dict:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     with pytest.raises(Built):
-        serve.build_state(parser.parse_args(["--drafter", "ngram", "--no-warmup", *argv]))
+        serve.build_state(parser.parse_args([*(["--drafter", "ngram"] if drafter is None else drafter), "--no-warmup",
+                                             *argv]))
     return built[-1]
 
 
@@ -246,6 +247,12 @@ def test_serve_k_adaptive_builds_an_adaptive_engine(monkeypatch):
     for argv, depths in ((["--k", "adaptive"], None), (["--k-choices", "0,2,4"], (0, 2, 4)), (["--k", "3"], "fixed")):
         k = serve_engine_kwargs(monkeypatch, argv)["k"]
         assert k is None if depths == "fixed" else isinstance(k, AdaptiveDepth) and k.depths == depths, (argv, k)
+    # The default model's default drafter picks its depth per step unless --k pins K; on a mesh
+    # (where the engine has no adaptive depth yet) it keeps the drafter's K.
+    monkeypatch.setattr("spec_jax.app.inputs.mesh_kwargs", lambda *a: {})
+    for argv, adaptive in (([], True), (["--k", "3"], False), (["--mesh", "data=1,model=1"], False)):
+        k = serve_engine_kwargs(monkeypatch, argv, drafter=[])["k"]
+        assert isinstance(k, AdaptiveDepth) if adaptive else k is None, (argv, k)
 
 
 def test_adaptive_engine_measures_costs_at_its_batch_and_capacity(models, monkeypatch):

@@ -62,7 +62,8 @@ class AdaptiveDepth:
     costs:        the time of one step at each depth (any unit; inf disables a depth); None:
                   measured at first use (`spec_jax.decoding.depth_costs`).
     decay:        weight of the acceptance history per step (0.8: about the last 5 steps).
-    prior:        acceptance rate assumed before any step drafted, worth `prior_weight` drafts.
+    prior:        acceptance rate assumed before any step drafted, worth `prior_weight` drafts
+                  (the engine starts an admitted request from what all rows accepted lately).
     probe_every:  after this many K = 0 steps in a row, times the cost ratio of the cheapest
                   drafting depth to a plain step, one step drafts at that depth (so probing
                   costs at most about 1 / probe_every of the time).
@@ -119,6 +120,8 @@ class AdaptiveDepth:
             tried_ema=jnp.full((batch,), self.prior_weight, jnp.float32),
             idle_steps=jnp.zeros((), jnp.int32),
             missed=jnp.zeros((), jnp.int32),
+            pool_accepted=jnp.asarray(self.prior * self.prior_weight, jnp.float32),
+            pool_tried=jnp.asarray(self.prior_weight, jnp.float32),
             costs=jnp.asarray(costs, jnp.float32).reshape(n),
             counts=jnp.zeros((n,), jnp.int32),
             trace=jnp.full((capacity,), -1, jnp.int32),
@@ -160,6 +163,8 @@ class DepthState:
     tried_ema:    [B] float32  discounted drafts tried per row; acceptance rate = accepted / tried
     idle_steps:   []  int32    K = 0 steps in a row just before this one
     missed:       []  int32    drafting steps in a row in which no row accepted a draft
+    pool_accepted, pool_tried: [] float32  the same averages over all rows together (the
+                               engine starts an admitted row's from this rate, not the prior)
     costs:        [n] float32  time of one step at each depth
     counts:       [n] int32    steps taken at each depth
     trace:        [S] int32    the depth of step i (-1: no step i)
@@ -169,6 +174,8 @@ class DepthState:
     tried_ema: jax.Array
     idle_steps: jax.Array
     missed: jax.Array
+    pool_accepted: jax.Array
+    pool_tried: jax.Array
     costs: jax.Array
     counts: jax.Array
     trace: jax.Array
@@ -212,9 +219,25 @@ def record(policy: AdaptiveDepth, state: DepthState, choice: jax.Array, step: ja
         idle_steps=jnp.where(depth == 0, state.idle_steps + 1, 0).astype(jnp.int32),
         missed=jnp.where(depth == 0, state.missed,
                          jnp.where(jnp.any(observe & (accepted > 0)), 0, state.missed + 1)).astype(jnp.int32),
+        # The pool: per step, the drafts of every observing row, weighed as one row's.
+        pool_accepted=jnp.where(jnp.any(observe), decay * state.pool_accepted
+                                + jnp.sum(jnp.where(observe, accepted, 0)) / jnp.maximum(jnp.sum(observe), 1),
+                                state.pool_accepted),
+        pool_tried=jnp.where(jnp.any(observe), decay * state.pool_tried
+                             + jnp.sum(jnp.where(observe, tried, 0.0)) / jnp.maximum(jnp.sum(observe), 1),
+                             state.pool_tried),
         counts=state.counts.at[choice].add(1),
         trace=state.trace.at[step].set(depth, mode="drop"),
     )
+
+
+def admitted_row(policy: AdaptiveDepth, row: DepthState, pool: DepthState) -> DepthState:
+    """A newly admitted row's record (the engine's): its acceptance starts from the rate the pool
+    of rows has seen lately, worth `prior_weight` drafts, instead of the fixed prior, so requests
+    arriving while drafts are rarely accepted do not each make the batch draft on a guess."""
+    rate = jnp.clip(pool.pool_accepted / pool.pool_tried, 0.0, 1.0)
+    return row.replace(accepted_ema=jnp.full_like(row.accepted_ema, rate * policy.prior_weight),
+                       tried_ema=jnp.full_like(row.tried_ema, policy.prior_weight))
 
 
 def drafter_at_depth(drafter: Any, depth: int, max_depth: int) -> Any:

@@ -30,7 +30,7 @@ from flax import struct
 from spec_jax.decoding import saved_programs
 from spec_jax.decoding.chunked import NO_STEP_CAP, prefill_chunk, run_chunk
 from spec_jax.decoding.generate import stop_id_array
-from spec_jax.decoding.depth import AdaptiveDepth
+from spec_jax.decoding.depth import AdaptiveDepth, admitted_row
 from spec_jax.decoding.loop import LoopInputs, LoopState, forward_capturing, prefill, start_state, with_depth_state
 from spec_jax.decoding.programs import CompileTally, ProgramCache, signature
 from spec_jax.decoding.slots import RequestParams
@@ -317,8 +317,7 @@ class EnginePrograms:
             empty = empty_paged_row(state.cache, page_row[0]) if page_row else None
             row = prefill(Target(target_params, model), drafter, drafter_params, prompt, prompt_length,
                           key, sampling, max_new, stop_ids, capacity, top, empty_cache=empty)
-            # The row's acceptance EMAs restart from the prior (the policy's shared leaves stay).
-            row = with_depth_state(row, depth, None if depth is None else state.depth.costs)
+            row = with_admitted_depth(row, state, depth)
             merged = merge_row(state, row, slot, axes)
             if page_row:  # the pools have no row axis: the row's prefill wrote into them
                 merged = merged.replace(cache=merged.cache.replace(k=row.cache.k, v=row.cache.v))
@@ -353,7 +352,7 @@ class EnginePrograms:
             last_hidden = hidden[:, prompt_length[0] - 1 - start]  # [1, H]
             row = start_state(target, drafter, drafter_params, prompt, prompt_length, last_hidden, None, cache, key,
                               sampling, max_new, stop_ids, capacity, top)
-            row = with_depth_state(row, depth, None if depth is None else state.depth.costs)
+            row = with_admitted_depth(row, state, depth)
             merged = merge_row(state, row, slot, axes)
             return merged.replace(cache=merged.cache.replace(k=row.cache.k, v=row.cache.v))
 
@@ -462,7 +461,7 @@ class EnginePrograms:
             started = start_state(Target(target_params, model), drafter, drafter_params, prompt, prompt_length,
                                   prefill_rows.last_hidden[row], captured, cache, key, sampling, max_new,
                                   stop_ids, capacity, top)
-            started = with_depth_state(started, depth, None if depth is None else state.depth.costs)
+            started = with_admitted_depth(started, state, depth)
             merged = merge_row(state, started, slot, axes)
             if page_row:  # the pools have no row axis
                 merged = merged.replace(cache=merged.cache.replace(k=started.cache.k, v=started.cache.v))
@@ -487,6 +486,16 @@ def empty_paged_row(cache: Any, page_row: jax.Array) -> Any:
     lengths = jax.lax.optimization_barrier(jnp.zeros((1,), jnp.int32))
     return cache.replace(page_table=page_row, lengths=lengths, conv=zero_rows(cache.conv),
                          recurrent=zero_rows(cache.recurrent), record=None)
+
+
+def with_admitted_depth(row: LoopState, state: LoopState, depth: AdaptiveDepth | None) -> LoopState:
+    """An admitted request's row with the adaptive policy's record: its acceptance starts from
+    what the engine's rows accepted lately (`depth.admitted_row`); the policy's shared leaves
+    stay the engine's (`merge_row`). Unchanged when K is fixed."""
+    if depth is None:
+        return row
+    row = with_depth_state(row, depth, state.depth.costs)
+    return row.replace(depth=admitted_row(depth, row.depth, state.depth))
 
 
 def merge_row(state: LoopState, row: LoopState, slot: Any, axes: Any) -> LoopState:
