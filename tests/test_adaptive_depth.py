@@ -142,6 +142,12 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
 
     chosen = picked(jnp.asarray([0.0, 0.2, 0.6, 0.95]))
     assert [policy.depths[int(i)] for i in chosen] == [0, 0, 4, 7]
+    # Near break-even a plain step wins by the margin: depth 2 promises 1.3 / 1.3 = 1.0x at rate
+    # 0.3 (0.3 + 0.09 = 0.39 more tokens for 0.3 more time), under the 10% head start.
+    assert policy.depths[int(picked(jnp.asarray([0.3]))[0])] == 0
+    no_margin = dataclasses.replace(policy, margin=0.0)
+    state = no_margin.initial_state(1, 8, costs).replace(accepted_ema=jnp.asarray([0.35]), tried_ema=jnp.ones((1,)))
+    assert no_margin.depths[int(choose(no_margin, state, jnp.ones((1,), bool)))] == 2
     assert AdaptiveDepth().probe_every == 16
     # The pool: every observing row's drafts together, weighed as one row's; an admitted row (the
     # engine's) starts from its rate instead of the prior.

@@ -186,7 +186,7 @@ def test_adaptive_depth_per_step_keeps_greedy_output(models, alone):
     switches inside chunks as acceptance changes; output equals plain decoding's, no compile after
     warm-up."""
     engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2,
-                    k=AdaptiveDepth(depths=(0, 3), costs=(1.0, 2.0)))
+                    k=AdaptiveDepth(depths=(0, 3), costs=(1.0, 1.8)))
     engine.warmup([16])
     assert sorted(engine.programs.exes) == [("admit", 16), ("chunk", 3)]
     with backend_compiles() as compiles:

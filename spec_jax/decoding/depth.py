@@ -7,6 +7,7 @@ plain step and pays only that (a masked draft would still cost its whole verify 
 
     expected_tokens(K, a) = 1 + a + ... + a^K  (= (1 - a^(K+1)) / (1 - a))
     choice = argmax over K of  sum over live rows of expected_tokens(K, a_row) / cost(K)
+             (a plain step's value counted (1 + margin) times: drafting must promise more)
 
 where a_row is an exponential moving average of the row's acceptance rate (accepted drafts over
 drafts tried: a step accepting n of K tries n + 1 drafts, or K when all are accepted), carried in
@@ -69,6 +70,9 @@ class AdaptiveDepth:
                   costs at most about 1 / probe_every of the time).
     probe_backoff: each drafting step in a row with no draft accepted doubles the wait before
                   the next probe, at most 2^probe_backoff times.
+    margin:       a drafting depth must promise this much more than a plain step (0.1: 10% more
+                  tokens per unit of time) to be chosen: costs and acceptance are noisy
+                  estimates, and near break-even the engine's drafting steps lost throughput.
     """
 
     depths: tuple[int, ...] | None = None
@@ -78,6 +82,7 @@ class AdaptiveDepth:
     prior_weight: float = 2.0
     probe_every: int = 16
     probe_backoff: int = 1
+    margin: float = 0.1
 
     def __post_init__(self):
         if self.depths is not None:
@@ -97,6 +102,8 @@ class AdaptiveDepth:
             raise ValueError(f"need 0 <= prior < 1 and prior_weight > 0, got {self.prior}, {self.prior_weight}.")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}.")
+        if not self.margin >= 0.0:
+            raise ValueError(f"margin must be >= 0 (a plain step's head start), got {self.margin}.")
         if not 0 <= self.probe_backoff <= 16:
             raise ValueError(f"probe_backoff must be in 0..16 (doublings of the probe wait), got {self.probe_backoff}.")
 
@@ -190,6 +197,7 @@ def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array) -> jax.Arr
     tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)  # [n]
     usable = jnp.isfinite(state.costs)
     value = jnp.where(usable, tokens / state.costs, -1.0)
+    value = jnp.where(depths == 0, value * (1.0 + policy.margin), value)  # a plain step's head start
     best = jnp.argmax(value).astype(jnp.int32)
     # Probe: the cheapest usable depth > 0 (the deepest of equally cheap ones, which observes
     # more drafts for the same time: on CPU depths 2-7 often measure alike) drafts once after
