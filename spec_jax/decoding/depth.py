@@ -25,8 +25,10 @@ Exploration: after a run of K = 0 steps (which observe nothing) as long as `prob
 cheapest drafting depth's cost over a plain step's, one step drafts at that depth (the deepest
 of equally cheap ones), so a drafter that starts being right again is noticed, at a cost of about
 1 / probe_every of the time. Each drafting step in a row that no row accepted a draft from
-doubles that wait, up to 2^probe_backoff times (a drafter that is never right costs a few
-probes per answer, not one every few dozen steps); a step with a draft accepted resets it.
+doubles that wait, up to 2^probe_backoff times (default 2x: a drafter that is never right is
+probed half as often; 8x starved code prompts of probes), and a step with a draft accepted
+resets it. A plain step's value gets a head start (`margin`): near break-even, noisy costs and
+acceptance made drafting steps lose.
 
 Drafter state across K = 0 steps: kept current, never caught up later (a catch-up would need a
 pass as wide as the longest run of plain steps). A K = 0 step calls the drafter's optional
