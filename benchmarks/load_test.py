@@ -297,6 +297,25 @@ def workload(target, args) -> list[dict]:
     return bodies
 
 
+def run_drafter(name: str, slots: int, target, args) -> tuple:
+    """(drafter, params, label, k_choices, k) of a --drafters entry for an engine of `slots`."""
+    from spec_jax.app.inputs import build_drafter, default_drafter_spec, parse_drafter_spec
+    from spec_jax.checkpoints.shipped import default_drafter, default_drafter_choice
+
+    if name == "none":
+        return None, None, "none", None, None
+    if name == "default":  # serve's default: the measured drafter for the slots, its depth policy
+        spec = default_drafter_spec(args.target, None, batch=slots)
+        return (*build_drafter(spec, target), f"default ({spec.label}, {slots} slots)", None, spec.generate_k)
+    if name in ("batch1", "adaptive"):
+        drafter, params, _ = default_drafter(target, batch_size=1)
+        kind = default_drafter_choice(True, None, 1)[0]
+        if name == "adaptive":
+            return drafter, params, f"{kind} adaptive K {args.k_choices}", args.k_choices, None
+        return drafter, params, f"{kind} K={drafter.k} (default at batch 1)", None, None
+    return (*build_drafter(parse_drafter_spec(name), target), name, None, None)
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -328,9 +347,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                    help="with --long-prompt-gap: the chunked-prefill budgets to measure beside the one-pass admit")
     args = p.parse_args(argv)
 
-    from spec_jax.app.inputs import build_drafter, default_drafter_spec, parse_drafter_spec
     from spec_jax.checkpoints import load_target
-    from spec_jax.checkpoints.shipped import default_drafter, default_drafter_choice
 
     target = load_target(args.target, dtype="float32")
     if args.long_prompt_gap is not None:
@@ -342,36 +359,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     bodies = workload(target, args)
     rows = []
     for name in args.drafters:
-        k_choices = None
-        if name == "default":  # serve's default: depends on the engine's slots
-            for n in args.concurrency:
-                slots = args.slots or n
-                spec = default_drafter_spec(args.target, None, batch=slots)
-                drafter, params = build_drafter(spec, target)
-                label = f"default ({spec.label}, {slots} slots)"
-                count = max(4, int(round(args.requests_per_client * n)))
-                run_bodies = [bodies[i % len(bodies)] for i in range(count)]
-                for cache in args.cache:
-                    rows.append(run_load(target, drafter, params, label, n, run_bodies, args, None, cache,
-                                         k=spec.generate_k))
-            continue
-        if name == "none":
-            drafter, params, label = None, None, "none"
-        elif name in ("batch1", "adaptive"):
-            drafter, params, reason = default_drafter(target, batch_size=1)
-            kind = default_drafter_choice(True, None, 1)[0]
-            label = f"{kind} K={drafter.k} (default at batch 1)"
-            if name == "adaptive":
-                k_choices = args.k_choices
-                label = f"{kind} adaptive K {args.k_choices}"
-        else:
-            drafter, params = build_drafter(parse_drafter_spec(name), target)
-            label = name
         for n in args.concurrency:
+            drafter, params, label, k_choices, k = run_drafter(name, args.slots or n, target, args)
             count = max(4, int(round(args.requests_per_client * n)))
             run_bodies = [bodies[i % len(bodies)] for i in range(count)]
             for cache in args.cache:
-                rows.append(run_load(target, drafter, params, label, n, run_bodies, args, k_choices, cache))
+                rows.append(run_load(target, drafter, params, label, n, run_bodies, args, k_choices, cache, k))
     report = {"rows": rows, "args": vars(args), "prompt_lengths": sorted(len(b["prompt_ids"]) for b in bodies)}
     if args.out:
         out = Path(args.out)

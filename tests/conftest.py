@@ -65,9 +65,8 @@ else:
 
 # The adaptive depth's measured step costs (spec_jax.decoding.depth_costs) stay out of the user's
 # own file: beside the compilation cache (kept across runs like it), or measured afresh when off.
-os.environ.setdefault(
-    "SPEC_JAX_DEPTH_COSTS", "off" if _TEST_CACHE == "off" else os.path.join(os.path.dirname(os.path.abspath(_TEST_CACHE)), "test-depth-costs.json")
-)
+_TEST_DEPTH_COSTS = os.path.join(os.path.dirname(os.path.abspath(_TEST_CACHE)), "test-depth-costs.json")
+os.environ.setdefault("SPEC_JAX_DEPTH_COSTS", "off" if _TEST_CACHE == "off" else _TEST_DEPTH_COSTS)
 
 TEST_CACHE_MAX_BYTES = 2 << 30
 

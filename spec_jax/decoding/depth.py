@@ -223,19 +223,21 @@ def record(policy: AdaptiveDepth, state: DepthState, choice: jax.Array, step: ja
     tried = jnp.where(accepted < depth, accepted + 1, depth).astype(jnp.float32)
     observe = live & (depth > 0)
     decay = policy.decay
+    observed = jnp.any(observe)
+
+    def pooled(average: jax.Array, per_row: jax.Array) -> jax.Array:
+        """The pool's average after this step: the observing rows' mean, weighed as one row's."""
+        mean = jnp.sum(jnp.where(observe, per_row, 0.0)) / jnp.maximum(jnp.sum(observe), 1)
+        return jnp.where(observed, decay * average + mean, average)
+
     return state.replace(
         accepted_ema=jnp.where(observe, decay * state.accepted_ema + accepted, state.accepted_ema),
         tried_ema=jnp.where(observe, decay * state.tried_ema + tried, state.tried_ema),
         idle_steps=jnp.where(depth == 0, state.idle_steps + 1, 0).astype(jnp.int32),
         missed=jnp.where(depth == 0, state.missed,
                          jnp.where(jnp.any(observe & (accepted > 0)), 0, state.missed + 1)).astype(jnp.int32),
-        # The pool: per step, the drafts of every observing row, weighed as one row's.
-        pool_accepted=jnp.where(jnp.any(observe), decay * state.pool_accepted
-                                + jnp.sum(jnp.where(observe, accepted, 0)) / jnp.maximum(jnp.sum(observe), 1),
-                                state.pool_accepted),
-        pool_tried=jnp.where(jnp.any(observe), decay * state.pool_tried
-                             + jnp.sum(jnp.where(observe, tried, 0.0)) / jnp.maximum(jnp.sum(observe), 1),
-                             state.pool_tried),
+        pool_accepted=pooled(state.pool_accepted, accepted.astype(jnp.float32)),
+        pool_tried=pooled(state.pool_tried, tried),
         counts=state.counts.at[choice].add(1),
         trace=state.trace.at[step].set(depth, mode="drop"),
     )
