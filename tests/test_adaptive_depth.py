@@ -36,6 +36,7 @@ from spec_jax.decoding.depth import AdaptiveDepth, PlainStep, drafter_at_depth
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import self_drafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
+from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter
 from spec_jax.drafters.ngram import NGramDrafter
 from spec_jax.models.decoder import Decoder
@@ -113,12 +114,47 @@ def test_draft_model_cache_stays_current_across_plain_steps(models):
     without `keep_current` its cache would miss tokens (a probe re-feeds K + 1 = 3 tokens, after
     a step that committed 3 and 14 plain ones), and drafts would start missing."""
     # K = 2 is worth 3 tokens for 3.5 plain steps' time: K = 0 but for a probe after 4 x 3.5 steps.
-    forced = dataclasses.replace(SWITCHING, costs=(1.0, 3.5))
+    forced = dataclasses.replace(SWITCHING, costs=(1.0, 3.5), shadow_every=0)  # probes that draft
     prompts = make_prompts([9], seed=5)
     r = generate(models.target, prompts, self_drafter(models.cfg, K), models.params, k=forced,
                  max_new_tokens=40, ignore_eos=True)
     assert r.depth_trace[:16] == [0] * 14 + [K, 0], r.depth_trace
     assert r.stats.drafted > 0 and r.stats.accepted == r.stats.drafted, r.stats
+
+
+def test_shadow_probes(models):
+    """Greedy chains probe with a draft pass alone at a plain step (a shadow probe), checked
+    against the tokens the following plain steps commit: an always-right drafter is found by one
+    probe and no drafting step, a never-right one never drafts, prompt lookup's drafts are
+    probed whenever they match (free: no model pass), and sampled decoding probes by drafting."""
+    prompts = make_prompts([9], seed=5)
+    plain = _plain(models, prompts)
+    # A prior of 0: plain steps first, a shadow probe after 4 of them.
+    shy = AdaptiveDepth(depths=DEPTHS, costs=(1.0, 1.3), prior=0.0, shadow_every=4, probe_every=4)
+    r = generate(models.target, prompts, self_drafter(models.cfg, K), models.params, k=shy,
+                 max_new_tokens=NEW, ignore_eos=True)
+    assert r.generated_ids == plain
+    first = r.depth_trace.index(K)  # the probe opens at step 4 and closes when its K drafts held
+    assert first == 4 + K and r.shadow_probes == 1 and set(r.depth_trace[first:]) == {K}, r.depth_trace
+
+    dflash_params = init_dflash_params(TINY_DFLASH, jax.random.key(3), scale=3.0)
+    r = generate(models.target, prompts, DFlashDrafter(TINY_DFLASH, K), dflash_params, k=shy,
+                 max_new_tokens=NEW, ignore_eos=True)
+    assert r.generated_ids == plain and set(r.depth_trace) == {0} and r.shadow_probes >= 3, r.depth_trace
+
+    # Prompt lookup in front: its drafts have their own acceptance rate, and a plain step where
+    # every row would take them drafts a shadow probe at once (no wait: it costs no model pass).
+    looped = [[5, 6, 7, 8] * 4 + p for p in make_prompts([3], seed=2)]  # batch 1: all rows look up
+    lookup = LookupFirstDrafter(DFlashDrafter(TINY_DFLASH, K), min_match=1)
+    patient = dataclasses.replace(shy, shadow_every=1000)
+    r = generate(models.target, looped, lookup, dflash_params, k=patient, max_new_tokens=NEW, ignore_eos=True)
+    assert r.generated_ids == _plain(models, looped) and r.shadow_probes >= 1
+
+    # Sampled: no shadow probes (a match of sampled tokens would underrate the drafts); drafting
+    # steps probe instead.
+    r = generate(models.target, prompts, self_drafter(models.cfg, K), models.params, k=shy,
+                 max_new_tokens=NEW, ignore_eos=True, temperature=0.8, seed=1)
+    assert r.shadow_probes == 0 and K in r.depth_trace, r.depth_trace
 
 
 def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
@@ -136,7 +172,7 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     @jax.jit
     def picked(rates):  # one row per rate -> the depth index chosen for each (one compile)
         def one(rate):
-            state = policy.initial_state(1, 8, costs).replace(accepted_ema=rate[None], tried_ema=jnp.ones((1,)))
+            state = policy.initial_state(1, 8, costs).replace(accepted_ema=rate[None, None], tried_ema=jnp.ones((1, 1)))
             return choose(policy, state, jnp.ones((1,), bool))
         return jax.vmap(one)(rates)
 
@@ -146,7 +182,7 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     # 0.3 (0.3 + 0.09 = 0.39 more tokens for 0.3 more time), under the 10% head start.
     assert policy.depths[int(picked(jnp.asarray([0.3]))[0])] == 0
     no_margin = dataclasses.replace(policy, margin=0.0)
-    state = no_margin.initial_state(1, 8, costs).replace(accepted_ema=jnp.asarray([0.35]), tried_ema=jnp.ones((1,)))
+    state = no_margin.initial_state(1, 8, costs).replace(accepted_ema=jnp.asarray([[0.35]]), tried_ema=jnp.ones((1, 1)))
     assert no_margin.depths[int(choose(no_margin, state, jnp.ones((1,), bool)))] == 2
     assert AdaptiveDepth().probe_every == 16
     # The pool: every observing row's drafts together, weighed as one row's; an admitted row (the
@@ -155,12 +191,13 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
 
     missed = record(policy, policy.initial_state(2, 8, costs), jnp.int32(3), jnp.int32(0), jnp.ones((2,), bool),
                     jnp.asarray([0, 1]))  # depth 7: the rows accepted 0 and 1 drafts
-    rate = float(missed.pool_accepted / missed.pool_tried)
-    assert np.isclose(rate, (0.8 * 1.2 + 0.5) / (0.8 * 2.0 + 1.5)) and rate < policy.prior
+    rate = float(missed.pool_accepted[0] / missed.pool_tried[0])
+    d = policy.decay
+    assert np.isclose(rate, (d * 1.2 + 0.5) / (d * 2.0 + 1.5)) and rate < policy.prior
     row = admitted_row(policy, policy.initial_state(1, 8, costs), missed)
-    assert np.isclose(float(row.accepted_ema[0] / row.tried_ema[0]), rate)
+    assert np.isclose(float(row.accepted_ema[0, 0] / row.tried_ema[0, 0]), rate)
     # After enough plain steps a probe drafts at the cheapest depth, the deepest of equal ones.
-    idle = dict(accepted_ema=jnp.zeros((1,)), tried_ema=jnp.ones((1,)), idle_steps=jnp.int32(1000))
+    idle = dict(accepted_ema=jnp.zeros((1, 1)), tried_ema=jnp.ones((1, 1)), idle_steps=jnp.int32(1000))
     for probe_costs, probed in (((1.0, 2.0, 2.0, 2.0), 7), ((1.0, 1.5, 2.0, 2.0), 2), ((1.0, 3.0, 2.0, 2.5), 4)):
         state = policy.initial_state(1, 8, jnp.asarray(probe_costs)).replace(**idle)
         assert policy.depths[int(choose(policy, state, jnp.ones((1,), bool)))] == probed

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         f"{result.num_generated} tokens in {result.generate_s:.2f}s = {result.tokens_per_second:.1f} tok/s"
         f" (compile {result.compile_s:.1f}s); steps {s.steps}, tau {s.tau:.2f}, "
         f"accepted {s.accepted}/{s.drafted} drafts"
-        + (f"; steps per depth {result.depth_counts}" if result.depth_counts is not None else "")
+        + (f"; steps per depth {result.depth_counts}, {result.shadow_probes} shadow probes"
+           if result.depth_counts is not None else "")
     )
     return None
 
@@ -133,6 +134,7 @@ def _payload(result: Any, texts: list, prompt_ids: list, target: Any, spec: Any,
     }
     if result.depth_counts is not None:  # --k adaptive: steps taken at each depth
         payload["depth_counts"] = result.depth_counts
+        payload["shadow_probes"] = result.shadow_probes
         payload["depth_costs"] = result.depth_costs
     return payload
 

@@ -43,7 +43,7 @@ def prefill_state(
         target, drafter, inputs.drafter_params, inputs.prompt_tokens, inputs.prompt_lengths,
         inputs.key, inputs.sampling, inputs.max_new_tokens, inputs.stop_ids, capacity,
     )
-    return with_depth_state(state, depth, inputs.depth_costs)
+    return with_depth_state(state, depth, inputs.depth_costs, drafter)
 
 
 def prefill_chunk(

@@ -14,21 +14,37 @@ drafts tried: a step accepting n of K tries n + 1 drafts, or K when all are acce
 the loop state, and cost(K) the measured time of a step at depth K (`spec_jax.decoding.depth_costs`
 measures it once per device kind, model and batch bucket, or the caller supplies it). The batch
 shares one depth per step: per-row depths would cost every row the widest row's verify anyway.
+A drafter whose drafts come from one of several sources, told apart from the committed tokens
+before drafting (`draft_sources`, `draft_source(params, tokens, lengths)`: prompt lookup in front
+of a model drafter, where a row takes the lookup's drafts when its last tokens recur), has one
+average per row and source, and a_row is the one of the source its drafts come from this step:
+on chat prompts the lookup's drafts were worth 2.8 tokens a K = 7 step and DFlash's 1.2, so the
+policy drafts where the lookup matches and steps plainly elsewhere.
 A tree drafter (node budget N) at depth d < K drafts a tree of ceil(N d / K) nodes, a static
 tree its paths no deeper than d (`tree_at_depth`): a shallower step verifies fewer tokens.
 
-Exactness: the depth depends only on the acceptance history (committed tokens), never on the
-current step's drafts, so each step is an ordinary speculative step at a depth fixed before it
+Exactness: the depth depends only on the acceptance history and the draft source (committed
+tokens, and drafts of earlier steps checked against them), never on the current step's drafts, so each step is an ordinary speculative step at a depth fixed before it
 drafts: greedy output is token-identical to plain decoding, sampled output keeps its distribution.
 
-Exploration: after a run of K = 0 steps (which observe nothing) as long as `probe_every` times the
-cheapest drafting depth's cost over a plain step's, one step drafts at that depth (the deepest
-of equally cheap ones), so a drafter that starts being right again is noticed, at a cost of about
-1 / probe_every of the time. Each drafting step in a row that no row accepted a draft from
-doubles that wait, up to 2^probe_backoff times (default 2x: a drafter that is never right is
-probed half as often; 8x starved code prompts of probes), and a step with a draft accepted
-resets it. A plain step's value gets a head start (`margin`): near break-even, noisy costs and
-acceptance made drafting steps lose.
+Exploration: a K = 0 step observes nothing, so the policy probes.
+- Greedy chains probe by a shadow probe: after `shadow_every` plain steps in a row, a plain step
+  also runs the drafter at the largest depth (its drafts and state thrown away, the step's output
+  untouched), and the plain steps after it compare those drafts with the tokens they commit; the
+  first mismatch (or the K-th match) records what a step at depth K would have accepted there,
+  exactly, for the cost of a draft pass (`record_shadow`). Where every live row would take a
+  draft source that costs no model pass (`free_draft_sources`: the lookup's, in front of DFlash),
+  a plain step probes at once, without waiting. Replayed on recorded greedy walks of the default
+  model (`benchmarks/depth_replay.py`), shadow probes and per-source rates took chat from 0.98x to
+  1.00x plain (median; mean 1.08x) and HumanEval from 1.17x to 1.29x.
+- Sampled decoding and trees probe by drafting: after a run of K = 0 steps as long as
+  `probe_every` times the cheapest drafting depth's cost over a plain step's, one step drafts at
+  that depth (the deepest of equally cheap ones), at a cost of about 1 / probe_every of the time
+  (a sampled token matching a sampled draft would underrate the drafts' acceptance).
+Each probe in a row that no row accepted a draft from doubles the wait, up to 2^probe_backoff
+times (default 2x: a drafter that is never right is probed half as often; 8x starved code
+prompts of probes), and a probe with a draft accepted resets it. A plain step's value gets a head
+start (`margin`): near break-even, noisy costs and acceptance made drafting steps lose.
 
 Drafter state across K = 0 steps: kept current, never caught up later (a catch-up would need a
 pass as wide as the longest run of plain steps). A K = 0 step calls the drafter's optional
@@ -64,7 +80,7 @@ class AdaptiveDepth:
                   of the drafter's K. The largest is the drafter's K for the call.
     costs:        the time of one step at each depth (any unit; inf disables a depth); None:
                   measured at first use (`spec_jax.decoding.depth_costs`).
-    decay:        weight of the acceptance history per step (0.8: about the last 5 steps).
+    decay:        weight of the acceptance history per observation (0.9: about the last 10).
     prior:        acceptance rate assumed before any step drafted, worth `prior_weight` drafts
                   (the engine starts an admitted request from what all rows accepted lately).
     probe_every:  after this many K = 0 steps in a row, times the cost ratio of the cheapest
@@ -75,16 +91,20 @@ class AdaptiveDepth:
     margin:       a drafting depth must promise this much more than a plain step (0.1: 10% more
                   tokens per unit of time) to be chosen: costs and acceptance are noisy
                   estimates, and near break-even the engine's drafting steps lost throughput.
+    shadow_every: greedy chain drafters probe by a draft pass alone (a shadow probe, see the
+                  module docstring) after this many K = 0 steps in a row (times the backoff);
+                  0: probe by drafting steps, as sampled decoding and trees always do.
     """
 
     depths: tuple[int, ...] | None = None
     costs: tuple[float, ...] | None = None
-    decay: float = 0.8
+    decay: float = 0.9
     prior: float = 0.6
     prior_weight: float = 2.0
     probe_every: int = 16
     probe_backoff: int = 1
     margin: float = 0.1
+    shadow_every: int = 32
 
     def __post_init__(self):
         if self.depths is not None:
@@ -106,6 +126,8 @@ class AdaptiveDepth:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}.")
         if not self.margin >= 0.0:
             raise ValueError(f"margin must be >= 0 (a plain step's head start), got {self.margin}.")
+        if self.shadow_every < 0:
+            raise ValueError(f"shadow_every must be >= 0 (0: no shadow probes), got {self.shadow_every}.")
         if not 0 <= self.probe_backoff <= 16:
             raise ValueError(f"probe_backoff must be in 0..16 (doublings of the probe wait), got {self.probe_backoff}.")
 
@@ -121,20 +143,31 @@ class AdaptiveDepth:
     def max_depth(self) -> int:
         return self.depths[-1]
 
-    def initial_state(self, batch: int, capacity: int, costs: Any) -> "DepthState":
-        """The loop state's depth record before the first step."""
+    def initial_state(self, batch: int, capacity: int, costs: Any, sources: int = 1) -> "DepthState":
+        """The loop state's depth record before the first step (`sources`: the drafter's
+        `draft_sources`, each with its own acceptance averages)."""
         n = len(self.depths)
         return DepthState(
-            accepted_ema=jnp.full((batch,), self.prior * self.prior_weight, jnp.float32),
-            tried_ema=jnp.full((batch,), self.prior_weight, jnp.float32),
+            accepted_ema=jnp.full((batch, sources), self.prior * self.prior_weight, jnp.float32),
+            tried_ema=jnp.full((batch, sources), self.prior_weight, jnp.float32),
             idle_steps=jnp.zeros((), jnp.int32),
             missed=jnp.zeros((), jnp.int32),
-            pool_accepted=jnp.asarray(self.prior * self.prior_weight, jnp.float32),
-            pool_tried=jnp.asarray(self.prior_weight, jnp.float32),
+            pool_accepted=jnp.full((sources,), self.prior * self.prior_weight, jnp.float32),
+            pool_tried=jnp.full((sources,), self.prior_weight, jnp.float32),
             costs=jnp.asarray(costs, jnp.float32).reshape(n),
             counts=jnp.zeros((n,), jnp.int32),
             trace=jnp.full((capacity,), -1, jnp.int32),
+            shadow=jnp.zeros((batch, self.max_depth), jnp.int32),
+            shadow_at=jnp.full((batch,), -1, jnp.int32),
+            shadow_source=jnp.zeros((batch,), jnp.int32),
+            shadows=jnp.zeros((), jnp.int32),
         )
+
+
+def draft_sources(drafter: Any) -> int:
+    """How many kinds of drafts the drafter tells apart before drafting (`draft_source`): prompt
+    lookup in front of a model drafter, 2 (the model's drafts, the lookup's); else 1."""
+    return int(getattr(drafter, "draft_sources", 1)) if drafter is not None else 1
 
 
 def default_depths(k: int) -> tuple[int, ...]:
@@ -168,15 +201,20 @@ def as_adaptive_depth(k: Any) -> AdaptiveDepth | None:
 class DepthState:
     """The adaptive policy's part of the loop state.
 
-    accepted_ema: [B] float32  discounted drafts accepted per row (prior included)
-    tried_ema:    [B] float32  discounted drafts tried per row; acceptance rate = accepted / tried
+    accepted_ema: [B, S] float32  discounted drafts accepted per row and draft source (prior
+                               included; S = the drafter's `draft_sources`, 1 for most)
+    tried_ema:    [B, S] float32  discounted drafts tried; acceptance rate = accepted / tried
     idle_steps:   []  int32    K = 0 steps in a row just before this one
     missed:       []  int32    drafting steps in a row in which no row accepted a draft
-    pool_accepted, pool_tried: [] float32  the same averages over all rows together (the
+    pool_accepted, pool_tried: [S] float32  the same averages over all rows together (the
                                engine starts an admitted row's from this rate, not the prior)
     costs:        [n] float32  time of one step at each depth
     counts:       [n] int32    steps taken at each depth
     trace:        [S] int32    the depth of step i (-1: no step i)
+    shadow:       [B, K] int32 the open shadow probe's drafts (K the largest depth)
+    shadow_at:    [B] int32    how many of them the plain steps since have confirmed; -1: none open
+    shadow_source: [B] int32   the draft source the open probe's drafts came from
+    shadows:      []  int32    shadow probes taken
     """
 
     accepted_ema: jax.Array
@@ -188,12 +226,27 @@ class DepthState:
     costs: jax.Array
     counts: jax.Array
     trace: jax.Array
+    shadow: jax.Array
+    shadow_at: jax.Array
+    shadow_source: jax.Array
+    shadows: jax.Array
+
+    def rate(self, source: Any = None) -> jax.Array:
+        """[B] each row's acceptance rate for the drafts it gets now (`source` [B]; None: the
+        first source)."""
+        rates = jnp.clip(self.accepted_ema / self.tried_ema, 0.0, 1.0)  # [B, S]
+        if source is None:
+            return rates[:, 0]
+        return jnp.take_along_axis(rates, source[:, None], axis=1)[:, 0]
 
 
-def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array) -> jax.Array:
-    """The index (into `policy.depths`) of this step's depth; [] int32."""
+def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array, verify_probes: Any = True,
+           source: Any = None) -> jax.Array:
+    """The index (into `policy.depths`) of this step's depth; [] int32. verify_probes (traced
+    bool): probe with a drafting step (False where shadow probes do it). source: [B] where each
+    row's drafts come from this step (the drafter's `draft_source`), None: one source."""
     depths = jnp.asarray(policy.depths, jnp.int32)
-    rate = jnp.clip(state.accepted_ema / state.tried_ema, 0.0, 1.0)  # [B]
+    rate = state.rate(source)  # [B]
     powers = rate[:, None] ** jnp.arange(policy.max_depth + 1, dtype=jnp.float32)  # [B, Kmax+1]
     expected = jnp.cumsum(powers, axis=1)[:, depths]  # [B, n]: 1 + a + ... + a^K
     tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)  # [n]
@@ -211,33 +264,88 @@ def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array) -> jax.Arr
     probe = (len(policy.depths) - 1 - jnp.argmax(candidates[::-1])).astype(jnp.int32)
     backoff = jnp.exp2(jnp.minimum(state.missed, policy.probe_backoff).astype(jnp.float32))
     wait = backoff * policy.probe_every * state.costs[probe] / state.costs[0]  # depths[0] is 0 when best is
-    should_probe = (depths[best] == 0) & (state.idle_steps >= wait) & jnp.any(probe_ok)
+    should_probe = (depths[best] == 0) & (state.idle_steps >= wait) & jnp.any(probe_ok) & verify_probes
     return jnp.where(should_probe, probe, best)
 
 
-def record(policy: AdaptiveDepth, state: DepthState, choice: jax.Array, step: jax.Array, live: jax.Array,
-           accepted: jax.Array) -> DepthState:
-    """`state` after a step at depth `policy.depths[choice]` in which live rows accepted
-    `accepted` [B] drafts. A K = 0 step observes nothing and leaves the averages as they were."""
-    depth = jnp.asarray(policy.depths, jnp.int32)[choice]
-    tried = jnp.where(accepted < depth, accepted + 1, depth).astype(jnp.float32)
-    observe = live & (depth > 0)
+def shadow_due(policy: AdaptiveDepth, state: DepthState, live: jax.Array, free: Any = False) -> jax.Array:
+    """Whether this K = 0 step drafts a shadow probe: none is open and `shadow_every` plain
+    steps (times the backoff) have passed since the last, or drafting costs nothing now (`free`:
+    every live row would take the prompt lookup's drafts); [] bool."""
+    backoff = jnp.left_shift(1, jnp.minimum(state.missed, policy.probe_backoff))
+    waited = (state.idle_steps >= backoff * policy.shadow_every) | free
+    can_draft = jnp.any(jnp.isfinite(state.costs) & (jnp.asarray(policy.depths) > 0))
+    return waited & can_draft & ~jnp.any(live & (state.shadow_at >= 0)) & jnp.any(live)
+
+
+def record_shadow(policy: AdaptiveDepth, state: DepthState, live: jax.Array, committed: jax.Array,
+                  opened: jax.Array, drafts: jax.Array, source: Any = None) -> DepthState:
+    """`state` after a K = 0 step that committed `committed` [B] (one token per live row) and,
+    where `opened`, drafted the shadow probe `drafts` [B, K]. Each open probe's next draft is
+    compared with the committed token: a match moves it on, a miss or the K-th match closes it
+    and records what a step at depth K would have accepted there (greedy: exactly that)."""
+    k = policy.max_depth
+    at = jnp.where(opened, jnp.where(live, 0, -1), state.shadow_at)
+    drafts = jnp.where(opened, drafts, state.shadow)
+    open_ = live & (at >= 0)
+    expected = jnp.take_along_axis(drafts, jnp.clip(at, 0, k - 1)[:, None], axis=1)[:, 0]
+    hit = open_ & (expected == committed)
+    moved = at + hit.astype(jnp.int32)
+    closed = open_ & (~hit | (moved >= k))
+    source = jnp.where(opened, _source(state, source), state.shadow_source)
+    state = _observe(policy, state, closed, moved, jnp.where(moved < k, moved + 1, k).astype(jnp.float32), source)
+    return state.replace(
+        shadow=drafts,
+        shadow_source=source,
+        shadow_at=jnp.where(closed | ~live, -1, moved).astype(jnp.int32),
+        shadows=state.shadows + opened.astype(jnp.int32),
+        idle_steps=jnp.where(opened, 0, state.idle_steps).astype(jnp.int32),
+    )
+
+
+def _source(state: DepthState, source: Any) -> jax.Array:
+    return jnp.zeros(state.accepted_ema.shape[:1], jnp.int32) if source is None else source
+
+
+def _observe(policy: AdaptiveDepth, state: DepthState, observe: jax.Array, accepted: jax.Array,
+             tried: jax.Array, source: Any = None) -> DepthState:
+    """The acceptance averages after the rows in `observe` [B] saw `accepted` of `tried`
+    drafts [B] from draft source `source` [B] (a drafting step or a closed shadow probe);
+    `missed` counts such observations in a row in which no row accepted a draft."""
     decay = policy.decay
     observed = jnp.any(observe)
+    sources = state.accepted_ema.shape[1]
+    at = observe[:, None] & (_source(state, source)[:, None] == jnp.arange(sources))  # [B, S]
+    accepted = accepted.astype(jnp.float32)
 
     def pooled(average: jax.Array, per_row: jax.Array) -> jax.Array:
-        """The pool's average after this step: the observing rows' mean, weighed as one row's."""
-        mean = jnp.sum(jnp.where(observe, per_row, 0.0)) / jnp.maximum(jnp.sum(observe), 1)
-        return jnp.where(observed, decay * average + mean, average)
+        """The pool's averages [S] after this step: per source, the observing rows' mean,
+        weighed as one row's."""
+        seen = jnp.sum(at, axis=0)
+        mean = jnp.sum(jnp.where(at, per_row[:, None], 0.0), axis=0) / jnp.maximum(seen, 1)
+        return jnp.where(seen > 0, decay * average + mean, average)
 
     return state.replace(
-        accepted_ema=jnp.where(observe, decay * state.accepted_ema + accepted, state.accepted_ema),
-        tried_ema=jnp.where(observe, decay * state.tried_ema + tried, state.tried_ema),
-        idle_steps=jnp.where(depth == 0, state.idle_steps + 1, 0).astype(jnp.int32),
-        missed=jnp.where(depth == 0, state.missed,
-                         jnp.where(jnp.any(observe & (accepted > 0)), 0, state.missed + 1)).astype(jnp.int32),
-        pool_accepted=pooled(state.pool_accepted, accepted.astype(jnp.float32)),
+        accepted_ema=jnp.where(at, decay * state.accepted_ema + accepted[:, None], state.accepted_ema),
+        tried_ema=jnp.where(at, decay * state.tried_ema + tried[:, None], state.tried_ema),
+        missed=jnp.where(observed, jnp.where(jnp.any(observe & (accepted > 0)), 0, state.missed + 1),
+                         state.missed).astype(jnp.int32),
+        pool_accepted=pooled(state.pool_accepted, accepted),
         pool_tried=pooled(state.pool_tried, tried),
+    )
+
+
+def record(policy: AdaptiveDepth, state: DepthState, choice: jax.Array, step: jax.Array, live: jax.Array,
+           accepted: jax.Array, source: Any = None) -> DepthState:
+    """`state` after a step at depth `policy.depths[choice]` in which live rows accepted
+    `accepted` [B] drafts. A K = 0 step observes nothing (its shadow probe, `record_shadow`,
+    may); a drafting step closes any open shadow probe unread (the tokens moved on)."""
+    depth = jnp.asarray(policy.depths, jnp.int32)[choice]
+    tried = jnp.where(accepted < depth, accepted + 1, depth).astype(jnp.float32)
+    state = _observe(policy, state, live & (depth > 0), accepted, tried, source)
+    return state.replace(
+        idle_steps=jnp.where(depth == 0, state.idle_steps + 1, 0).astype(jnp.int32),
+        shadow_at=jnp.where(depth == 0, state.shadow_at, -1).astype(jnp.int32),
         counts=state.counts.at[choice].add(1),
         trace=state.trace.at[step].set(depth, mode="drop"),
     )
@@ -247,8 +355,8 @@ def admitted_row(policy: AdaptiveDepth, row: DepthState, pool: DepthState) -> De
     """A newly admitted row's record (the engine's): its acceptance starts from the rate the pool
     of rows has seen lately, worth `prior_weight` drafts, instead of the fixed prior, so requests
     arriving while drafts are rarely accepted do not each make the batch draft on a guess."""
-    rate = jnp.clip(pool.pool_accepted / pool.pool_tried, 0.0, 1.0)
-    return row.replace(accepted_ema=jnp.full_like(row.accepted_ema, rate * policy.prior_weight),
+    rate = jnp.clip(pool.pool_accepted / pool.pool_tried, 0.0, 1.0)  # [S]
+    return row.replace(accepted_ema=jnp.broadcast_to(rate * policy.prior_weight, row.accepted_ema.shape),
                        tried_ema=jnp.full_like(row.tried_ema, policy.prior_weight))
 
 

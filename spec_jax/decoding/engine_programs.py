@@ -164,7 +164,7 @@ class EnginePrograms:
                 SamplingParams.create(), jnp.int32(1), jnp.asarray(stop_id_array(())), self.capacity,
                 self.top_logprobs,
             )
-            return with_depth_state(state, self.depth, self._placeholder_costs())
+            return with_depth_state(state, self.depth, self._placeholder_costs(), drafter)
 
         return jax.eval_shape(fn, self.target_params, self.drafter_params)
 
@@ -194,7 +194,7 @@ class EnginePrograms:
             done=jnp.ones((self.slots,), bool),
             lengths=jnp.ones((self.slots,), jnp.int32),
         )
-        state = with_depth_state(state, self.depth, depth_costs)
+        state = with_depth_state(state, self.depth, depth_costs, self.widest)
         if self.kv_pages is not None:  # no row holds a page yet
             state = state.replace(cache=state.cache.replace(
                 page_table=jnp.full(state.cache.page_table.shape, self.kv_pages, jnp.int32)))
@@ -494,8 +494,9 @@ def with_admitted_depth(row: LoopState, state: LoopState, depth: AdaptiveDepth |
     stay the engine's (`merge_row`). Unchanged when K is fixed."""
     if depth is None:
         return row
-    row = with_depth_state(row, depth, state.depth.costs)
-    return row.replace(depth=admitted_row(depth, row.depth, state.depth))
+    batch, capacity = row.tokens.shape
+    fresh = depth.initial_state(batch, capacity, state.depth.costs, sources=state.depth.accepted_ema.shape[1])
+    return row.replace(depth=admitted_row(depth, fresh, state.depth))
 
 
 def merge_row(state: LoopState, row: LoopState, slot: Any, axes: Any) -> LoopState:

@@ -96,10 +96,11 @@ class GenerationResult:
     compile_s: float
     generate_s: float
     # The adaptive depth only (k="adaptive"): steps taken at each depth, the depth of each step,
-    # and the step costs the choice used.
+    # the step costs the choice used, and the shadow probes drafted at plain steps.
     depth_counts: dict[int, int] | None = None
     depth_trace: list[int] | None = None
     depth_costs: tuple[float, ...] | None = None
+    shadow_probes: int | None = None
 
     @property
     def num_generated(self) -> int:
@@ -140,7 +141,7 @@ def result_of(out: GenerateOutput, compile_s: float, generate_s: float) -> Gener
         record = jax.device_get(out.depth)
         trace = [int(d) for d in record.trace if d >= 0]
         depth = dict(depth_counts={d: trace.count(d) for d in sorted(set(trace))}, depth_trace=trace,
-                     depth_costs=tuple(float(c) for c in record.costs))
+                     depth_costs=tuple(float(c) for c in record.costs), shadow_probes=int(record.shadows))
     return GenerationResult(
         generated_ids=generated, finish_reasons=reasons, row_stats=rows, stats=total, loop_steps=steps,
         compile_s=compile_s, generate_s=generate_s, **depth,

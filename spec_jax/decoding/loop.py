@@ -14,8 +14,8 @@ from flax import struct
 
 from spec_jax.decoding.acceptance import accept, accept_tree
 from spec_jax.decoding.logprobs import TokenLogprobs
-from spec_jax.decoding.depth import AdaptiveDepth, drafter_at_depth
-from spec_jax.decoding.depth import choose as choose_depth, record as record_depth
+from spec_jax.decoding.depth import AdaptiveDepth, draft_sources, drafter_at_depth
+from spec_jax.decoding.depth import choose as choose_depth, record as record_depth, record_shadow, shadow_due
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.tree import node_depths, tree_budget as _tree_budget, with_root
 from spec_jax.models.interface import FINAL_HIDDEN, ForwardOutput, Target, TargetModel, ancestor_mask
@@ -465,12 +465,12 @@ def check_adaptive(drafter: Drafter | None, depth: AdaptiveDepth) -> None:
                          f"({None if depth.depths is None else depth.max_depth}).")
 
 
-def with_depth_state(state: LoopState, depth: AdaptiveDepth | None, costs: Any) -> LoopState:
+def with_depth_state(state: LoopState, depth: AdaptiveDepth | None, costs: Any, drafter: Any) -> LoopState:
     """The prefilled state with the adaptive policy's record (unchanged when K is fixed)."""
     if depth is None:
         return state
     batch, capacity = state.tokens.shape
-    return state.replace(depth=depth.initial_state(batch, capacity, costs))
+    return state.replace(depth=depth.initial_state(batch, capacity, costs, draft_sources(drafter)))
 
 
 def adaptive_steps(
@@ -491,20 +491,55 @@ def adaptive_steps(
     one step (the depth picked now has its loop now or later in the pass). Loops rather than a
     `lax.switch` per step: XLA copies the caches into and out of a conditional's branches every
     step (34 cache-sized copies against the fixed loop's 6 in a tiny DFlash program), while a
-    loop updates them in place, so a step costs what the same step costs at a fixed depth."""
+    loop updates them in place, so a step costs what the same step costs at a fixed depth. A
+    plain step's shadow probe is a `lax.cond` that only reads the state (no copies)."""
     check_adaptive(drafter, depth)
     batch = state.tokens.shape[0]
+    rows = jnp.arange(batch)
+    top = drafter_at_depth(drafter, depth.max_depth, depth.max_depth)
+    # Shadow probes (greedy chains): a plain step also drafts, unverified, and the plain steps
+    # after it check the drafts (`depth.record_shadow`); sampled rows probe by drafting steps.
+    shadowing = depth.shadow_every > 0 and not tree_budget(top)
+    greedy = jnp.all(sampling.temperature == 0.0)
+    verify_probes = ~greedy if shadowing else True
+
+    def source_of(s: LoopState) -> jax.Array | None:
+        """[B] where each row's drafts would come from now (committed tokens only: exact)."""
+        if draft_sources(top) == 1:
+            return None
+        return top.draft_source(drafter_params, s.tokens, s.lengths)
+
+    def shadow_drafts(s: LoopState, source: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """(whether this plain step drafts a shadow probe [], the drafts a step at the largest
+        depth would verify now [B, K], zeros when not; the drafter's new state is dropped)."""
+        def draft(s):
+            draft_key = draw_keys(s.key, s.lengths, 3)[1]  # the plain step's own, unused draft key
+            return top.propose(drafter_params, target.replace(cache=s.cache), s.drafter_state, s.tokens,
+                               s.lengths, draft_key, sampling)[0]
+
+        free = False
+        if source is not None and getattr(top, "free_draft_sources", ()):
+            free = jnp.all(s.done | jnp.isin(source, jnp.asarray(top.free_draft_sources)))
+        due = shadow_due(depth, s.depth, ~s.done, free) & greedy
+        none = lambda s: jnp.zeros((batch, depth.max_depth), jnp.int32)  # noqa: E731
+        return due, jax.lax.cond(due, draft, none, s)
 
     def at(index: int, d: int):
         step_drafter = drafter_at_depth(drafter, d, depth.max_depth)
 
         def picked(s: LoopState) -> jax.Array:
-            return keep_going(s) & (choose_depth(depth, s.depth, ~s.done) == index)
+            return keep_going(s) & (choose_depth(depth, s.depth, ~s.done, verify_probes, source_of(s)) == index)
 
         def step(s: LoopState) -> LoopState:
+            record, source = s.depth, source_of(s)
+            if d == 0 and shadowing:
+                due, drafts = shadow_drafts(s, source)
             inner = s.replace(stats=Stats.zeros(batch, d), depth=None)
             out = speculative_step(inner, target, step_drafter, drafter_params, sampling, max_new_tokens, stop_ids)
-            record = record_depth(depth, s.depth, jnp.int32(index), s.step, ~s.done, out.stats.accepted)
+            if d == 0 and shadowing:  # the token this plain step committed, at the old length
+                committed = out.tokens[rows, jnp.minimum(s.lengths, s.tokens.shape[1] - 1)]
+                record = record_shadow(depth, record, ~s.done, committed, due, drafts, source)
+            record = record_depth(depth, record, jnp.int32(index), s.step, ~s.done, out.stats.accepted, source)
             return out.replace(stats=_add_stats(s.stats, out.stats), depth=record)
 
         return picked, step
@@ -558,7 +593,7 @@ def generate_loop(
         target, drafter, drafter_params, inputs.prompt_tokens, inputs.prompt_lengths, inputs.key,
         sampling, max_new_tokens, stop_ids, capacity,
     )
-    state = with_depth_state(state, depth, inputs.depth_costs)
+    state = with_depth_state(state, depth, inputs.depth_costs, drafter)
 
     def not_finished(s: LoopState) -> jax.Array:
         # Every live row emits >= 1 token per step, so max_new_tokens steps always suffice.
