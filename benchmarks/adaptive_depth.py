@@ -95,7 +95,7 @@ def main() -> None:
     rows = []
     for kind, label, ids in prompts:
         speeds = {name: [] for name in methods}
-        outputs, depth_counts = {}, {}
+        outputs, depth_counts, shadows = {}, {}, None
         for rep in range(args.repeats):
             order = list(methods) if rep % 2 == 0 else list(reversed(methods))
             for name in order:
@@ -103,13 +103,13 @@ def main() -> None:
                 speeds[name].append(r.tokens_per_second)
                 outputs[name] = r.generated_ids
                 if r.depth_counts is not None:
-                    depth_counts = r.depth_counts
+                    depth_counts, shadows = r.depth_counts, r.shadow_probes
                     tau = r.stats.tau
         medians = {name: statistics.median(v) for name, v in speeds.items()}
         row = dict(kind=kind, prompt=label[:48], tokens_per_s=medians,
                    speedup={n: medians[n] / medians["plain"] for n in methods if n != "plain"},
                    exact={n: outputs[n] == outputs["plain"] for n in methods if n != "plain"},
-                   adaptive_steps_per_depth=depth_counts, adaptive_tau=tau)
+                   adaptive_steps_per_depth=depth_counts, adaptive_shadow_probes=shadows, adaptive_tau=tau)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
