@@ -28,6 +28,12 @@ bar); `--slots 8` keeps serve's default engine whatever the number of clients:
     python benchmarks/load_test.py --concurrency 1 8 16 --slots 8 --drafters none default --cache dense
     python benchmarks/load_test.py --concurrency 1 4 16 --drafters none suffix --workload agent
 
+On a machine whose speed drifts, `--rounds R` runs the drafters side by side instead: per
+concurrency, R rounds of each, the order reversed every other round, and prints the median of
+each round's ratio to the first drafter's throughput:
+
+    python benchmarks/load_test.py --concurrency 1 8 16 --slots 8 --drafters none default --cache dense --workload chat --rounds 4
+
 --long-prompt-gap N measures instead what chunked prefill is for (issue 45): running streams'
 longest gap between two hand-outs while one N-token prompt is admitted, in the engine itself (no
 HTTP), for the one-pass admit and for each --prefill-chunk-tokens budget, on each --cache engine:
@@ -186,6 +192,23 @@ def run_load(target, drafter, drafter_params, label, concurrency, bodies, args, 
     return row
 
 
+def print_interleaved(rows: list[dict], drafters: list[str]) -> None:
+    """--rounds: per concurrency and cache, each drafter's median tokens/s over its rounds, and the
+    median of its per-round ratios to the first drafter's."""
+    import statistics
+
+    print(f"\n{'clients':>7} {'cache':6} " + " ".join(f"{d:>22}" for d in drafters))
+    for n, cache in dict.fromkeys((r["concurrency"], r["cache"]) for r in rows):
+        mine = [r for r in rows if r["concurrency"] == n and r["cache"] == cache]
+        base = {r["round"]: r["tokens_per_s"] for r in mine if r["name"] == drafters[0]}
+        cells = []
+        for d in drafters:
+            runs = [r for r in mine if r["name"] == d]
+            ratio = statistics.median(r["tokens_per_s"] / base[r["round"]] for r in runs)
+            cells.append(f"{statistics.median(r['tokens_per_s'] for r in runs):8.1f} tok/s {ratio:5.2f}x")
+        print(f"{n:>7} {cache:6} " + " ".join(f"{c:>22}" for c in cells))
+
+
 def plot(rows, path: Path, title: str = "spec-jax serve, default model on CPU, loopback load test") -> None:
     import matplotlib
 
@@ -341,6 +364,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                    help="humaneval: mixed prompt lengths; agent: repeated requests under one system prompt")
     p.add_argument("--target", default=None, help="the target (default: the default model)")
     p.add_argument("--out", default=None, help="directory for load_test.json and load_test.png")
+    p.add_argument("--rounds", type=int, default=None, metavar="R",
+                   help="interleaved: per concurrency, R rounds of every drafter, the order reversed every "
+                        "other round; prints each drafter's median throughput over the first's (the machine "
+                        "drifts: a ratio needs its runs side by side)")
     p.add_argument("--long-prompt-gap", type=int, default=None, metavar="N",
                    help="measure the streams' longest gap while one N-token prompt is admitted (see above)")
     p.add_argument("--prefill-chunk-tokens", type=int, nargs="+", default=[256],
@@ -358,13 +385,25 @@ def main(argv: list[str] | None = None) -> dict | None:
         return {"rows": rows, "args": vars(args)}
     bodies = workload(target, args)
     rows = []
-    for name in args.drafters:
+
+    def run(name, n, round_=None):
+        drafter, params, label, k_choices, k = run_drafter(name, args.slots or n, target, args)
+        count = max(4, int(round(args.requests_per_client * n)))
+        run_bodies = [bodies[i % len(bodies)] for i in range(count)]
+        for cache in args.cache:
+            row = run_load(target, drafter, params, label, n, run_bodies, args, k_choices, cache, k)
+            rows.append(row if round_ is None else dict(row, round=round_, name=name))
+
+    if args.rounds:
         for n in args.concurrency:
-            drafter, params, label, k_choices, k = run_drafter(name, args.slots or n, target, args)
-            count = max(4, int(round(args.requests_per_client * n)))
-            run_bodies = [bodies[i % len(bodies)] for i in range(count)]
-            for cache in args.cache:
-                rows.append(run_load(target, drafter, params, label, n, run_bodies, args, k_choices, cache, k))
+            for r in range(args.rounds):
+                for name in (args.drafters if r % 2 == 0 else args.drafters[::-1]):
+                    run(name, n, r)
+        print_interleaved(rows, args.drafters)
+    else:
+        for name in args.drafters:
+            for n in args.concurrency:
+                run(name, n)
     report = {"rows": rows, "args": vars(args), "prompt_lengths": sorted(len(b["prompt_ids"]) for b in bodies)}
     if args.out:
         out = Path(args.out)

@@ -185,6 +185,11 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     state = no_margin.initial_state(1, 8, costs).replace(accepted_ema=jnp.asarray([[0.35]]), tried_ema=jnp.ones((1, 1)))
     assert no_margin.depths[int(choose(no_margin, state, jnp.ones((1,), bool)))] == 2
     assert AdaptiveDepth().probe_every == 16
+    # Two draft sources (prompt lookup in front of a model drafter): each row's own source's rate.
+    two = policy.initial_state(2, 8, costs, sources=2).replace(
+        accepted_ema=jnp.asarray([[0.0, 0.6], [0.0, 0.6]]), tried_ema=jnp.ones((2, 2)))
+    for sources, depth in (([0, 0], 0), ([1, 1], 4), ([0, 1], 2)):
+        assert policy.depths[int(choose(policy, two, jnp.ones((2,), bool), True, jnp.asarray(sources)))] == depth
     # The pool: every observing row's drafts together, weighed as one row's; an admitted row (the
     # engine's) starts from its rate instead of the prior.
     from spec_jax.decoding.depth import admitted_row, record

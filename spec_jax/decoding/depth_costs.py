@@ -54,32 +54,29 @@ def measure_costs(run: Callable[[Any], Any], inputs: Any, depths: tuple[int, ...
                   new_tokens: int = NEW_TOKENS, repeats: int = 3) -> tuple[float, ...]:
     """Seconds per step at each depth: `run(inputs)` (the compiled adaptive loop) with one depth
     enabled at a time, stop ids off, `new_tokens` tokens, less a prefill-only run; the best of
-    `repeats` (the machine may be shared)."""
+    `repeats` rounds, each round timing every run once in turn (the machine may be shared, and its
+    speed drifts: a depth timed after another's rounds would carry the drift into its ratio)."""
     no_stop = jnp.full_like(inputs.stop_ids, -1)
-
-    def timed(costs, tokens):
-        x = inputs.replace(max_new_tokens=jnp.asarray(tokens, jnp.int32), stop_ids=no_stop,
-                           depth_costs=jnp.asarray(costs, jnp.float32))
-        best, steps = math.inf, 0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(run(x))
-            best, steps = min(best, time.perf_counter() - t0), int(out.steps)
-        return best, steps
+    n = len(depths)
+    # (costs, tokens) of each timed run: prefill alone (max_new_tokens = 1: no step), then each depth.
+    configs = [([1.0] * n, 1)] + [([1.0 if j == i else math.inf for j in range(n)], new_tokens) for i in range(n)]
+    best, steps = [math.inf] * len(configs), [0] * len(configs)
 
     from tqdm.auto import tqdm
 
-    n = len(depths)
     # Seconds to tens of seconds on a CPU, once per configuration: say what the pause is.
-    with tqdm(total=n + 1, desc=f"timing a step at depths {', '.join(map(str, depths))} (once, kept)",
-              unit="run", leave=False, disable=None) as bar:
-        prefill_s, _ = timed([1.0] * n, 1)  # max_new_tokens = 1: prefill, no step
-        bar.update()
-        costs = []
-        for i in range(n):
-            seconds, steps = timed([1.0 if j == i else math.inf for j in range(n)], new_tokens)
-            costs.append(max(seconds - prefill_s, 1e-6) / max(steps, 1))
-            bar.update()
+    with tqdm(total=repeats * len(configs), unit="run", leave=False, disable=None,
+              desc=f"timing a step at depths {', '.join(map(str, depths))} (once, kept)") as bar:
+        for _ in range(repeats):
+            for c, (costs, tokens) in enumerate(configs):
+                x = inputs.replace(max_new_tokens=jnp.asarray(tokens, jnp.int32), stop_ids=no_stop,
+                                   depth_costs=jnp.asarray(costs, jnp.float32))
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(run(x))
+                best[c], steps[c] = min(best[c], time.perf_counter() - t0), int(out.steps)
+                bar.update()
+    prefill_s = best[0]
+    costs = [max(best[1 + i] - prefill_s, 1e-6) / max(steps[1 + i], 1) for i in range(n)]
     return shallower_never_dearer(costs)
 
 
