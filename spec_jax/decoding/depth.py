@@ -205,7 +205,8 @@ class DepthState:
                                included; S = the drafter's `draft_sources`, 1 for most)
     tried_ema:    [B, S] float32  discounted drafts tried; acceptance rate = accepted / tried
     idle_steps:   []  int32    K = 0 steps in a row just before this one
-    missed:       []  int32    drafting steps in a row in which no row accepted a draft
+    missed:       []  int32    observations in a row (drafting steps, closed shadow probes) in
+                               which no row accepted a draft: the probe backoff
     pool_accepted, pool_tried: [S] float32  the same averages over all rows together (the
                                engine starts an admitted row's from this rate, not the prior)
     costs:        [n] float32  time of one step at each depth

@@ -36,7 +36,14 @@ class Drafter(Protocol):
         propose_tree(params, target, state, tokens, lengths, key, sampling) -> (TreeDraft, state)
     which the loop calls instead of `propose` when `tree` is not 0. Its tree's depth is at most
     K, and `commit` then receives the captured hidden states of the accepted path [B, K+1, n*H]
-    (root first), exactly as for a chain whose first `num_accepted` drafts were accepted."""
+    (root first), exactly as for a chain whose first `num_accepted` drafts were accepted.
+
+    The adaptive depth (`spec_jax.decoding.depth`) reads further optional hooks: `at_depth(depth,
+    max_depth)` and `keep_current(...)` (the drafter across depths and plain steps), and for a
+    drafter whose drafts come from several sources told apart before drafting (prompt lookup in
+    front of a model drafter) `draft_sources` (how many), `draft_source(params, tokens, lengths)
+    -> [B] int32` (each row's, from committed tokens only) and `free_draft_sources` (those that
+    cost no model pass); the policy keeps an acceptance rate per source."""
 
     k: int  # drafts per verify step (static)
 
