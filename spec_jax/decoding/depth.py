@@ -24,8 +24,9 @@ A tree drafter (node budget N) at depth d < K drafts a tree of ceil(N d / K) nod
 tree its paths no deeper than d (`tree_at_depth`): a shallower step verifies fewer tokens.
 
 Exactness: the depth depends only on the acceptance history and the draft source (committed
-tokens, and drafts of earlier steps checked against them), never on the current step's drafts, so each step is an ordinary speculative step at a depth fixed before it
-drafts: greedy output is token-identical to plain decoding, sampled output keeps its distribution.
+tokens, and earlier steps' drafts checked against them), never on the current step's drafts, so
+each step is an ordinary speculative step at a depth fixed before it drafts: greedy output is
+token-identical to plain decoding, sampled output keeps its distribution.
 
 Exploration: a K = 0 step observes nothing, so the policy probes.
 - Greedy chains probe by a shadow probe: after `shadow_every` plain steps in a row, a plain step
@@ -294,7 +295,8 @@ def record_shadow(policy: AdaptiveDepth, state: DepthState, live: jax.Array, com
     moved = at + hit.astype(jnp.int32)
     closed = open_ & (~hit | (moved >= k))
     source = jnp.where(opened, _source(state, source), state.shadow_source)
-    state = _observe(policy, state, closed, moved, jnp.where(moved < k, moved + 1, k).astype(jnp.float32), source)
+    tried = jnp.where(moved < k, moved + 1, k).astype(jnp.float32)  # as a step at depth K counts them
+    state = _observe(policy, state, closed, moved, tried, source)
     return state.replace(
         shadow=drafts,
         shadow_source=source,
