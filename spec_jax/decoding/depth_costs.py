@@ -28,6 +28,7 @@ from spec_jax.decoding.depth import AdaptiveDepth
 
 OFF = "off"
 NEW_TOKENS = 32  # tokens per timed run: a few dozen steps at K = 0, fewer at larger depths
+METHOD = "round-robin"  # session 26: each round times every depth once (before: each depth's runs in a row)
 
 
 def cache_file() -> Path | None:
@@ -46,7 +47,8 @@ def batch_bucket(batch: int) -> int:
 def cost_key(model: Any, drafter: Any, depth: AdaptiveDepth, batch: int, capacity: int) -> str:
     """The device kind, then a digest of what a step's time depends on."""
     device = jax.devices()[0]
-    what = repr((model, drafter, depth.depths, batch_bucket(batch), capacity))
+    # METHOD names how costs are timed: entries timed another way are measured again.
+    what = repr((METHOD, model, drafter, depth.depths, batch_bucket(batch), capacity))
     return f"{device.platform}:{device.device_kind}:{hashlib.sha256(what.encode()).hexdigest()[:20]}"
 
 
