@@ -8,7 +8,10 @@ never right settles on K = 0, an always-right one (the target drafting for itsel
 largest depth; new costs, params and prompts never recompile; the draft model's cache stays
 current across K = 0 steps (the target drafting for itself accepts every draft even after runs
 of plain steps longer than its re-feed window), and DFlash's context and EAGLE-3's pair cache
-after a plain step are what a longer prompt gives.
+after a plain step are what a longer prompt gives. Shadow probes (a plain step's unverified
+drafts, checked against the tokens the next plain steps commit) find an always-right drafter
+without a drafting step and never draft for a never-right one; prompt lookup's drafts have
+their own acceptance rate and free probes; sampled decoding probes by drafting.
 Costs are always supplied, so nothing here measures time or touches the cost cache on disk,
 except the cache test, which times a stand-in function.
 """
