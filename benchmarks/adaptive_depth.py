@@ -7,8 +7,9 @@ decoding, the drafter at its fixed K, and the drafter with `k="adaptive"` (costs
 the first prompt and reused: `spec_jax.decoding.depth_costs`), --repeats times, the order of the
 three reversed on every other pass (the shared machine's load drifts); reports the median
 tokens/s per method and prompt, the speedups over plain, and the adaptive policy's steps per
-depth. Compiles and the one cost measurement are not timed. Every output is checked token-equal
-to plain decoding.
+depth. Compiles and the one cost measurement are not timed. Every greedy output is checked
+token-equal to plain decoding. `--temperature 0.7` samples instead, with the default drafter for
+that temperature (repeat r uses seed r for every method).
 
     python benchmarks/adaptive_depth.py --max-new-tokens 64 --repeats 3 --out benchmarks/results/adaptive_depth
 
@@ -37,6 +38,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="prompts per generate call (default 1)")
     p.add_argument("--units", type=int, default=None,
                    help="with --batch: calls per prompt kind (default: one per prompt, each starting at it)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (every output checked token-equal to plain decoding); above: sampled, "
+                        "the default drafter for that temperature (exactness: tests/test_sampling_stats.py)")
     p.add_argument("--random-drafter", action="store_true",
                    help="the default drafter's shapes with random weights: never accepted")
     args = p.parse_args()
@@ -51,7 +55,7 @@ def main() -> None:
     from spec_jax.humaneval import humaneval_problems
 
     target = load_target(None, dtype="float32")
-    drafter, drafter_params, _ = default_drafter(target, batch_size=args.batch)
+    drafter, drafter_params, _ = default_drafter(target, batch_size=args.batch, temperature=args.temperature)
     drafter = with_tree(drafter, 0)
     if args.random_drafter:  # the model drafter alone (prompt lookup would get copies accepted)
         import jax
@@ -84,7 +88,7 @@ def main() -> None:
         f"fixed K={drafter.k}": dict(drafter=drafter, drafter_params=drafter_params),
         "adaptive": dict(drafter=drafter, drafter_params=drafter_params, k="adaptive"),
     }
-    common = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    common = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True, temperature=args.temperature)
     for name, kw in methods.items():  # compile, and measure the depth costs once
         r = generate(target, prompts[0][2], **kw, **common)
         print(f"warm-up {name}: compile {r.compile_s:.1f}s", flush=True)
@@ -99,7 +103,7 @@ def main() -> None:
         for rep in range(args.repeats):
             order = list(methods) if rep % 2 == 0 else list(reversed(methods))
             for name in order:
-                r = generate(target, ids, **methods[name], **common)
+                r = generate(target, ids, **methods[name], **common, seed=rep)
                 speeds[name].append(r.tokens_per_second)
                 outputs[name] = r.generated_ids
                 if r.depth_counts is not None:
@@ -108,7 +112,8 @@ def main() -> None:
         medians = {name: statistics.median(v) for name, v in speeds.items()}
         row = dict(kind=kind, prompt=label[:48], tokens_per_s=medians,
                    speedup={n: medians[n] / medians["plain"] for n in methods if n != "plain"},
-                   exact={n: outputs[n] == outputs["plain"] for n in methods if n != "plain"},
+                   exact={n: outputs[n] == outputs["plain"] if args.temperature == 0 else None
+                          for n in methods if n != "plain"},
                    adaptive_steps_per_depth=depth_counts, adaptive_shadow_probes=shadows, adaptive_tau=tau)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -126,7 +131,8 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"costs": costs, "rows": rows}, indent=1) + "\n")
+        (out / "results.json").write_text(json.dumps({"costs": costs, "temperature": args.temperature,
+                                                      "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ DFlash drafters at batch 1 and 3 (through `generate`, `make_generate_fn` and `ge
 and EAGLE-3's tree at batch 8 at three depths, with the depth changing mid-run (costs supplied
 so that it must; sampled output: test_sampling_stats; a mesh: test_sharding); a drafter that is
 never right settles on K = 0, an always-right one (the target drafting for itself) on the
-largest depth; new costs, params and prompts never recompile; the draft model's cache stays
-current across K = 0 steps (the target drafting for itself accepts every draft even after runs
-of plain steps longer than its re-feed window), and DFlash's context and EAGLE-3's pair cache
+largest depth; new costs, params and prompts never recompile; the draft model's cache catches
+up after K = 0 steps (the target drafting for itself accepts every draft even after runs
+of plain steps longer than its re-feed window, through drafting and shadow probes), and DFlash's context and EAGLE-3's pair cache
 after a plain step are what a longer prompt gives. Shadow probes (a plain step's unverified
 drafts, checked against the tokens the next plain steps commit) find an always-right drafter
 without a drafting step and never draft for a never-right one; prompt lookup's drafts have
@@ -66,6 +66,10 @@ def test_adaptive_depth_exact_switching_and_settling(models):
     cases = [  # (name, drafter, params, batch, entry point)
         ("ngram", NGramDrafter(k=K), None, 1, "make_generate_fn"),
         ("draft-model", self_drafter(models.cfg, K), models.near_params, 1, "generate"),
+        # Behind prompt lookup (serve's default): steps where every row looks up skip the draft
+        # model, which catches up later (a one-token match makes those steps common here).
+        ("draft-model+lookup", LookupFirstDrafter(self_drafter(models.cfg, K), min_match=1), models.near_params,
+         3, "make_generate_fn"),
         ("dflash", DFlashDrafter(TINY_DFLASH, K), dflash_params, 3, "stream"),
     ]
     for name, drafter, params, batch, how in cases:
@@ -114,8 +118,9 @@ def _run(models, prompts, drafter, params, depth, how, new=NEW):
 
 def test_draft_model_cache_stays_current_across_plain_steps(models):
     """The target drafting for itself, made to take 14 plain steps between probes at K = 2:
-    without `keep_current` its cache would miss tokens (a probe re-feeds K + 1 = 3 tokens, after
-    a step that committed 3 and 14 plain ones), and drafts would start missing."""
+    plain steps leave its cache behind and the probe catches it up (a re-feed of K + 1 = 3
+    tokens alone would miss those of 14 plain steps, after a step that committed 3), or drafts
+    would start missing."""
     # K = 2 is worth 3 tokens for 3.5 plain steps' time: K = 0 but for a probe after 4 x 3.5 steps.
     forced = dataclasses.replace(SWITCHING, costs=(1.0, 3.5), shadow_every=0)  # probes that draft
     prompts = make_prompts([9], seed=5)
@@ -123,6 +128,32 @@ def test_draft_model_cache_stays_current_across_plain_steps(models):
                  max_new_tokens=40, ignore_eos=True)
     assert r.depth_trace[:16] == [0] * 14 + [K, 0], r.depth_trace
     assert r.stats.drafted > 0 and r.stats.accepted == r.stats.drafted, r.stats
+
+
+def test_draft_model_catch_up_equals_a_longer_prompt(models):
+    """`catch_up` feeds a draft model's cache the committed tokens plain steps left out, R at a
+    time (R = the re-feed width), as if they had been part of its prompt: row 0 is 11 tokens
+    behind (four passes), row 1 is current, row 2 is behind but not asked to catch up."""
+    drafter = drafter_at_depth(self_drafter(models.cfg, K), K, K)  # re-feeds R = K + 1 = 3
+    assert drafter.catches_up and drafter.refeed_width == 3
+    model, params = drafter.model, models.params
+    tokens = jnp.asarray(make_prompts([24], seed=3) * 3, jnp.int32)  # [3, 24]
+    fed, lengths = jnp.asarray([6, 20, 6]), jnp.asarray([20, 20, 20])
+
+    @jax.jit
+    def caches(tokens):
+        whole = drafter.init(params, None, tokens, lengths, None, 32)
+        behind = drafter.init(params, None, tokens, fed, None, 32)
+        caught = drafter.catch_up(params, None, behind, tokens, lengths, rows=jnp.asarray([True, True, False]))
+        return whole, behind, caught
+
+    whole, behind, caught = caches(tokens)
+    assert model.cache_lengths(caught).tolist() == [18, 20, 6]  # 6 + 4 x 3 >= 20 - 3
+    current = 17  # positions below L - R = 17 are what the next re-feed reads
+    for want, was, got in zip(whole.k + whole.v, behind.k + behind.v, caught.k + caught.v):
+        np.testing.assert_allclose(got[0, ..., :current, :], want[0, ..., :current, :], atol=1e-5)
+        np.testing.assert_allclose(got[1, ..., :current, :], want[1, ..., :current, :], atol=1e-5)
+        np.testing.assert_array_equal(got[2, ..., :6, :], was[2, ..., :6, :])  # what it holds, kept
 
 
 def test_shadow_probes(models):

@@ -47,14 +47,19 @@ times (default 2x: a drafter that is never right is probed half as often; 8x sta
 prompts of probes), and a probe with a draft accepted resets it. A plain step's value gets a head
 start (`margin`): near break-even, noisy costs and acceptance made drafting steps lose.
 
-Drafter state across K = 0 steps: kept current, never caught up later (a catch-up would need a
-pass as wide as the longest run of plain steps). A K = 0 step calls the drafter's optional
-`keep_current(params, target, state, tokens, lengths)` before the target's pass (the draft model
-feeds its cache the one token that would otherwise fall out of its re-feed window), then its
-ordinary `commit` of a step that verified one token and accepted no drafts (DFlash writes that
-token's context entry; Medusa and the Gemma 4 assistant take its hidden state; EAGLE-3 and the
-MTP heads, `spec_jax.drafters.pair_cache`, run their pending pairs into their cache first and
-keep the pending buffer at the largest K's width). A drafter whose state's shape depends on K
+Drafter state across K = 0 steps. A drafter whose cache is fed from committed tokens alone (the
+draft model) is left behind by plain steps and catches up when it drafts again (`catches_up`,
+`catch_up`: the tokens it missed, fed its re-feed width at a time, so a run of plain steps costs
+it nothing until a drafting step or a shadow probe, and then a fraction of one pass per missed
+token; the catch-up before a shadow probe is kept, the probe's own state dropped). A drafter
+whose state needs the target's hidden states is kept current, since those exist only at the
+step that computed them: a K = 0 step calls its optional `keep_current(params, target, state,
+tokens, lengths)` before the target's pass, then its ordinary `commit` of a step that verified
+one token and accepted no drafts (DFlash writes that token's context entry; Medusa and the
+Gemma 4 assistant take its hidden state; EAGLE-3 and the MTP heads,
+`spec_jax.drafters.pair_cache`, run their pending pairs into their cache first and keep the
+pending buffer at the largest K's width). Deferring DFlash's commits was built and measured: it
+saved nothing (benchmarks/RESULTS.md, session 25). A drafter whose state's shape depends on K
 cannot switch depth and is refused.
 """
 
@@ -389,7 +394,7 @@ def tree_at_depth(tree: Any, depth: int, max_depth: int) -> Any:
 @dataclasses.dataclass(frozen=True)
 class PlainStep:
     """The K = 0 choice: no drafts, so the loop's step verifies the last token alone (a plain
-    step), and the drafter's state is kept current (see the module docstring)."""
+    step); the drafter's state is kept current or left to catch up (the module docstring)."""
 
     drafter: Any
     k: int = 0

@@ -486,7 +486,7 @@ def adaptive_steps(
 ) -> LoopState:
     """Steps at the depths the adaptive policy picks (`spec_jax.decoding.depth`), one pass over
     the depths: each depth has its own `lax.while_loop` of `speculative_step` at that depth
-    (depth 0: a plain step that keeps the drafter's state current), running while `keep_going`
+    (depth 0: a plain step; `spec_jax.decoding.depth` says what it does with the drafter's state), running while `keep_going`
     (the enclosing loop's condition) holds and the policy picks that depth. A pass runs at least
     one step (the depth picked now has its loop now or later in the pass). Loops rather than a
     `lax.switch` per step: XLA copies the caches into and out of a conditional's branches every
@@ -509,9 +509,10 @@ def adaptive_steps(
             return None
         return top.draft_source(drafter_params, s.tokens, s.lengths)
 
-    def shadow_drafts(s: LoopState, source: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    def shadow_drafts(s: LoopState, source: jax.Array | None) -> tuple[jax.Array, jax.Array, LoopState]:
         """(whether this plain step drafts a shadow probe [], the drafts a step at the largest
-        depth would verify now [B, K], zeros when not; the drafter's new state is dropped)."""
+        depth would verify now [B, K], zeros when not, the state: the probe's own drafter state
+        is dropped, but what a drafter that plain steps leave behind catches up is kept)."""
         def draft(s):
             draft_key = draw_keys(s.key, s.lengths, 3)[1]  # the plain step's own, unused draft key
             return top.propose(drafter_params, target.replace(cache=s.cache), s.drafter_state, s.tokens,
@@ -521,8 +522,12 @@ def adaptive_steps(
         if source is not None and getattr(top, "free_draft_sources", ()):
             free = jnp.all(s.done | jnp.isin(source, jnp.asarray(top.free_draft_sources)))
         due = shadow_due(depth, s.depth, ~s.done, free) & greedy
+        if getattr(top, "catches_up", False):  # in place, outside the cond (whose state is dropped)
+            s = s.replace(drafter_state=top.catch_up(drafter_params, target.replace(cache=s.cache),
+                                                     s.drafter_state, s.tokens, s.lengths,
+                                                     rows=due & ~free & ~s.done))
         none = lambda s: jnp.zeros((batch, depth.max_depth), jnp.int32)  # noqa: E731
-        return due, jax.lax.cond(due, draft, none, s)
+        return due, jax.lax.cond(due, draft, none, s), s
 
     def at(index: int, d: int):
         step_drafter = drafter_at_depth(drafter, d, depth.max_depth)
@@ -533,7 +538,7 @@ def adaptive_steps(
         def step(s: LoopState) -> LoopState:
             record, source = s.depth, source_of(s)
             if d == 0 and shadowing:
-                due, drafts = shadow_drafts(s, source)
+                due, drafts, s = shadow_drafts(s, source)
             inner = s.replace(stats=Stats.zeros(batch, d), depth=None)
             out = speculative_step(inner, target, step_drafter, drafter_params, sampling, max_new_tokens, stop_ids)
             if d == 0 and shadowing:  # the token this plain step committed, at the old length

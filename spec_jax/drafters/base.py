@@ -39,7 +39,9 @@ class Drafter(Protocol):
     (root first), exactly as for a chain whose first `num_accepted` drafts were accepted.
 
     The adaptive depth (`spec_jax.decoding.depth`) reads further optional hooks: `at_depth(depth,
-    max_depth)` and `keep_current(...)` (the drafter across depths and plain steps), and for a
+    max_depth)`, and either `keep_current(...)` (run at a plain step) or `catches_up` with
+    `catch_up(params, target, state, tokens, lengths, rows=None)` (plain steps leave the state
+    behind; the next propose feeds it what it missed), and for a
     drafter whose drafts come from several sources told apart before drafting (prompt lookup in
     front of a model drafter) `draft_sources` (how many), `draft_source(params, tokens, lengths)
     -> [B] int32` (each row's, from committed tokens only) and `free_draft_sources` (those that

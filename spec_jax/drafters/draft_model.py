@@ -97,16 +97,42 @@ class DraftModelDrafter:
         max_depth + 1 tokens, since the previous step may have committed that many."""
         return dataclasses.replace(self, k=depth, refeed=max_depth + 1)
 
-    def keep_current(self, params, target: Target, state, tokens, lengths):
-        """Before a step that drafts nothing (it commits one token): feed the one token that
-        would otherwise fall out of the re-feed window, position L - R (R = `refeed_width`). The
-        cache holds every position below L - R (the last propose re-fed L_then - R .. L_then - 1,
-        and a step adds at most R tokens), so after this it holds those below L + 1 - R."""
+    @property
+    def catches_up(self) -> bool:
+        """Inside a loop whose steps switch depth (`refeed` set by `at_depth`): a plain step (K = 0)
+        leaves the cache alone and the next propose feeds it what it missed (`catch_up`). A
+        fixed-K loop never falls behind: each propose re-feeds all a step can add."""
+        return self.refeed is not None
+
+    def catch_up(self, params, target: Target, state, tokens, lengths, rows=None):
+        """Feed the committed tokens the cache has not seen, `refeed_width` (R) at a time, until it
+        holds every position below L - R, where `_refeed` starts. The cache's committed length
+        says how far it is current (propose leaves it at L). After n plain steps this costs
+        ceil(n / R) passes of R tokens where feeding each plain step's token would cost n
+        one-token passes; on the default model at batch 8 a 3-token pass costs about one token's
+        (benchmarks/RESULTS.md, issue 41), and a run of plain steps that never drafts again
+        costs nothing. `rows` [B] bool: only these catch up (default all). A row not behind
+        re-feeds its last R committed tokens, the same keys again, while another catches up."""
+        model = self.model
+        width = self.refeed_width
+        need = lengths - width  # [B] the cache must hold every position below this
+        if rows is not None:
+            need = jnp.where(rows, need, -width)
         rows = jnp.arange(tokens.shape[0])
-        position = jnp.maximum(lengths - self.refeed_width, 0)  # [B] (0 re-feeds the first token)
-        out = self.model.forward(params, tokens[rows, position][:, None], position[:, None],
-                                 self.model.commit(state, position))
-        return out.cache
+
+        def behind(cache):
+            return jnp.any(model.cache_lengths(cache) < need)
+
+        def feed(cache):
+            fed = model.cache_lengths(cache)
+            lag = fed < need
+            start = jnp.where(lag, fed, jnp.maximum(lengths - width, 0))
+            pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, R]
+            inputs = tokens[rows[:, None], jnp.minimum(pos, lengths[:, None] - 1)]
+            out = model.forward(params, inputs, pos, model.commit(cache, start))
+            return model.commit(out.cache, jnp.where(lag, start + width, fed))
+
+        return jax.lax.while_loop(behind, feed, state)
 
     def _refeed(self, params, state, tokens, lengths):
         """Rewind to L-R (R = K+1 unless `refeed` says more; 0 for short prompts) and re-feed
@@ -114,6 +140,8 @@ class DraftModelDrafter:
         token, written beyond the committed length and never seen). -> (float32 logits at
         position L-1 [B, V_d], the cache with the first L tokens committed)."""
         model = self.model
+        if self.catches_up:
+            state = self.catch_up(params, None, state, tokens, lengths)
         rows = jnp.arange(tokens.shape[0])
         width = self.refeed_width
         start = jnp.maximum(lengths - (width - 1) - 1, 0)  # [B] (two steps: K = fixed keeps its program)
@@ -151,10 +179,12 @@ class DraftModelDrafter:
             nxt = sample(step_key, probs)
             return (model.commit(out.cache, position + 1), nxt, position + 1), (nxt, probs)
 
-        (cache, _, _), (rest, rest_probs) = jax.lax.scan(step, (cache, draft, lengths), keys[1:])
+        (drafted, _, _), (rest, rest_probs) = jax.lax.scan(step, (cache, draft, lengths), keys[1:])
         drafts = jnp.concatenate([draft[:, None], rest.T], axis=1)  # [B, K]
         draft_probs = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_probs, 0, 1)], axis=1)
-        return drafts, draft_probs, cache
+        # Catching up reads the committed length as "current up to here": the drafts' keys past L
+        # are not committed tokens' (a fixed K keeps its program: the next re-feed rewinds anyway).
+        return drafts, draft_probs, (model.commit(drafted, lengths) if self.catches_up else drafted)
 
     def _target_logprobs(self, logits: jax.Array, target_vocab: int) -> jax.Array:
         """Draft logits [..., V_d] -> log-probabilities over the target's vocabulary [..., V_t]."""

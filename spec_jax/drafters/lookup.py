@@ -12,8 +12,10 @@ drafter's q -- and the usual acceptance rule keeps the output the target's (toke
 greedy, the same distribution when sampling).
 
 Cost: the lookup is a few [B, S] compares. Behind DFlash, whose propose leaves its state unchanged
-(`stateless_propose`), a step where every row takes the lookup skips DFlash altogether (a
-`lax.cond`); other model drafters run every step, since their state follows their own drafts.
+(`stateless_propose`), or a draft model in a loop that switches depth, whose next propose catches
+up what it missed (`catches_up`), a step where every row takes the lookup skips the model drafter
+altogether (a `lax.cond`); other model drafters run every step, since their state follows their
+own drafts.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ class LookupFirstDrafter:
             if not hasattr(self.model, "propose_tree"):
                 raise ValueError(f"{type(self.model).__name__} drafts chains only; it cannot draft trees.")
             object.__setattr__(self, "model", dataclasses.replace(self.model, tree=self.tree))
+
+    @property
+    def model_skippable(self) -> bool:
+        """Whether a step may skip the model drafter's propose: its propose leaves its state as it
+        was (`stateless_propose`: DFlash), or its next propose catches up what it missed (a draft
+        model in a loop that switches depth: `catches_up`)."""
+        return bool(getattr(self.model, "stateless_propose", False) or self.catches_up)
 
     @property
     def lookup(self) -> NGramDrafter:
@@ -110,11 +119,11 @@ class LookupFirstDrafter:
                 probs = jnp.where(use_lookup[:, None, None], point_mass(probs), probs)
             return drafts, probs, new_state
 
-        if not getattr(self.model, "stateless_propose", False):
+        if not self.model_skippable:
             return lookup_and_model()
 
-        # The model's propose leaves its state as it was (DFlash): on steps where every row takes
-        # the lookup, skip running it (43% of steps on the default model at batch 1).
+        # On steps where every row takes the lookup, skip the model drafter (43% of steps on the
+        # default model at batch 1).
         def lookup_only():
             probs = jax.eval_shape(lookup_and_model)[1]
             probs = None if probs is None else point_mass(probs)
@@ -157,7 +166,7 @@ class LookupFirstDrafter:
     @property
     def free_draft_sources(self) -> tuple[int, ...]:
         """Sources whose drafts cost no model pass: the lookup's, where propose skips the model."""
-        return (1,) if getattr(self.model, "stateless_propose", False) else ()
+        return (1,) if self.model_skippable else ()
 
     def draft_source(self, params, tokens, lengths):
         """[B] int32: 1 where the lookup's drafts go out this step, 0 where the model's do."""
@@ -166,3 +175,10 @@ class LookupFirstDrafter:
     def keep_current(self, params, target, state, tokens, lengths):
         keep = getattr(self.model, "keep_current", None)
         return state if keep is None else keep(self.model_params(params), target, state, tokens, lengths)
+
+    @property
+    def catches_up(self) -> bool:
+        return bool(getattr(self.model, "catches_up", False))
+
+    def catch_up(self, params, target, state, tokens, lengths, rows=None):
+        return self.model.catch_up(self.model_params(params), target, state, tokens, lengths, rows)
