@@ -34,8 +34,9 @@ Exploration: a K = 0 step observes nothing, so the policy probes.
   untouched), and the plain steps after it compare those drafts with the tokens they commit; the
   first mismatch (or the K-th match) records what a step at depth K would have accepted there,
   exactly, for the cost of a draft pass (`record_shadow`). Where every live row would take a
-  draft source that costs no model pass (`free_draft_sources`: the lookup's, in front of DFlash),
-  a plain step probes at once, without waiting. Replayed on recorded greedy walks of the default
+  draft source that costs no model pass (`free_draft_sources`: the lookup's, in front of DFlash
+  or a draft model), a plain step probes at once, without waiting, with those drafts alone
+  (`free_drafts`: no model pass, whatever rows that finished or wait for a request would take). Replayed on recorded greedy walks of the default
   model (`benchmarks/depth_replay.py`), shadow probes and per-source rates took chat from 0.98x to
   1.00x plain (median; mean 1.08x) and HumanEval from 1.17x to 1.29x.
 - Sampled decoding and trees probe by drafting: after a run of K = 0 steps as long as

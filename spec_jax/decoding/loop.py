@@ -518,16 +518,23 @@ def adaptive_steps(
             return top.propose(drafter_params, target.replace(cache=s.cache), s.drafter_state, s.tokens,
                                s.lengths, draft_key, sampling)[0]
 
-        free = False
+        def free_drafts(s):  # every live row takes a source with no model pass: no propose at all
+            return top.free_drafts(drafter_params, s.tokens, s.lengths)  # (finished rows' would not match)
+
+        def none(s):
+            return jnp.zeros((batch, depth.max_depth), jnp.int32)
+
+        free, branches = jnp.asarray(False), [none, draft]
         if source is not None and getattr(top, "free_draft_sources", ()):
             free = jnp.all(s.done | jnp.isin(source, jnp.asarray(top.free_draft_sources)))
+            branches.append(free_drafts)
         due = shadow_due(depth, s.depth, ~s.done, free) & greedy
-        if getattr(top, "catches_up", False):  # in place, outside the cond (whose state is dropped)
+        if getattr(top, "catches_up", False):  # in place, outside the switch (whose state is dropped)
             s = s.replace(drafter_state=top.catch_up(drafter_params, target.replace(cache=s.cache),
                                                      s.drafter_state, s.tokens, s.lengths,
                                                      rows=due & ~free & ~s.done))
-        none = lambda s: jnp.zeros((batch, depth.max_depth), jnp.int32)  # noqa: E731
-        return due, jax.lax.cond(due, draft, none, s), s
+        branch = jnp.where(due, jnp.where(free, len(branches) - 1, 1), 0)
+        return due, jax.lax.switch(branch, branches, s), s
 
     def at(index: int, d: int):
         step_drafter = drafter_at_depth(drafter, d, depth.max_depth)

@@ -44,8 +44,9 @@ class Drafter(Protocol):
     behind; the next propose feeds it what it missed), and for a
     drafter whose drafts come from several sources told apart before drafting (prompt lookup in
     front of a model drafter) `draft_sources` (how many), `draft_source(params, tokens, lengths)
-    -> [B] int32` (each row's, from committed tokens only) and `free_draft_sources` (those that
-    cost no model pass); the policy keeps an acceptance rate per source."""
+    -> [B] int32` (each row's, from committed tokens only), `free_draft_sources` (those that
+    cost no model pass) and `free_drafts(params, tokens, lengths) -> [B, K]` (those sources'
+    drafts, without the model); the policy keeps an acceptance rate per source."""
 
     k: int  # drafts per verify step (static)
 

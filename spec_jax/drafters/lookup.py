@@ -168,6 +168,11 @@ class LookupFirstDrafter:
         """Sources whose drafts cost no model pass: the lookup's, where propose skips the model."""
         return (1,) if self.model_skippable else ()
 
+    def free_drafts(self, params, tokens, lengths):
+        """[B, K] the lookup's drafts: what a row whose source is free (1) drafts, with no model
+        pass (a shadow probe where every live row takes them; other rows' are never read)."""
+        return self.front(params, tokens, lengths)[0]
+
     def draft_source(self, params, tokens, lengths):
         """[B] int32: 1 where the lookup's drafts go out this step, 0 where the model's do."""
         return (self.front(params, tokens, lengths)[1] >= self.min_match).astype(jnp.int32)
