@@ -37,7 +37,7 @@ from spec_jax.decoding.loop import forward_capturing, generate_jit
 from spec_jax.decoding.stream import generate_stream
 from spec_jax.decoding.depth import AdaptiveDepth, PlainStep, drafter_at_depth
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
-from spec_jax.drafters.draft_model import self_drafter
+from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter
@@ -189,6 +189,39 @@ def test_shadow_probes(models):
     r = generate(models.target, prompts, self_drafter(models.cfg, K), models.params, k=shy,
                  max_new_tokens=NEW, ignore_eos=True, temperature=0.8, seed=1)
     assert r.shadow_probes == 0 and K in r.depth_trace, r.depth_trace
+
+
+_MODEL_PROPOSES: list[int] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedDraftModel(DraftModelDrafter):
+    """The draft model, counting the proposes that run (a host callback inside the program)."""
+
+    def propose(self, params, target, state, tokens, lengths, key, sampling):
+        jax.debug.callback(lambda: _MODEL_PROPOSES.append(1))
+        return super().propose(params, target, state, tokens, lengths, key, sampling)
+
+
+def test_free_shadow_probes_never_run_the_model_drafter(models):
+    """Prompt lookup in front of a draft model, in an engine whose other slots are empty: a
+    shadow probe where every live row takes the lookup's drafts drafts those alone, without the
+    draft model (it once ran the model for every such probe: the empty slots matched nothing, so
+    the lookup's skip, which looks at every row, never held; 0.93x plain at 1 client). Drafting
+    never pays here (its cost is 1e6 plain steps), so every probe is a free one."""
+    from spec_jax.decoding.engine import Engine
+
+    drafter = LookupFirstDrafter(CountedDraftModel(models.draft_cfg, K), min_match=1)
+    idle = AdaptiveDepth(depths=DEPTHS, costs=(1.0, 1e6), shadow_every=1000)
+    engine = Engine(models.target, drafter, models.draft_params, slots=3, max_model_len=48, k=idle)
+    prompt = [5, 6, 7, 8] * 4  # every token recurs: the lookup always matches
+    _MODEL_PROPOSES.clear()
+    rid = engine.submit(prompt, max_new_tokens=16, ignore_eos=True)
+    got = engine.run_all()[rid]
+    jax.effects_barrier()
+    assert got.new_ids == generate(models.target, [prompt], max_new_tokens=16, ignore_eos=True).generated_ids[0]
+    assert engine.depth_counts[0] > 0 and engine.depth_counts.get(K, 0) == 0, engine.depth_counts
+    assert engine.shadow_probes >= 3 and _MODEL_PROPOSES == [], (engine.shadow_probes, len(_MODEL_PROPOSES))
 
 
 def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):

@@ -175,11 +175,13 @@ def test_greedy_with_stop_id_and_short_cap_equals_ar(models, drafters, ar, name)
     batch, k = {"ngram": (3, 4), "self": (8, 4), "draft": (1, 4)}[name]
     prompts = PROMPTS[batch]
     make, params = drafters[name]
-    for kw in [dict(stop_ids=[stop]), dict(max_new_tokens=7, ignore_eos=True), dict(max_new_tokens=2)]:
+    for i, kw in enumerate([dict(stop_ids=[stop]), dict(max_new_tokens=7, ignore_eos=True), dict(max_new_tokens=2)]):
         kw = {"max_new_tokens": NEW, **kw}
         want = generate(models.target, prompts, **kw)
         got = generate(models.target, prompts, make(k), params, **kw)
         assert got.generated_ids == want.generated_ids, kw
         assert got.finish_reasons == want.finish_reasons, kw
-        assert got.compile_s == 0.0  # stop ids and caps are traced
+        # Stop ids and caps are traced: the first call may compile (another test may have, unless
+        # other files' programs pushed it out of the bounded program cache), the others never.
+        assert i == 0 or got.compile_s == 0.0, kw
         check_row_stats(got, k)

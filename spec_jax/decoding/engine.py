@@ -175,7 +175,7 @@ class Engine:
     Its parts: `slot_table` (which request holds which row, host side: `live`, `slot_of`),
     `scheduler` (waiting requests, cancellations, admissions, `max_admits_per_step`), `programs`
     (the state layout, the placed weights and the compiled programs), `depth` (the adaptive
-    policy, None when K is fixed) and `depth_counts` (steps run at each depth).
+    policy, None when K is fixed), `depth_counts` (steps run at each depth) and `shadow_probes`.
     """
 
     def __init__(
@@ -256,6 +256,7 @@ class Engine:
         self.chunks_run = 0
         self.k_chunks: collections.Counter[int] = collections.Counter()  # chunks run per K
         self.depth_counts: collections.Counter[int] = collections.Counter()  # steps run per depth (adaptive)
+        self.shadow_probes = 0  # shadow probes drafted at plain steps (adaptive, greedy chains)
         self.positions = PositionTotals()  # drafts offered and accepted per position (/metrics)
         self.prefill_passes: collections.Counter[tuple[int, int]] = collections.Counter()  # passes run per [r, W]
 
@@ -550,10 +551,12 @@ class Engine:
         state = self.state
         tokens, lengths, finish, done, stats, logprobs, depth_counts = self._host(
             (state.tokens, state.lengths, state.finish_reason, state.done, state.stats,
-             self._logprobs_wanted(self.slot_table.running), None if state.depth is None else state.depth.counts))
+             self._logprobs_wanted(self.slot_table.running),
+             None if state.depth is None else (state.depth.counts, state.depth.shadows)))
         self.chunks_run += 1
         self.k_chunks[self.k] += 1
         if depth_counts is not None:  # the state's totals since the engine started
+            depth_counts, self.shadow_probes = depth_counts[0], int(depth_counts[1])
             self.depth_counts = collections.Counter({d: int(n) for d, n in zip(self.depth.depths, depth_counts) if n})
         self.positions.add(stats.steps, stats.position_accepted)
         if self.suffix_store is not None:
