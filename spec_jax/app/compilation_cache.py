@@ -28,11 +28,13 @@ _CACHE_EVERYTHING = {
     "jax_persistent_cache_min_compile_time_secs": ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.0),
     "jax_persistent_cache_min_entry_size_bytes": ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", -1),
 }
-# XLA:CPU without its YNNPACK fusions (dots): loading a compiled program rebuilds each such fusion
-# with a search over all of the program's instructions, 5.7 of the 8.5 CPU seconds that loading
-# the default model's loop took (928 fusions, 47,000 instructions); without them it loads in 2.5 s
-# and decodes no slower (benchmarks/RESULTS.md, issue 46).
-CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# XLA:CPU's YNNPACK fusions of single dots, none of the larger ones. With no YNN fusions at all
+# (issue 46: loading a compiled program rebuilds each one with a search over all of the program's
+# instructions, 5.7 of the 8.5 CPU seconds that loading the default model's loop took) a pass of
+# 2-7 tokens fell to a slow dot path, 3.2-3.4x a one-token pass where 8 tokens cost 1.6x; with
+# single-dot fusions 2 tokens cost 1.2x, 5 tokens 1.5x and 8 tokens 1.6x, a one-token step as
+# fast, and a warm start loads in ~6 s instead of ~3 (benchmarks/RESULTS.md, issue 41, session 27).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
 def add_argument(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.decoding.compiler_options import compiler_options
 from spec_jax.decoding.depth import AdaptiveDepth
 
 OFF = "off"
@@ -47,8 +48,11 @@ def batch_bucket(batch: int) -> int:
 def cost_key(model: Any, drafter: Any, depth: AdaptiveDepth, batch: int, capacity: int) -> str:
     """The device kind, then a digest of what a step's time depends on."""
     device = jax.devices()[0]
-    # METHOD names how costs are timed: entries timed another way are measured again.
-    what = repr((METHOD, model, drafter, depth.depths, batch_bucket(batch), capacity))
+    # METHOD names how costs are timed: entries timed another way are measured again. So do the
+    # XLA options the programs compile with (on this CPU they moved a 5-token verify from 1.4x a
+    # one-token step to 3.4x: benchmarks/RESULTS.md, issue 41, session 27).
+    xla = (sorted(compiler_options().items()), os.environ.get("XLA_FLAGS", ""))
+    what = repr((METHOD, model, drafter, depth.depths, batch_bucket(batch), capacity, xla))
     return f"{device.platform}:{device.device_kind}:{hashlib.sha256(what.encode()).hexdigest()[:20]}"
 
 

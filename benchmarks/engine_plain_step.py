@@ -1,0 +1,110 @@
+"""What `spec-jax serve`'s default costs against plain decoding inside the engine, without HTTP.
+
+One process, one engine per configuration (8 slots, the serve defaults), the same chat requests
+(64 tokens each, greedy, EOS ignored) submitted to each in turn, the order reversed every other
+round; prints per configuration the median tokens/s and the median of the per-round ratios to
+plain decoding. Configurations:
+
+    plain      no drafter
+    default    serve's default for 8 slots (the measured drafter, each step picking its depth)
+    forced     the default drafter with drafting priced out (costs 1e6 plain steps), so every
+               step is a plain one and only shadow probes draft: a plain step's own cost
+    forced-model-only   the same, the model drafter alone (no prompt lookup in front)
+    ngram      n-gram at K = 2, adaptive: the policy's own bookkeeping (no drafter state)
+
+    python benchmarks/engine_plain_step.py --clients 1 8 --rounds 10
+    python benchmarks/engine_plain_step.py --clients 1 --configs plain forced forced-model-only --rounds 14
+
+The HTTP load test (`load_test.py --rounds`) measures the same engines behind the server, where
+client and server threads share the two cores with XLA; this one isolates the engine's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+CONFIGS = ("plain", "default", "forced", "forced-model-only", "ngram")
+
+
+def build(name: str, target):
+    """(drafter, params, k) of a configuration."""
+    from spec_jax.app.inputs import build_drafter, default_drafter_spec
+    from spec_jax.decoding.depth import AdaptiveDepth
+    from spec_jax.drafters.ngram import NGramDrafter
+
+    if name == "plain":
+        return None, None, None
+    if name == "ngram":
+        return NGramDrafter(k=2), None, "adaptive"
+    spec = default_drafter_spec(None, None, batch=8)
+    drafter, params = build_drafter(spec, target)
+    if name == "default":
+        return drafter, params, spec.generate_k
+    priced_out = AdaptiveDepth(depths=(0, 1, drafter.k), costs=(1.0, 1e6, 1e6))
+    if name == "forced":
+        return drafter, params, priced_out
+    return drafter.model, params, priced_out  # forced-model-only
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="requests in flight at once")
+    p.add_argument("--configs", nargs="+", default=["plain", "default"], choices=CONFIGS)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", default=None, help="a directory for results.json")
+    args = p.parse_args()
+    if args.configs[0] != "plain":
+        p.error("the first configuration is the baseline: plain")
+
+    from spec_jax.app import compilation_cache
+
+    compilation_cache.configure(None)
+    from spec_jax import load_target
+    from spec_jax.app.bench import chat_prompts
+    from spec_jax.checkpoints import apply_chat_template
+    from spec_jax.decoding.engine import Engine
+
+    target = load_target(None, dtype="float32")
+    prompts = [apply_chat_template(target.tokenizer, q.text, target.chat_template) for q in chat_prompts(8)]
+    engines = {}
+    for name in args.configs:
+        drafter, params, k = build(name, target)
+        engine = Engine(target, drafter, params, slots=8, max_model_len=512, chunk_steps=4, k=k)
+        engine.warmup()
+        engines[name] = engine
+        print(f"{name}: ready", flush=True)
+
+    report = {}
+    for clients in args.clients:
+        speeds = {name: [] for name in engines}
+        for r in range(args.rounds):
+            for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+                engine = engines[name]
+                for i in range(clients):
+                    engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=args.max_new_tokens, ignore_eos=True)
+                start = time.perf_counter()
+                engine.run_all()
+                speeds[name].append(args.max_new_tokens * clients / (time.perf_counter() - start))
+        rows = {}
+        for name, engine in engines.items():
+            ratios = [a / b for a, b in zip(speeds[name], speeds["plain"])]
+            rows[name] = dict(tokens_per_s=statistics.median(speeds[name]), ratio=statistics.median(ratios),
+                              ratios=ratios, depth_steps=dict(engine.depth_counts) or None,  # since start
+                              shadow_probes=engine.shadow_probes if engine.depth is not None else None)
+            print(f"clients {clients:2d} {name:18} {rows[name]['tokens_per_s']:7.1f} tok/s  "
+                  f"x{rows[name]['ratio']:.3f} plain (rounds {min(ratios):.2f}-{max(ratios):.2f})  "
+                  f"steps per depth {rows[name]['depth_steps']}", flush=True)
+        report[clients] = rows
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"args": vars(args), "clients": report}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
