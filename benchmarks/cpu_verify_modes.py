@@ -40,10 +40,12 @@ from spec_jax.models.decoder import init_cache
 
 _DOT = "LIBRARY_FUSION_TYPE_DOT"  # XLA_FLAGS spells it `dot`; compiler options take the enum name
 # name -> (XLA:CPU options, weight dtypes). Every mode but `xla` starts from what the command line
-# sets today (YNNPACK fusions off, `spec_jax.app.compilation_cache.CPU_COMPILER_OPTIONS`).
+# sets today (YNNPACK fusions of single dots since session 27, before that none:
+# `spec_jax.app.compilation_cache.CPU_COMPILER_OPTIONS`).
 MODES = {
     "xla": ({}, ("float32",)),  # XLA's own defaults (a library user's)
     "cli": (dict(CPU_COMPILER_OPTIONS), ("float32", "bfloat16")),
+    "no-ynn": ({"xla_cpu_experimental_ynn_fusion_type": ""}, ("float32",)),  # the command line's, issue 46 to session 27
     # YNNPACK fusions of dots only (XLA's default fuses more; see `cli`)
     "ynn-dot": ({"xla_cpu_experimental_ynn_fusion_type": _DOT}, ("float32",)),
     "ynn-individual-dot": ({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}, ("float32",)),

@@ -88,10 +88,13 @@ def assert_logprobs_are_the_targets(params, prompt, new_ids, logprobs, top):
     sequence[0, : len(prompt) + len(new_ids)] = prompt + new_ids
     reference = np.asarray(full_forward_log_probs(params, jnp.asarray(sequence)))
     at = np.arange(len(prompt) - 1, len(prompt) + len(new_ids) - 1)  # the position that produced each token
-    np.testing.assert_allclose([chosen for chosen, _ in logprobs], reference[at, new_ids], atol=1e-5)
+    # float32 rounding: the engine's one- and few-token passes and the full pass accumulate in
+    # other orders (on one AMD VM a log-probability of -1.078 differed by 1.1e-5).
+    close = dict(atol=1e-5, rtol=2e-5)
+    np.testing.assert_allclose([chosen for chosen, _ in logprobs], reference[at, new_ids], **close)
     for (_, top_values), row in zip(logprobs, reference[at]):
         assert len(top_values) == top
-        np.testing.assert_allclose(top_values, -np.sort(-row)[:top], atol=1e-5)
+        np.testing.assert_allclose(top_values, -np.sort(-row)[:top], **close)
 
 
 def test_logprobs_under_speculation_are_the_targets(engine, models):

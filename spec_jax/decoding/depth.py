@@ -36,9 +36,10 @@ Exploration: a K = 0 step observes nothing, so the policy probes.
   exactly, for the cost of a draft pass (`record_shadow`). Where every live row would take a
   draft source that costs no model pass (`free_draft_sources`: the lookup's, in front of DFlash
   or a draft model), a plain step probes at once, without waiting, with those drafts alone
-  (`free_drafts`: no model pass, whatever rows that finished or wait for a request would take). Replayed on recorded greedy walks of the default
-  model (`benchmarks/depth_replay.py`), shadow probes and per-source rates took chat from 0.98x to
-  1.00x plain (median; mean 1.08x) and HumanEval from 1.17x to 1.29x.
+  (`free_drafts`: no model pass, whatever finished or empty rows would take). Replayed on
+  recorded greedy walks of the default model (`benchmarks/depth_replay.py`), shadow probes and
+  per-source rates took chat from 0.98x to 1.00x plain (median; mean 1.08x) and HumanEval from
+  1.17x to 1.29x.
 - Sampled decoding and trees probe by drafting: after a run of K = 0 steps as long as
   `probe_every` times the cheapest drafting depth's cost over a plain step's, one step drafts at
   that depth (the deepest of equally cheap ones), at a cost of about 1 / probe_every of the time

@@ -253,10 +253,9 @@ class Engine:
         self._seed_lock = threading.Lock()
         self.slot_table = SlotTable(self.slots)
         self.scheduler = Scheduler(max_admits_per_step)
-        self.chunks_run = 0
         self.k_chunks: collections.Counter[int] = collections.Counter()  # chunks run per K
         self.depth_counts: collections.Counter[int] = collections.Counter()  # steps run per depth (adaptive)
-        self.shadow_probes = 0  # shadow probes drafted at plain steps (adaptive, greedy chains)
+        self.chunks_run = self.shadow_probes = 0  # chunks run; shadow probes (adaptive, greedy chains)
         self.positions = PositionTotals()  # drafts offered and accepted per position (/metrics)
         self.prefill_passes: collections.Counter[tuple[int, int]] = collections.Counter()  # passes run per [r, W]
 

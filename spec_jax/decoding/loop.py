@@ -486,13 +486,14 @@ def adaptive_steps(
 ) -> LoopState:
     """Steps at the depths the adaptive policy picks (`spec_jax.decoding.depth`), one pass over
     the depths: each depth has its own `lax.while_loop` of `speculative_step` at that depth
-    (depth 0: a plain step; `spec_jax.decoding.depth` says what it does with the drafter's state), running while `keep_going`
-    (the enclosing loop's condition) holds and the policy picks that depth. A pass runs at least
-    one step (the depth picked now has its loop now or later in the pass). Loops rather than a
-    `lax.switch` per step: XLA copies the caches into and out of a conditional's branches every
-    step (34 cache-sized copies against the fixed loop's 6 in a tiny DFlash program), while a
-    loop updates them in place, so a step costs what the same step costs at a fixed depth. A
-    plain step's shadow probe is a `lax.cond` that only reads the state (no copies)."""
+    (depth 0: a plain step; `spec_jax.decoding.depth` says what it does with the drafter's
+    state), running while `keep_going` (the enclosing loop's condition) holds and the policy
+    picks that depth. A pass runs at least one step (the depth picked now has its loop now or
+    later in the pass). Loops rather than a `lax.switch` per step: XLA copies the caches into
+    and out of a conditional's branches every step (34 cache-sized copies against the fixed
+    loop's 6 in a tiny DFlash program), while a loop updates them in place, so a step costs what
+    the same step costs at a fixed depth. A plain step's shadow probe is a `lax.switch` that only
+    reads the state (no copies)."""
     check_adaptive(drafter, depth)
     batch = state.tokens.shape[0]
     rows = jnp.arange(batch)
@@ -509,33 +510,6 @@ def adaptive_steps(
             return None
         return top.draft_source(drafter_params, s.tokens, s.lengths)
 
-    def shadow_drafts(s: LoopState, source: jax.Array | None) -> tuple[jax.Array, jax.Array, LoopState]:
-        """(whether this plain step drafts a shadow probe [], the drafts a step at the largest
-        depth would verify now [B, K], zeros when not, the state: the probe's own drafter state
-        is dropped, but what a drafter that plain steps leave behind catches up is kept)."""
-        def draft(s):
-            draft_key = draw_keys(s.key, s.lengths, 3)[1]  # the plain step's own, unused draft key
-            return top.propose(drafter_params, target.replace(cache=s.cache), s.drafter_state, s.tokens,
-                               s.lengths, draft_key, sampling)[0]
-
-        def free_drafts(s):  # every live row takes a source with no model pass: no propose at all
-            return top.free_drafts(drafter_params, s.tokens, s.lengths)  # (finished rows' would not match)
-
-        def none(s):
-            return jnp.zeros((batch, depth.max_depth), jnp.int32)
-
-        free, branches = jnp.asarray(False), [none, draft]
-        if source is not None and getattr(top, "free_draft_sources", ()):
-            free = jnp.all(s.done | jnp.isin(source, jnp.asarray(top.free_draft_sources)))
-            branches.append(free_drafts)
-        due = shadow_due(depth, s.depth, ~s.done, free) & greedy
-        if getattr(top, "catches_up", False):  # in place, outside the switch (whose state is dropped)
-            s = s.replace(drafter_state=top.catch_up(drafter_params, target.replace(cache=s.cache),
-                                                     s.drafter_state, s.tokens, s.lengths,
-                                                     rows=due & ~free & ~s.done))
-        branch = jnp.where(due, jnp.where(free, len(branches) - 1, 1), 0)
-        return due, jax.lax.switch(branch, branches, s), s
-
     def at(index: int, d: int):
         step_drafter = drafter_at_depth(drafter, d, depth.max_depth)
 
@@ -545,7 +519,7 @@ def adaptive_steps(
         def step(s: LoopState) -> LoopState:
             record, source = s.depth, source_of(s)
             if d == 0 and shadowing:
-                due, drafts, s = shadow_drafts(s, source)
+                due, drafts, s = shadow_probe(s, target, top, depth, drafter_params, sampling, source, greedy)
             inner = s.replace(stats=Stats.zeros(batch, d), depth=None)
             out = speculative_step(inner, target, step_drafter, drafter_params, sampling, max_new_tokens, stop_ids)
             if d == 0 and shadowing:  # the token this plain step committed, at the old length
@@ -565,6 +539,38 @@ def adaptive_steps(
             "(keep it at the largest K's shape, as the pair-cache drafters pad their pending pairs). "
             "Pin K (an int k) for this drafter.") from e
     return state
+
+
+def shadow_probe(s: LoopState, target: Target, top: Drafter, depth: AdaptiveDepth, drafter_params: Any,
+                 sampling: SamplingParams, source: jax.Array | None, greedy: jax.Array,
+                 ) -> tuple[jax.Array, jax.Array, LoopState]:
+    """A plain step's shadow probe (`adaptive_steps`; `top`: the drafter at the largest depth).
+    -> (whether this step drafts one [], the drafts a step at the largest depth would verify now
+    [B, K], zeros when not, the state: the probe's own drafter state is dropped, but what a
+    drafter that plain steps leave behind catches up is kept)."""
+    batch = s.tokens.shape[0]
+
+    def draft(s):
+        draft_key = draw_keys(s.key, s.lengths, 3)[1]  # the plain step's own, unused draft key
+        return top.propose(drafter_params, target.replace(cache=s.cache), s.drafter_state, s.tokens,
+                           s.lengths, draft_key, sampling)[0]
+
+    def free_drafts(s):  # every live row takes a source with no model pass: no propose at all
+        return top.free_drafts(drafter_params, s.tokens, s.lengths)  # (finished rows' would not match)
+
+    def none(s):
+        return jnp.zeros((batch, depth.max_depth), jnp.int32)
+
+    free, branches = jnp.asarray(False), [none, draft]
+    if source is not None and getattr(top, "free_draft_sources", ()):
+        free = jnp.all(s.done | jnp.isin(source, jnp.asarray(top.free_draft_sources)))
+        branches.append(free_drafts)
+    due = shadow_due(depth, s.depth, ~s.done, free) & greedy
+    if getattr(top, "catches_up", False):  # in place, outside the switch (whose state is dropped)
+        s = s.replace(drafter_state=top.catch_up(drafter_params, target.replace(cache=s.cache), s.drafter_state,
+                                                 s.tokens, s.lengths, rows=due & ~free & ~s.done))
+    branch = jnp.where(due, jnp.where(free, len(branches) - 1, 1), 0)
+    return due, jax.lax.switch(branch, branches, s), s
 
 
 def _add_stats(total: Stats, part: Stats) -> Stats:

@@ -109,10 +109,9 @@ class DraftModelDrafter:
         holds every position below L - R, where `_refeed` starts. The cache's committed length
         says how far it is current (propose leaves it at L). After n plain steps this costs
         ceil(n / R) passes of R tokens where feeding each plain step's token would cost n
-        one-token passes; on the default model at batch 8 a 3-token pass costs about one token's
-        (benchmarks/RESULTS.md, issue 41), and a run of plain steps that never drafts again
-        costs nothing. `rows` [B] bool: only these catch up (default all). A row not behind
-        re-feeds its last R committed tokens, the same keys again, while another catches up."""
+        one-token passes, and a run of plain steps that never drafts again costs nothing.
+        `rows` [B] bool: only these catch up (default all). A row not behind re-feeds its last R
+        committed tokens, the same keys again, while another catches up."""
         model = self.model
         width = self.refeed_width
         need = lengths - width  # [B] the cache must hold every position below this
