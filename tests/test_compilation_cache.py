@@ -63,6 +63,15 @@ def test_the_cli_compiles_single_dot_ynn_fusions_on_cpu_unless_xla_flags_say():
     assert compilation_cache.cpu_compiler_options(users) == {}
 
 
+def test_options_this_jaxlib_refuses_fall_back_to_xla_defaults():
+    """The CLI's XLA:CPU options are checked once: a value this jaxlib does not know (another
+    version's) leaves XLA's defaults, with a warning, instead of failing every compile."""
+    good = compilation_cache.cpu_compiler_options({})
+    assert compilation_cache.accepted_options(good) == good
+    with pytest.warns(UserWarning, match="refused"):
+        assert compilation_cache.accepted_options({"xla_cpu_experimental_ynn_fusion_type": "NO_SUCH_TYPE"}) == {}
+
+
 def test_every_command_takes_the_flag(capsys):
     parser = build_parser()
     for command in COMMANDS:

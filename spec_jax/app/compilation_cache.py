@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from typing import Any, Mapping
 
 ENV = "SPEC_JAX_COMPILATION_CACHE"
@@ -83,8 +84,25 @@ def configure(flag: str | None) -> str | None:
     for name, value in jax_settings(directory).items():
         jax.config.update(name, value)
     saved_programs.enable(directory)
-    programs.set_compiler_options("cpu", cpu_compiler_options())
+    programs.set_compiler_options("cpu", accepted_options(cpu_compiler_options()))
     return directory
+
+
+def accepted_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` when this jaxlib's XLA:CPU takes them (checked on a one-op program, on CPU
+    only), else none of them, with a warning: an older or newer jaxlib may lack the option or
+    its value, and XLA's defaults decode about as fast (benchmarks/RESULTS.md, issue 41)."""
+    import jax
+
+    if not options or jax.default_backend() != "cpu":
+        return options
+    try:
+        jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=options)
+    except Exception as e:  # jaxlib raises its own runtime error type for an unknown option or value
+        warnings.warn(f"XLA:CPU refused spec_jax's options {options} ({str(e).splitlines()[0]}); "
+                      "compiling with XLA's defaults.", stacklevel=2)
+        return {}
+    return options
 
 
 def cpu_compiler_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
