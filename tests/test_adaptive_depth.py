@@ -6,9 +6,10 @@ and EAGLE-3's tree at batch 8 at three depths, with the depth changing mid-run (
 so that it must; sampled output: test_sampling_stats; a mesh: test_sharding); a drafter that is
 never right settles on K = 0, an always-right one (the target drafting for itself) on the
 largest depth; new costs, params and prompts never recompile; the draft model's cache catches
-up after K = 0 steps (the target drafting for itself accepts every draft even after runs
-of plain steps longer than its re-feed window, through drafting and shadow probes), and DFlash's context and EAGLE-3's pair cache
-after a plain step are what a longer prompt gives. Shadow probes (a plain step's unverified
+up after K = 0 steps (the target drafting for itself accepts every draft even after runs of
+plain steps longer than its re-feed window, through drafting and shadow probes; the caught-up
+cache is what a longer prompt gives), and DFlash's context and EAGLE-3's pair cache after a
+plain step are what a longer prompt gives. Shadow probes (a plain step's unverified
 drafts, checked against the tokens the next plain steps commit) find an always-right drafter
 without a drafting step and never draft for a never-right one; prompt lookup's drafts have
 their own acceptance rate and free probes; sampled decoding probes by drafting.
