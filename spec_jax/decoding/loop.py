@@ -566,9 +566,11 @@ def shadow_probe(s: LoopState, target: Target, top: Drafter, depth: AdaptiveDept
         free = jnp.all(s.done | jnp.isin(source, jnp.asarray(top.free_draft_sources)))
         branches.append(free_drafts)
     due = shadow_due(depth, s.depth, ~s.done, free) & greedy
-    if getattr(top, "catches_up", False):  # in place, outside the switch (whose state is dropped)
+    # In place, outside the switch, whose state is dropped: every row (finished ones too, which
+    # the probe's own propose would catch up again at each probe).
+    if getattr(top, "catches_up", False):
         s = s.replace(drafter_state=top.catch_up(drafter_params, target.replace(cache=s.cache), s.drafter_state,
-                                                 s.tokens, s.lengths, rows=due & ~free & ~s.done))
+                                                 s.tokens, s.lengths, rows=jnp.broadcast_to(due & ~free, (batch,))))
     branch = jnp.where(due, jnp.where(free, len(branches) - 1, 1), 0)
     return due, jax.lax.switch(branch, branches, s), s
 

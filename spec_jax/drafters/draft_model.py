@@ -117,7 +117,6 @@ class DraftModelDrafter:
         need = lengths - width  # [B] the cache must hold every position below this
         if rows is not None:
             need = jnp.where(rows, need, -width)
-        rows = jnp.arange(tokens.shape[0])
 
         def behind(cache):
             return jnp.any(model.cache_lengths(cache) < need)
@@ -125,13 +124,19 @@ class DraftModelDrafter:
         def feed(cache):
             fed = model.cache_lengths(cache)
             lag = fed < need
-            start = jnp.where(lag, fed, jnp.maximum(lengths - width, 0))
-            pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, R]
-            inputs = tokens[rows[:, None], jnp.minimum(pos, lengths[:, None] - 1)]
-            out = model.forward(params, inputs, pos, model.commit(cache, start))
-            return model.commit(out.cache, jnp.where(lag, start + width, fed))
+            out = self._feed(params, cache, tokens, lengths, jnp.where(lag, fed, jnp.maximum(lengths - width, 0)))
+            return model.commit(out.cache, jnp.where(lag, fed + width, fed))
 
         return jax.lax.while_loop(behind, feed, state)
+
+    def _feed(self, params, cache, tokens, lengths, start):
+        """The draft model's pass over the committed tokens at positions start .. start + R - 1
+        (R = `refeed_width`; past L - 1: repeats of the last token, written beyond the committed
+        length and never seen), the cache rewound to `start` first -> its ForwardOutput."""
+        rows = jnp.arange(tokens.shape[0])
+        pos = start[:, None] + jnp.arange(self.refeed_width, dtype=jnp.int32)  # [B, R]
+        inputs = tokens[rows[:, None], jnp.minimum(pos, lengths[:, None] - 1)]
+        return self.model.forward(params, inputs, pos, self.model.commit(cache, start))
 
     def _refeed(self, params, state, tokens, lengths):
         """Rewind to L-R (R = K+1 unless `refeed` says more; 0 for short prompts) and re-feed
@@ -144,9 +149,7 @@ class DraftModelDrafter:
         rows = jnp.arange(tokens.shape[0])
         width = self.refeed_width
         start = jnp.maximum(lengths - (width - 1) - 1, 0)  # [B] (two steps: K = fixed keeps its program)
-        pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, R]
-        inputs = tokens[rows[:, None], jnp.minimum(pos, lengths[:, None] - 1)]
-        out = model.forward(params, inputs, pos, model.commit(state, start))
+        out = self._feed(params, state, tokens, lengths, start)
         logits = model.logits(params, out.hidden[rows, lengths - 1 - start])  # [B, V_d]
         return logits, model.commit(out.cache, lengths)
 
