@@ -13,6 +13,11 @@ that temperature (repeat r uses seed r for every method).
 
     python benchmarks/adaptive_depth.py --max-new-tokens 64 --repeats 3 --out benchmarks/results/adaptive_depth
 
+`--drafters dflash+ngram,draft-model+ngram@2,ngram` compares drafter kinds instead (the mixed-workload
+table behind `spec_jax/assets/measured_defaults.json`): plain decoding and each drafter with
+`k="adaptive"` (the depths 0, 2, ~K/2 and K of the drafter's own K, or of @K), each with its own
+measured depth costs, the methods' order rotated on every repeat; `--fixed` adds each at its fixed K.
+
 `--random-drafter` takes the default drafter's model part alone (no prompt lookup) and re-draws its
 weights (same shapes, normal * 0.02; vectors kept), so it never gets a draft accepted: the adaptive policy's floor against plain decoding (issue 41's
 ">= 0.95x" bar). `--batch N` runs N prompts per call (the list cycled), the rows' tokens summed.
@@ -41,6 +46,10 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (every output checked token-equal to plain decoding); above: sampled, "
                         "the default drafter for that temperature (exactness: tests/test_sampling_stats.py)")
+    p.add_argument("--drafters", default=None,
+                   help="compare these drafters (comma list as `spec-jax bench --drafters` takes them, "
+                        "NAME@K for a largest depth K), each adaptive, instead of the default drafter")
+    p.add_argument("--fixed", action="store_true", help="with --drafters: each drafter at its fixed K too")
     p.add_argument("--random-drafter", action="store_true",
                    help="the default drafter's shapes with random weights: never accepted")
     args = p.parse_args()
@@ -83,46 +92,52 @@ def main() -> None:
         prompts = units
     else:
         prompts = [(kind, label, [ids]) for kind, label, ids in prompts]
-    methods = {
-        "plain": dict(drafter=None, drafter_params=None),
-        f"fixed K={drafter.k}": dict(drafter=drafter, drafter_params=drafter_params),
-        "adaptive": dict(drafter=drafter, drafter_params=drafter_params, k="adaptive"),
-    }
+    if args.drafters:
+        methods = {"plain": dict(drafter=None, drafter_params=None)}
+        methods.update(drafter_methods(target, args.drafters, fixed=args.fixed))
+    else:
+        methods = {
+            "plain": dict(drafter=None, drafter_params=None),
+            f"fixed K={drafter.k}": dict(drafter=drafter, drafter_params=drafter_params),
+            "adaptive": dict(drafter=drafter, drafter_params=drafter_params, k="adaptive"),
+        }
     common = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True, temperature=args.temperature)
+    costs = {}
     for name, kw in methods.items():  # compile, and measure the depth costs once
         r = generate(target, prompts[0][2], **kw, **common)
         print(f"warm-up {name}: compile {r.compile_s:.1f}s", flush=True)
         if r.depth_costs is not None:
-            costs = r.depth_costs
-            print(f"depth costs (s per step at depths 0, 2, ~K/2, K): {costs}", flush=True)
+            costs[name] = r.depth_costs
+            print(f"{name} depth costs (s per step at depths 0, 2, ~K/2, K): {r.depth_costs}", flush=True)
 
     rows = []
     for kind, label, ids in prompts:
         speeds = {name: [] for name in methods}
-        outputs, depth_counts, shadows = {}, {}, None
+        outputs, depth_counts, shadows, taus = {}, {}, {}, {}
         for rep in range(args.repeats):
-            order = list(methods) if rep % 2 == 0 else list(reversed(methods))
+            order = rotated(list(methods), rep)
             for name in order:
                 r = generate(target, ids, **methods[name], **common, seed=rep)
                 speeds[name].append(r.tokens_per_second)
                 outputs[name] = r.generated_ids
                 if r.depth_counts is not None:
-                    depth_counts, shadows = r.depth_counts, r.shadow_probes
-                    tau = r.stats.tau
+                    depth_counts[name], shadows[name] = r.depth_counts, r.shadow_probes
+                if name != "plain":
+                    taus[name] = r.stats.tau
         medians = {name: statistics.median(v) for name, v in speeds.items()}
         row = dict(kind=kind, prompt=label[:48], tokens_per_s=medians,
                    speedup={n: medians[n] / medians["plain"] for n in methods if n != "plain"},
                    exact={n: outputs[n] == outputs["plain"] if args.temperature == 0 else None
                           for n in methods if n != "plain"},
-                   adaptive_steps_per_depth=depth_counts, adaptive_shadow_probes=shadows, adaptive_tau=tau)
+                   steps_per_depth=depth_counts, shadow_probes=shadows, tau=taus)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print(f"\n{'kind':10} {'prompt':50} " + " ".join(f"{n:>14}" for n in methods if n != "plain")
-          + "  steps per depth (adaptive)")
+    print(f"\n{'kind':10} {'prompt':50} " + " ".join(f"{n:>24}" for n in methods if n != "plain"))
     for row in rows:
-        print(f"{row['kind']:10} {row['prompt']:50} " + " ".join(f"{s:>13.2f}x" for s in row["speedup"].values())
-              + f"  {row['adaptive_steps_per_depth']}")
+        print(f"{row['kind']:10} {row['prompt']:50} " + " ".join(f"{s:>23.2f}x" for s in row["speedup"].values()))
+        for name, counts in row["steps_per_depth"].items():
+            print(f"{'':61} {name}: steps per depth {counts}")
     for kind in ("chat", "humaneval"):
         part = [r for r in rows if r["kind"] == kind]
         if part:
@@ -133,6 +148,32 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"costs": costs, "temperature": args.temperature,
                                                       "rows": rows}, indent=1) + "\n")
+
+
+def rotated(names: list[str], rep: int) -> list[str]:
+    """The methods' order for repeat `rep`: plain, the default's fixed K and adaptive reversed on odd
+    repeats (three methods), or rotated by one per repeat (more), so each runs early and late."""
+    if len(names) <= 3:
+        return names if rep % 2 == 0 else list(reversed(names))
+    shift = rep % len(names)
+    return names[shift:] + names[:shift]
+
+
+def drafter_methods(target, text: str, fixed: bool) -> dict[str, dict]:
+    """--drafters: name -> generate kwargs, each drafter adaptive (and at its fixed K with --fixed),
+    a chain."""
+    from spec_jax.app.inputs import build_drafter, parse_drafter_spec
+
+    methods = {}
+    for item in text.split(","):
+        item, _, k = item.strip().partition("@")
+        spec = dataclasses.replace(parse_drafter_spec(item, int(k) if k else None), tree=0)
+        drafter, params = build_drafter(spec, target)
+        label = f"{item} K={drafter.k}"
+        if fixed:
+            methods[f"{label} fixed"] = dict(drafter=drafter, drafter_params=params)
+        methods[f"{label} adaptive"] = dict(drafter=drafter, drafter_params=params, k="adaptive")
+    return methods
 
 
 if __name__ == "__main__":
