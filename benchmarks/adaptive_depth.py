@@ -16,7 +16,8 @@ that temperature (repeat r uses seed r for every method).
 `--drafters dflash+ngram,draft-model+ngram@2,ngram` compares drafter kinds instead (the mixed-workload
 table behind `spec_jax/assets/measured_defaults.json`): plain decoding and each drafter with
 `k="adaptive"` (the depths 0, 2, ~K/2 and K of the drafter's own K, or of @K), each with its own
-measured depth costs, the methods' order rotated on every repeat; `--fixed` adds each at its fixed K.
+measured depth costs, the methods' order rotated on every repeat; `--fixed` adds each at its fixed K,
+`--trees 0,16` each at each tree budget.
 
 `--random-drafter` takes the default drafter's model part alone (no prompt lookup) and re-draws its
 weights (same shapes, normal * 0.02; vectors kept), so it never gets a draft accepted: the adaptive policy's floor against plain decoding (issue 41's
@@ -50,6 +51,8 @@ def main() -> None:
                    help="compare these drafters (comma list as `spec-jax bench --drafters` takes them, "
                         "NAME@K for a largest depth K), each adaptive, instead of the default drafter")
     p.add_argument("--fixed", action="store_true", help="with --drafters: each drafter at its fixed K too")
+    p.add_argument("--trees", default="0",
+                   help="with --drafters: comma list of tree budgets for each drafter (0: a chain, the default)")
     p.add_argument("--random-drafter", action="store_true",
                    help="the default drafter's shapes with random weights: never accepted")
     args = p.parse_args()
@@ -94,7 +97,8 @@ def main() -> None:
         prompts = [(kind, label, [ids]) for kind, label, ids in prompts]
     if args.drafters:
         methods = {"plain": dict(drafter=None, drafter_params=None)}
-        methods.update(drafter_methods(target, args.drafters, fixed=args.fixed))
+        trees = [int(t) for t in args.trees.split(",")]
+        methods.update(drafter_methods(target, args.drafters, fixed=args.fixed, trees=trees))
     else:
         methods = {
             "plain": dict(drafter=None, drafter_params=None),
@@ -138,16 +142,60 @@ def main() -> None:
         print(f"{row['kind']:10} {row['prompt']:50} " + " ".join(f"{s:>23.2f}x" for s in row["speedup"].values()))
         for name, counts in row["steps_per_depth"].items():
             print(f"{'':61} {name}: steps per depth {counts}")
-    for kind in ("chat", "humaneval"):
-        part = [r for r in rows if r["kind"] == kind]
-        if part:
-            med = {n: statistics.median(r["speedup"][n] for r in part) for n in part[0]["speedup"]}
-            print(f"median over {kind}: " + ", ".join(f"{n} {s:.2f}x" for n, s in med.items()))
+    summary = summarize(rows)
+    for kind, per_method in summary.items():
+        print(f"over {kind}: " + ", ".join(f"{n} median {v['median']:.2f}x mean {v['mean']:.2f}x"
+                                           for n, v in per_method.items()))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"costs": costs, "temperature": args.temperature,
-                                                      "rows": rows}, indent=1) + "\n")
+                                                      "batch": args.batch, "rows": rows, "summary": summary},
+                                                     indent=1) + "\n")
+        plot(rows, out / "adaptive_depth.png",
+             f"batch {args.batch}, T = {args.temperature:g}, {args.max_new_tokens} tokens")
+
+
+def summarize(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per prompt half (chat, humaneval) and both together ("mixed"): each method's median and mean
+    speedup over plain decoding across prompts."""
+    summary = {}
+    for kind in ("chat", "humaneval", "mixed"):
+        part = [r for r in rows if kind in ("mixed", r["kind"])]
+        if part:
+            summary[kind] = {n: {"median": statistics.median(r["speedup"][n] for r in part),
+                                 "mean": statistics.mean(r["speedup"][n] for r in part)}
+                             for n in part[0]["speedup"]}
+    return summary
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Each method's speedup over plain decoding per prompt (dots) and its median (bar), the chat
+    and HumanEval halves side by side, with 1.0x (plain decoding) drawn across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(rows[0]["speedup"])
+    kinds = [k for k in ("chat", "humaneval") if any(r["kind"] == k for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(methods)), 4.5))
+    width = 0.8 / len(kinds)
+    for j, kind in enumerate(kinds):
+        part = [r for r in rows if r["kind"] == kind]
+        xs = [i + (j - (len(kinds) - 1) / 2) * width for i in range(len(methods))]
+        medians = [statistics.median(r["speedup"][m] for r in part) for m in methods]
+        ax.bar(xs, medians, width * 0.9, label=f"{kind} (median of {len(part)})", alpha=0.6)
+        for x, m in zip(xs, methods):
+            ax.plot([x] * len(part), [r["speedup"][m] for r in part], "k.", markersize=4)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(methods)), [m.replace(" adaptive", "\nadaptive") for m in methods], fontsize=8)
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"Default model, {title}: per prompt (dots), median (bars)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def rotated(names: list[str], rep: int) -> list[str]:
@@ -159,20 +207,21 @@ def rotated(names: list[str], rep: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def drafter_methods(target, text: str, fixed: bool) -> dict[str, dict]:
+def drafter_methods(target, text: str, fixed: bool, trees: list[int]) -> dict[str, dict]:
     """--drafters: name -> generate kwargs, each drafter adaptive (and at its fixed K with --fixed),
-    a chain."""
+    at each tree budget (0: a chain)."""
     from spec_jax.app.inputs import build_drafter, parse_drafter_spec
 
     methods = {}
     for item in text.split(","):
         item, _, k = item.strip().partition("@")
-        spec = dataclasses.replace(parse_drafter_spec(item, int(k) if k else None), tree=0)
-        drafter, params = build_drafter(spec, target)
-        label = f"{item} K={drafter.k}"
-        if fixed:
-            methods[f"{label} fixed"] = dict(drafter=drafter, drafter_params=params)
-        methods[f"{label} adaptive"] = dict(drafter=drafter, drafter_params=params, k="adaptive")
+        for tree in trees:
+            spec = dataclasses.replace(parse_drafter_spec(item, int(k) if k else None), tree=tree)
+            drafter, params = build_drafter(spec, target)
+            label = f"{item} K={drafter.k}" + (f" tree={tree}" if tree else "")
+            if fixed:
+                methods[f"{label} fixed"] = dict(drafter=drafter, drafter_params=params)
+            methods[f"{label} adaptive"] = dict(drafter=drafter, drafter_params=params, k="adaptive")
     return methods
 
 

@@ -37,6 +37,7 @@ from spec_jax.decoding import generate, make_generate_fn, prepare_inputs
 from spec_jax.decoding.loop import forward_capturing, generate_jit
 from spec_jax.decoding.stream import generate_stream
 from spec_jax.decoding.depth import AdaptiveDepth, PlainStep, drafter_at_depth
+from spec_jax.decoding.engine import depth_policy
 from spec_jax.drafters.dflash import DFlashDrafter, init_dflash_params
 from spec_jax.drafters.draft_model import DraftModelDrafter, self_drafter
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
@@ -258,6 +259,26 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
         accepted_ema=jnp.asarray([[0.0, 0.6], [0.0, 0.6]]), tried_ema=jnp.ones((2, 2)))
     for sources, depth in (([0, 0], 0), ([1, 1], 4), ([0, 1], 2)):
         assert policy.depths[int(choose(policy, two, jnp.ones((2,), bool), True, jnp.asarray(sources)))] == depth
+    # The "finish" objective (generate's, the stream's): the batch's slowest row sets its time.
+    # One row accepting 0.95 and one 0.0, both with 100 tokens left: the sum of tokens drafts
+    # (6.7 + 1 tokens for 1.9 beats 2 x 1.1 for 1.0), but the second row needs 100 steps either way.
+    finish = dataclasses.replace(policy, objective="finish")
+    mixed = policy.initial_state(2, 8, costs).replace(accepted_ema=jnp.asarray([[0.95], [0.0]]),
+                                                      tried_ema=jnp.ones((2, 1)))
+    live, left = jnp.ones((2,), bool), jnp.asarray([100, 100])
+    assert policy.depths[int(choose(policy, mixed, live, remaining=left))] == 7  # throughput ignores it
+    assert finish.depths[int(choose(finish, mixed, live, remaining=left))] == 0
+    # ... unless the slow row is nearly done: then the fast one's 100 tokens set the time.
+    assert finish.depths[int(choose(finish, mixed, live, remaining=jnp.asarray([100, 3])))] == 7
+    # One row: both objectives pick the same depth at every rate.
+    for rate in (0.0, 0.3, 0.6, 0.95):
+        one = policy.initial_state(1, 8, costs).replace(accepted_ema=jnp.asarray([[rate]]), tried_ema=jnp.ones((1, 1)))
+        assert int(choose(finish, one, jnp.ones((1,), bool), remaining=jnp.asarray([40]))) == int(
+            choose(policy, one, jnp.ones((1,), bool)))
+    with pytest.raises(ValueError, match="objective"):
+        AdaptiveDepth(objective="latency")
+    assert depth_policy(NGramDrafter(k=K), "adaptive", None).objective == "throughput"  # the engine's
+    assert prepare_inputs(models.target, [[1]], NGramDrafter(k=K), k="adaptive").depth.objective == "finish"
     # The pool: every observing row's drafts together, weighed as one row's; an admitted row (the
     # engine's) starts from its rate instead of the prior.
     from spec_jax.decoding.depth import admitted_row, record

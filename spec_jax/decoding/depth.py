@@ -14,6 +14,19 @@ drafts tried: a step accepting n of K tries n + 1 drafts, or K when all are acce
 the loop state, and cost(K) the measured time of a step at depth K (`spec_jax.decoding.depth_costs`
 measures it once per device kind, model and batch bucket, or the caller supplies it). The batch
 shares one depth per step: per-row depths would cost every row the widest row's verify anyway.
+That sum is the engine's objective (`objective="throughput"`: a finished slot takes the next
+request, so every token counts). A call of `generate` or `generate_stream` ends when its last
+row does, so there (`objective="finish"`) the choice minimises the batch's projected finish
+time instead, every remaining step at depth K:
+
+    choice = argmin over K of  cost(K) x max over live rows of remaining_row / expected_tokens(K, a_row)
+
+(remaining_row: the new tokens the row may still take; a plain step's time divided by
+1 + margin). A row far ahead, or one whose drafts are accepted while the others' are not, no
+longer buys drafting steps that the slowest rows pay for: at batch 8 on HumanEval the
+throughput objective drafted while the two rows whose drafts were accepted ran ahead, and the
+six others finished later than under plain decoding (0.94x; benchmarks/RESULTS.md, session 28).
+With one row both objectives choose the same depth.
 A drafter whose drafts come from one of several sources, told apart from the committed tokens
 before drafting (`draft_sources`, `draft_source(params, tokens, lengths)`: prompt lookup in front
 of a model drafter, where a row takes the lookup's drafts when its last tokens recur), has one
@@ -77,6 +90,7 @@ from flax import struct
 from spec_jax.drafters.tree import tree_budget
 
 ADAPTIVE = "adaptive"
+OBJECTIVES = ("throughput", "finish")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +116,9 @@ class AdaptiveDepth:
     shadow_every: greedy chain drafters probe by a draft pass alone (a shadow probe, see the
                   module docstring) after this many K = 0 steps in a row (times the backoff);
                   0: probe by drafting steps, as sampled decoding and trees always do.
+    objective:    "throughput" (the batch's tokens per unit of time: the engine's, whose finished
+                  slots take new requests) or "finish" (the time until the batch's last row is
+                  done: `generate`'s and the stream's); None: the entry point's.
     """
 
     depths: tuple[int, ...] | None = None
@@ -113,6 +130,7 @@ class AdaptiveDepth:
     probe_backoff: int = 1
     margin: float = 0.1
     shadow_every: int = 32
+    objective: str | None = None
 
     def __post_init__(self):
         if self.depths is not None:
@@ -136,12 +154,20 @@ class AdaptiveDepth:
             raise ValueError(f"margin must be >= 0 (a plain step's head start), got {self.margin}.")
         if self.shadow_every < 0:
             raise ValueError(f"shadow_every must be >= 0 (0: no shadow probes), got {self.shadow_every}.")
+        if self.objective not in OBJECTIVES + (None,):
+            raise ValueError(f"objective must be one of {OBJECTIVES} (or None: the entry point's), "
+                             f"got {self.objective!r}.")
         if not 0 <= self.probe_backoff <= 16:
             raise ValueError(f"probe_backoff must be in 0..16 (doublings of the probe wait), got {self.probe_backoff}.")
 
     def for_k(self, k: int) -> "AdaptiveDepth":
         """This policy with its depths filled in from the drafter's K when it names none."""
         return self if self.depths is not None else dataclasses.replace(self, depths=default_depths(k))
+
+    def for_entry(self, objective: str) -> "AdaptiveDepth":
+        """This policy with the entry point's objective when it names none ("finish" for a call
+        that ends with its last row, "throughput" for the engine)."""
+        return self if self.objective is not None else dataclasses.replace(self, objective=objective)
 
     def static(self) -> "AdaptiveDepth":
         """The part the loop compiles against (costs are traced)."""
@@ -250,17 +276,24 @@ class DepthState:
 
 
 def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array, verify_probes: Any = True,
-           source: Any = None) -> jax.Array:
+           source: Any = None, remaining: Any = None) -> jax.Array:
     """The index (into `policy.depths`) of this step's depth; [] int32. verify_probes (traced
     bool): probe with a drafting step (False where shadow probes do it). source: [B] where each
-    row's drafts come from this step (the drafter's `draft_source`), None: one source."""
+    row's drafts come from this step (the drafter's `draft_source`), None: one source.
+    remaining: [B] new tokens each row may still take (the "finish" objective; None: throughput)."""
     depths = jnp.asarray(policy.depths, jnp.int32)
     rate = state.rate(source)  # [B]
     powers = rate[:, None] ** jnp.arange(policy.max_depth + 1, dtype=jnp.float32)  # [B, Kmax+1]
     expected = jnp.cumsum(powers, axis=1)[:, depths]  # [B, n]: 1 + a + ... + a^K
-    tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)  # [n]
     usable = jnp.isfinite(state.costs)
-    value = jnp.where(usable, tokens / state.costs, -1.0)
+    if policy.objective == "finish" and remaining is not None:
+        # The batch's projected finish time at depth K: its slowest row's remaining steps.
+        left = jnp.maximum(remaining, 1).astype(jnp.float32)[:, None] / expected  # [B, n]
+        finish = jnp.max(jnp.where(live[:, None], left, 0.0), axis=0)  # [n]
+        value = jnp.where(usable, 1.0 / (state.costs * jnp.maximum(finish, 1e-6)), -1.0)
+    else:
+        tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)  # [n]
+        value = jnp.where(usable, tokens / state.costs, -1.0)
     value = jnp.where(depths == 0, value * (1.0 + policy.margin), value)  # a plain step's head start
     best = jnp.argmax(value).astype(jnp.int32)
     # Probe: the cheapest usable depth > 0 (the deepest of equally cheap ones, which observes

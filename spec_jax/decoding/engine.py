@@ -86,7 +86,8 @@ def depth_policy(drafter: Drafter | None, k: Any, k_choices: Sequence[int] | Non
         depth = AdaptiveDepth(depths=tuple(depths))
     if depth is not None and drafter is None:
         raise ValueError("an adaptive depth needs a drafter: plain decoding has no depth to choose.")
-    return None if depth is None else depth.for_k(drafter.k)
+    # Throughput: a finished slot takes the next request, so every row's tokens count alike.
+    return None if depth is None else depth.for_k(drafter.k).for_entry("throughput")
 
 
 def model_length_and_capacity(max_model_len: Any, pass_max: int, max_positions: int) -> tuple[int, int]:

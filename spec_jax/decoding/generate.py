@@ -262,7 +262,7 @@ def prepare_inputs(
     if depth is not None:
         if drafter is None:
             raise ValueError("k='adaptive' needs a drafter: plain decoding has no depth to choose.")
-        depth = depth.for_k(drafter.k)
+        depth = depth.for_k(drafter.k).for_entry("finish")  # the call ends with its last row
         k = depth.max_depth
     k, capacity = validation.check_k(k), validation.check_capacity(capacity)
     drafter = with_tree(with_k(drafter, k), tree)
@@ -429,7 +429,7 @@ def make_generate_fn(model: Any, drafter: Drafter | None = None, *, capacity: in
     if depth is not None:
         if drafter is None:
             raise ValueError("an adaptive depth needs a drafter: plain decoding has no depth to choose.")
-        depth = depth.for_k(drafter.k if drafter is not None else 0)
+        depth = depth.for_k(drafter.k if drafter is not None else 0).for_entry("finish")
         drafter = with_k(drafter, depth.max_depth)
         check_adaptive(drafter, depth)
     static_depth = None if depth is None else depth.static()

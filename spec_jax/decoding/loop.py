@@ -514,7 +514,9 @@ def adaptive_steps(
         step_drafter = drafter_at_depth(drafter, d, depth.max_depth)
 
         def picked(s: LoopState) -> jax.Array:
-            return keep_going(s) & (choose_depth(depth, s.depth, ~s.done, verify_probes, source_of(s)) == index)
+            left = max_new_tokens - (s.lengths - s.prompt_lengths)  # the "finish" objective's
+            choice = choose_depth(depth, s.depth, ~s.done, verify_probes, source_of(s), remaining=left)
+            return keep_going(s) & (choice == index)
 
         def step(s: LoopState) -> LoopState:
             record, source = s.depth, source_of(s)
