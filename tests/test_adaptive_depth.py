@@ -295,6 +295,15 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     for probe_costs, probed in (((1.0, 2.0, 2.0, 2.0), 7), ((1.0, 1.5, 2.0, 2.0), 2), ((1.0, 3.0, 2.0, 2.5), 4)):
         state = policy.initial_state(1, 8, jnp.asarray(probe_costs)).replace(**idle)
         assert policy.depths[int(choose(policy, state, jnp.ones((1,), bool)))] == probed
+    # A shadow probe waits shadow_every plain steps, times its price in plain steps when a step
+    # at the largest depth costs more than two plain ones (DFlash over 8 rows on CPU).
+    from spec_jax.decoding.depth import shadow_due
+
+    shadowy = AdaptiveDepth(depths=(0, 2), shadow_every=32)
+    for probe_costs, idle_steps, due in (((1.0, 1.5), 40, True), ((1.0, 4.0), 40, False), ((1.0, 4.0), 96, True),
+                                         ((1.0, float("inf")), 40, False)):
+        state = shadowy.initial_state(1, 8, jnp.asarray(probe_costs)).replace(idle_steps=jnp.int32(idle_steps))
+        assert bool(shadow_due(shadowy, state, jnp.ones((1,), bool))) == due, (probe_costs, idle_steps)
     with pytest.raises(ValueError, match="one cost per depth"):
         AdaptiveDepth(depths=(0, 2), costs=(1.0,))
     with pytest.raises(ValueError, match="needs a drafter"):

@@ -42,11 +42,13 @@ each step is an ordinary speculative step at a depth fixed before it drafts: gre
 token-identical to plain decoding, sampled output keeps its distribution.
 
 Exploration: a K = 0 step observes nothing, so the policy probes.
-- Greedy chains probe by a shadow probe: after `shadow_every` plain steps in a row, a plain step
-  also runs the drafter at the largest depth (its drafts and state thrown away, the step's output
-  untouched), and the plain steps after it compare those drafts with the tokens they commit; the
-  first mismatch (or the K-th match) records what a step at depth K would have accepted there,
-  exactly, for the cost of a draft pass (`record_shadow`). Where every live row would take a
+- Greedy chains probe by a shadow probe: after `shadow_every` plain steps in a row (times the
+  probe's price in plain steps, where a step at the largest depth costs more than two plain
+  ones: DFlash over 8 rows on CPU), a plain step also runs the drafter at the largest depth
+  (its drafts and state thrown away, the step's output untouched), and the plain steps after
+  it compare those drafts with the tokens they commit; the first mismatch (or the K-th match)
+  records what a step at depth K would have accepted there, exactly, for the cost of a draft
+  pass (`record_shadow`). Where every live row would take a
   draft source that costs no model pass (`free_draft_sources`: the lookup's, in front of DFlash
   or a draft model), a plain step probes at once, without waiting, with those drafts alone
   (`free_drafts`: no model pass, whatever finished or empty rows would take). Replayed on
@@ -312,10 +314,18 @@ def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array, verify_pro
 
 def shadow_due(policy: AdaptiveDepth, state: DepthState, live: jax.Array, free: Any = False) -> jax.Array:
     """Whether this K = 0 step drafts a shadow probe: none is open and `shadow_every` plain
-    steps (times the backoff) have passed since the last, or drafting costs nothing now (`free`:
-    every live row would take the prompt lookup's drafts); [] bool."""
+    steps (times the backoff, times the probe's price in plain steps where that is above one)
+    have passed since the last, or drafting costs nothing now (`free`: every live row would take
+    the prompt lookup's drafts); [] bool.
+
+    The probe's price: what a step at the largest depth costs beyond a plain step, a bound on
+    its draft pass. So probing takes at most about 1 / shadow_every of the time at any batch:
+    DFlash's draft pass over 8 rows cost ~3 plain steps on CPU, and waits of 32 steps made an
+    all-plain batch of 8 run at 0.93x plain decoding (benchmarks/RESULTS.md, session 28)."""
     backoff = jnp.left_shift(1, jnp.minimum(state.missed, policy.probe_backoff))
-    waited = (state.idle_steps >= backoff * policy.shadow_every) | free
+    top, plain = state.costs[-1], state.costs[0]
+    price = jnp.where(jnp.isfinite(top), (top - plain) / plain, 1.0)
+    waited = (state.idle_steps >= backoff * policy.shadow_every * jnp.maximum(price, 1.0)) | free
     can_draft = jnp.any(jnp.isfinite(state.costs) & (jnp.asarray(policy.depths) > 0))
     return waited & can_draft & ~jnp.any(live & (state.shadow_at >= 0)) & jnp.any(live)
 
