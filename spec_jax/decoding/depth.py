@@ -197,6 +197,8 @@ class AdaptiveDepth:
             shadow_at=jnp.full((batch,), -1, jnp.int32),
             shadow_source=jnp.zeros((batch,), jnp.int32),
             shadows=jnp.zeros((), jnp.int32),
+            source=jnp.zeros((batch,), jnp.int32),
+            choice=jnp.zeros((), jnp.int32),
         )
 
 
@@ -252,6 +254,10 @@ class DepthState:
     shadow_at:    [B] int32    how many of them the plain steps since have confirmed; -1: none open
     shadow_source: [B] int32   the draft source the open probe's drafts came from
     shadows:      []  int32    shadow probes taken
+    source:       [B] int32    where each row's drafts come from at the next step (0 with one source)
+    choice:       []  int32    the next step's depth (an index into the depths), chosen after the
+                               last step: each step looks its rows' draft sources up once (the
+                               prompt lookup's n-gram match), not again in the loop's condition
     """
 
     accepted_ema: jax.Array
@@ -267,6 +273,8 @@ class DepthState:
     shadow_at: jax.Array
     shadow_source: jax.Array
     shadows: jax.Array
+    source: jax.Array
+    choice: jax.Array
 
     def rate(self, source: Any = None) -> jax.Array:
         """[B] each row's acceptance rate for the drafts it gets now (`source` [B]; None: the

@@ -504,22 +504,26 @@ def adaptive_steps(
     greedy = jnp.all(sampling.temperature == 0.0)
     verify_probes = ~greedy if shadowing else True
 
-    def source_of(s: LoopState) -> jax.Array | None:
-        """[B] where each row's drafts would come from now (committed tokens only: exact)."""
-        if draft_sources(top) == 1:
-            return None
-        return top.draft_source(drafter_params, s.tokens, s.lengths)
+    sources = draft_sources(top)
+
+    def with_next_choice(s: LoopState) -> LoopState:
+        """`s` with the next step's draft sources and depth in its record (committed tokens and
+        acceptance only: exact). Once per step, at its end, so the loops' conditions only read it."""
+        source = None if sources == 1 else top.draft_source(drafter_params, s.tokens, s.lengths)
+        left = max_new_tokens - (s.lengths - s.prompt_lengths)  # the "finish" objective's
+        choice = choose_depth(depth, s.depth, ~s.done, verify_probes, source, remaining=left)
+        stored = jnp.zeros((batch,), jnp.int32) if source is None else source
+        return s.replace(depth=s.depth.replace(source=stored, choice=choice))
 
     def at(index: int, d: int):
         step_drafter = drafter_at_depth(drafter, d, depth.max_depth)
 
         def picked(s: LoopState) -> jax.Array:
-            left = max_new_tokens - (s.lengths - s.prompt_lengths)  # the "finish" objective's
-            choice = choose_depth(depth, s.depth, ~s.done, verify_probes, source_of(s), remaining=left)
-            return keep_going(s) & (choice == index)
+            return keep_going(s) & (s.depth.choice == index)
 
         def step(s: LoopState) -> LoopState:
-            record, source = s.depth, source_of(s)
+            record = s.depth
+            source = None if sources == 1 else record.source
             if d == 0 and shadowing:
                 due, drafts, s = shadow_probe(s, target, top, depth, drafter_params, sampling, source, greedy)
             inner = s.replace(stats=Stats.zeros(batch, d), depth=None)
@@ -528,10 +532,11 @@ def adaptive_steps(
                 committed = out.tokens[rows, jnp.minimum(s.lengths, s.tokens.shape[1] - 1)]
                 record = record_shadow(depth, record, ~s.done, committed, due, drafts, source)
             record = record_depth(depth, record, jnp.int32(index), s.step, ~s.done, out.stats.accepted, source)
-            return out.replace(stats=_add_stats(s.stats, out.stats), depth=record)
+            return with_next_choice(out.replace(stats=_add_stats(s.stats, out.stats), depth=record))
 
         return picked, step
 
+    state = with_next_choice(state)  # the caller (the engine between chunks) may have changed rows
     try:
         for index, d in enumerate(depth.depths):
             state = jax.lax.while_loop(*at(index, d), state)
