@@ -508,7 +508,8 @@ def adaptive_steps(
 
     def with_next_choice(s: LoopState) -> LoopState:
         """`s` with the next step's draft sources and depth in its record (committed tokens and
-        acceptance only: exact). Once per step, at its end, so the loops' conditions only read it."""
+        acceptance only: exact). Once per step, at its end, and once as a pass over the depths
+        begins; the loops' conditions only read it."""
         source = None if sources == 1 else top.draft_source(drafter_params, s.tokens, s.lengths)
         left = max_new_tokens - (s.lengths - s.prompt_lengths)  # the "finish" objective's
         choice = choose_depth(depth, s.depth, ~s.done, verify_probes, source, remaining=left)
