@@ -56,9 +56,8 @@ def test_jax_settings_cache_small_programs_unless_the_user_said_otherwise():
     assert compilation_cache.jax_settings(None, {}) == {"jax_enable_compilation_cache": False}
 
 
-def test_the_cli_compiles_single_dot_ynn_fusions_on_cpu_unless_xla_flags_say():
-    assert compilation_cache.cpu_compiler_options({}) == {
-        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+def test_the_cli_compiles_without_ynn_fusions_on_cpu_unless_xla_flags_say():
+    assert compilation_cache.cpu_compiler_options({}) == {"xla_cpu_experimental_ynn_fusion_type": ""}
     users = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}
     assert compilation_cache.cpu_compiler_options(users) == {}
 

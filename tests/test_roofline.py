@@ -29,7 +29,7 @@ def test_preset_parameter_counts(name, params):
 
 
 def test_smollm2_preset_matches_the_default_model(default_model_installed):
-    real = load_target(None).cfg
+    real = load_target(None, untie_head=False).cfg  # the checkpoint as published
     preset = preset_config("smollm2-135m", real.dtype)
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "rope_theta", "tie_embeddings", "qk_norm", "rms_norm_eps"):
@@ -37,13 +37,33 @@ def test_smollm2_preset_matches_the_default_model(default_model_installed):
 
 
 def test_random_target_shapes_and_dtype():
-    target = load_target("random:tiny", dtype="bfloat16")
+    target = load_target("random:tiny", dtype="bfloat16", untie_head=False)
     assert target.cfg == preset_config("tiny", "bfloat16")
     assert target.tokenizer is None and target.source == "random:tiny"
     leaves = jax.tree.leaves(target.params)
     assert all(x.dtype == jnp.bfloat16 for x in leaves)
     assert sum(x.size for x in leaves) == count_params(model_weight_specs(target.cfg))
     assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in leaves)
+
+
+def test_a_tied_head_gets_its_own_transposed_copy_on_cpu():
+    """On CPU `load_target` unties a tied LM head (XLA:CPU multiplies a few rows by the [V, H]
+    embedding on a slow path): the same model, the same tokens, plain and speculative."""
+    from spec_jax import NGramDrafter, generate
+
+    tied = load_target("random:tiny", untie_head=False)
+    untied = load_target("random:tiny")  # untie_head=None: on CPU, untie
+    assert jax.default_backend() == "cpu"
+    assert tied.cfg.tie_embeddings and "lm_head" not in tied.params
+    assert untied.cfg == preset_config("tiny").__class__(**{**vars(tied.cfg), "tie_embeddings": False})
+    np.testing.assert_array_equal(np.asarray(untied.params["lm_head"]), np.asarray(tied.params["embed"]).T)
+    assert sum(x.size for x in jax.tree.leaves(untied.params)) == count_params(model_weight_specs(untied.cfg))
+    ids = [[5, 9, 5, 9, 5, 9, 7], [3, 4, 3, 4, 3, 4, 3]]
+    plain = generate(tied, ids, max_new_tokens=12, ignore_eos=True).generated_ids
+    assert generate(untied, ids, max_new_tokens=12, ignore_eos=True).generated_ids == plain
+    drafted = generate(untied, ids, NGramDrafter(k=3), None, max_new_tokens=12, ignore_eos=True)
+    assert drafted.generated_ids == plain
+    assert load_target("random:tiny", untie_head=True).cfg == untied.cfg  # forced (any backend)
 
 
 def test_unknown_preset_names_the_known_ones():
@@ -62,7 +82,10 @@ def test_roofline_report_is_consistent(tmp_path):
     assert report["copy"]["buffer_bytes"] == 8 << 20
     bandwidth = report["copy"]["bytes_per_s"]
     assert bandwidth > 0
-    assert report["floor_ms"] == pytest.approx(1e3 * weight_bytes / bandwidth)
+    # The step reads its (untied, on CPU) head whole and gathers rows of the input embedding.
+    read = weight_bytes - target.params["embed"].nbytes
+    assert not target.cfg.tie_embeddings and report["step_weight_bytes"] == read
+    assert report["floor_ms"] == pytest.approx(1e3 * read / bandwidth)
     assert report["floor_with_cache_ms"] > report["floor_ms"]
     # T = 1 is always measured: it is the unit of the relative costs.
     assert [r["tokens"] for r in report["verify"]] == [1, 2, 4]

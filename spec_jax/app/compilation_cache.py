@@ -29,13 +29,15 @@ _CACHE_EVERYTHING = {
     "jax_persistent_cache_min_compile_time_secs": ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.0),
     "jax_persistent_cache_min_entry_size_bytes": ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", -1),
 }
-# XLA:CPU's YNNPACK fusions of single dots, none of the larger ones. With no YNN fusions at all
-# (issue 46: loading a compiled program rebuilds each one with a search over all of the program's
-# instructions, 5.7 of the 8.5 CPU seconds that loading the default model's loop took) a pass of
-# 2-7 tokens fell to a slow dot path, 3.2-3.4x a one-token pass where 8 tokens cost 1.6x; with
-# single-dot fusions 2 tokens cost 1.2x, 5 tokens 1.5x and 8 tokens 1.6x, a one-token step as
-# fast, and a warm start loads in ~6 s instead of ~3 (benchmarks/RESULTS.md, issue 41, session 27).
-CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+# No YNNPACK fusions on XLA:CPU. Loading a compiled program rebuilds each one with a search over all
+# of the program's instructions (issue 46: 5.7 of the 8.5 CPU seconds of loading the default
+# model's loop), and each runs a setup at its first execution (~0.4 s of the first `generate`).
+# Session 27 had turned single-dot fusions on because a pass of 2-7 tokens fell to a slow dot
+# path without them (3.5x a one-token pass); that path was the tied LM head's product with the
+# embedding as stored ([V, H]), which `load_target` now unties on CPU, and without fusions the
+# passes are the cheaper ones: 2 tokens 1.17x, 8 tokens 1.42x a one-token pass, against 1.21x
+# and 1.56x with them (benchmarks/RESULTS.md, issue 41, session 29).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def add_argument(p: argparse.ArgumentParser) -> None:

@@ -70,7 +70,7 @@ def _load_target(spec: str | None, dtype: str | None) -> Any:
     from spec_jax.checkpoints import RANDOM_PREFIX, CheckpointError, LoadedModel
 
     if not (spec or "").startswith(RANDOM_PREFIX):
-        return inputs.load_target_or_fail(spec, dtype)
+        return inputs.load_target_or_fail(spec, dtype, untie_head=False)  # the checkpoint as published
     import jax
 
     from spec_jax.models.decoder import init_params

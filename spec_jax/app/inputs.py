@@ -258,7 +258,7 @@ def resolve_dtype(dtype: str | None) -> str:
     return dtype
 
 
-def load_target_or_fail(spec: str | None, dtype: str | None = "auto") -> LoadedModel:
+def load_target_or_fail(spec: str | None, dtype: str | None = "auto", untie_head: bool | None = None) -> LoadedModel:
     """`load_target` in `dtype` ("auto": see `resolve_dtype`)."""
     if spec is not None and not spec.strip():
         raise UsageError("--target is empty; pass an HF dir, a hub id, a .gguf file or random:PRESET.")
@@ -266,4 +266,4 @@ def load_target_or_fail(spec: str | None, dtype: str | None = "auto") -> LoadedM
         from spec_jax.checkpoints.default_model import install_default_model
 
         install_default_model()  # the command line's first run on a fresh machine
-    return load_target(spec, dtype=resolve_dtype(dtype))
+    return load_target(spec, dtype=resolve_dtype(dtype), untie_head=untie_head)

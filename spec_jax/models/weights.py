@@ -223,6 +223,21 @@ def model_weight_specs(cfg: ModelConfig) -> dict[str, Any]:
     return specs
 
 
+def untie_embeddings(cfg: Any, params: Any) -> tuple[Any, Any]:
+    """A tied model as an untied one: its LM head becomes its own [H, V] copy of the embedding.
+
+    The logits are the same products; the weights grow by V x H. XLA:CPU multiplies 2-7 rows by
+    the embedding as stored ([V, H], contracted on its minor axis) about 20x slower than by an
+    [H, V] matrix (42 ms against 3.3 ms for SmolLM2's head at 2 rows), which made the narrow verify
+    passes of speculation cost 3.5x a plain step (benchmarks/RESULTS.md, issue 41 part 5), so
+    `load_target` does this on CPU. An untied config is returned unchanged.
+    """
+    if not cfg.tie_embeddings:
+        return cfg, params
+    head = jnp.transpose(params["embed"])  # an eager transpose: a new [H, V] buffer
+    return dataclasses.replace(cfg, tie_embeddings=False), {**params, "lm_head": head}
+
+
 def _fan_in(spec: WeightSpec) -> int:
     if spec.axes[:1] == ("expert",):  # one [in, out] matrix (or bias) per expert
         return spec.shape[1]
