@@ -40,14 +40,15 @@ from spec_jax.models.decoder import init_cache
 
 _DOT = "LIBRARY_FUSION_TYPE_DOT"  # XLA_FLAGS spells it `dot`; compiler options take the enum name
 # name -> (XLA:CPU options, weight dtypes). Every mode but `xla` starts from what the command line
-# sets today (YNNPACK fusions of single dots since session 27, before that none:
-# `spec_jax.app.compilation_cache.CPU_COMPILER_OPTIONS`).
+# sets today (`spec_jax.app.compilation_cache.CPU_COMPILER_OPTIONS`: no YNNPACK fusions; single-dot
+# ones in sessions 27-28). The target is loaded as `load_target` loads it (on CPU a tied head is
+# untied, session 29); `--tied` keeps the checkpoint's tied head, the layout before.
 MODES = {
     "xla": ({}, ("float32",)),  # XLA's own defaults (a library user's)
     "cli": (dict(CPU_COMPILER_OPTIONS), ("float32", "bfloat16")),
-    "no-ynn": ({"xla_cpu_experimental_ynn_fusion_type": ""}, ("float32",)),  # the command line's, issue 46 to session 27
     # YNNPACK fusions of dots only (XLA's default fuses more; see `cli`)
     "ynn-dot": ({"xla_cpu_experimental_ynn_fusion_type": _DOT}, ("float32",)),
+    # single-dot YNN fusions: the command line's in sessions 27-28
     "ynn-individual-dot": ({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}, ("float32",)),
     "xnnpack": ({**CPU_COMPILER_OPTIONS, "xla_cpu_use_xnnpack": True}, ("float32",)),
     "xnn-dot": ({**CPU_COMPILER_OPTIONS, "xla_cpu_experimental_xnn_fusion_type": _DOT}, ("float32",)),
@@ -70,13 +71,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--tied", action="store_true", help="keep a tied LM head tied (the layout before session 29)")
     p.add_argument("--out", default="benchmarks/results/cpu_verify_modes")
     args = p.parse_args()
     widths = sorted({1, *(int(t) for t in args.tokens.split(","))})
     dtypes = args.dtypes.split(",")
     configs = [(m, d) for m in args.modes.split(",") for d in MODES[m][1] if d in dtypes]
 
-    targets = {d: load_target(args.target, dtype=d) for d in {d for _, d in configs}}
+    targets = {d: load_target(args.target, dtype=d, untie_head=False if args.tied else None)
+               for d in {d for _, d in configs}}
     cfg = targets["float32"].cfg if "float32" in targets else next(iter(targets.values())).cfg
     capacity = default_capacity(args.context, max(widths), 0)
     rng = np.random.default_rng(0)
@@ -125,6 +128,7 @@ def main() -> None:
     device = jax.devices()[0]
     report = {
         "kind": "cpu_verify_modes", "target": next(iter(targets.values())).source, "context": args.context,
+        "tied_head": bool(next(iter(targets.values())).cfg.tie_embeddings),
         "capacity": capacity, "rounds": args.rounds, "widths": widths, "rows": rows,
         "compile_s": {f"{m} {d} T={t}": s for (m, d, t), s in compile_s.items()},
         "device": f"{device.platform}:{getattr(device, 'device_kind', '')}", "cpu": _cpu_flags(),

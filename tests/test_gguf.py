@@ -61,7 +61,9 @@ def test_default_model_config(model):
     cfg = model.cfg
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
     assert (cfg.vocab_size, cfg.head_dim, cfg.intermediate_size) == (49152, 64, 1536)
-    assert cfg.tie_embeddings and "lm_head" not in model.params
+    # Tied in the file; on CPU `load_target` gives the head its own [H, V] copy.
+    assert not cfg.tie_embeddings and model.params["lm_head"].shape == (576, 49152)
+    assert load_target(None, untie_head=False).cfg.tie_embeddings
     assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
     assert len(model.params["layers"]) == 30

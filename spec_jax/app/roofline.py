@@ -185,12 +185,10 @@ def run_roofline(
     bar.close()
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
-    # An untied model (on CPU every model: `load_target` unties a tied head) reads its LM head
-    # whole and only the prompt's rows of its input embedding, so the floor leaves the table out.
-    gathered = target.params["embed"].nbytes if not cfg.tie_embeddings else 0
+    read_bytes = weight_bytes - gathered_bytes(cfg, target.params)
     # The loop's attention reads the whole cache buffer (masked), keys and values of every layer.
     cache_bytes = cfg.kv_bytes_per_token * batch * capacity
-    bandwidth, step_bytes = copy["bytes_per_s"], weight_bytes_read(cfg, weight_bytes - gathered, batch)
+    bandwidth, step_bytes = copy["bytes_per_s"], weight_bytes_read(cfg, read_bytes, batch)
     floor_s = step_bytes / bandwidth
     device = jax.devices()[0]
     base = verify[1]
@@ -213,7 +211,7 @@ def run_roofline(
         "forward_1_token_ms": 1e3 * base,
         "ar_step_over_floor": ar["step_s"] / floor_s,
         "verify": [{"tokens": t, "ms": 1e3 * s, "relative": s / base, "ms_per_token": 1e3 * s / t,
-                    "floor_ms": 1e3 * weight_bytes_read(cfg, weight_bytes - gathered, batch * t) / bandwidth}
+                    "floor_ms": 1e3 * weight_bytes_read(cfg, read_bytes, batch * t) / bandwidth}
                    for t, s in verify.items()],
         "repeats": repeats,
         "device": f"{device.platform}:{getattr(device, 'device_kind', '')} x{jax.device_count()}",
@@ -221,6 +219,12 @@ def run_roofline(
         "host": platform.node(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
+
+
+def gathered_bytes(cfg: Any, params: Any) -> int:
+    """Bytes of `params` a step gathers rows of rather than reads whole: an untied model's input
+    embedding (on CPU every model is untied: `load_target` gives a tied head its own copy)."""
+    return 0 if cfg.tie_embeddings else int(params["embed"].nbytes)
 
 
 def weight_bytes_read(cfg: Any, weight_bytes: int, tokens: int) -> float:

@@ -126,34 +126,35 @@ def load_target(
     as its head (`spec_jax.models.weights.untie_embeddings`: the same logits, V x H more weights;
     XLA:CPU's verify passes of 2-8 tokens run 1.2-2.4x faster with it). None (default): on CPU only.
     """
-    loaded = _load_target(spec, dtype, cache_dir)
     import jax
 
-    if untie_head or (untie_head is None and jax.default_backend() == "cpu"):
-        from spec_jax.models.weights import untie_embeddings
-
-        cfg, params = untie_embeddings(loaded.cfg, loaded.params)
-        loaded = dataclasses.replace(loaded, cfg=cfg, params=params)
-    return loaded
-
-
-def _load_target(spec: str | os.PathLike | None, dtype: str, cache_dir: str | os.PathLike | None) -> LoadedModel:
+    untie = untie_head if untie_head is not None else jax.default_backend() == "cpu"
     if spec is None:
         path = default_gguf_path()
-        return _load_gguf_cached(str(path), _file_key(path), dtype, _cache_root(cache_dir), f"default:{path.name}")
+        source = f"default:{path.name}"
+        return _load_gguf_cached(str(path), _file_key(path), dtype, _cache_root(cache_dir), source, untie)
     text = os.fspath(spec)
     if text.startswith(RANDOM_PREFIX):
-        return random_target(text[len(RANDOM_PREFIX):], dtype)
+        return _untied(random_target(text[len(RANDOM_PREFIX):], dtype), untie)
     if text.endswith(".gguf"):
         path = Path(text).expanduser()
         if not path.is_file():
             raise CheckpointNotFoundError(f"GGUF file {text!r} does not exist; pass an existing .gguf file.")
-        return _load_gguf_cached(str(path.resolve()), _file_key(path), dtype, _cache_root(cache_dir), text)
+        return _load_gguf_cached(str(path.resolve()), _file_key(path), dtype, _cache_root(cache_dir), text, untie)
     directory = resolve_hf_dir(text)
     cfg, params = load_hf_dir(directory, dtype)
     tokenizer = load_hf_tokenizer(directory)
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, text)
+    return _untied(LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, text), untie)
+
+
+def _untied(loaded: LoadedModel, untie: bool) -> LoadedModel:
+    if not untie:
+        return loaded
+    from spec_jax.models.weights import untie_embeddings
+
+    cfg, params = untie_embeddings(loaded.cfg, loaded.params)
+    return dataclasses.replace(loaded, cfg=cfg, params=params)
 
 
 RANDOM_PREFIX = "random:"
@@ -193,7 +194,7 @@ def _file_key(path: Path) -> str:
 
 
 @functools.lru_cache(maxsize=2)
-def _load_gguf_cached(path: str, file_key: str, dtype: str, cache_root: str, source: str) -> LoadedModel:
+def _load_gguf_cached(path: str, file_key: str, dtype: str, cache_root: str, source: str, untie: bool) -> LoadedModel:
     # Dequantizing costs seconds: a process that loads the same file twice (tests, a CLI that
     # builds target and draft) gets the same immutable arrays back, and other processes read the
     # dequantized copy on disk.
@@ -211,14 +212,14 @@ def _load_gguf_cached(path: str, file_key: str, dtype: str, cache_root: str, sou
                 warnings.warn(f"spec_jax: ignoring damaged GGUF cache {entry} ({reason}); rebuilding it.")
                 tokenizer = None
             if tokenizer is not None:
-                return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, source)
+                return _untied(LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, source), untie)
     cfg, params, tokenizer, template = load_gguf(path, dtype)
     if entry is not None:
         try:
             save_hf_dir(entry, cfg, params, tokenizer=tokenizer, overwrite=True)
         except Exception as e:  # read-only or full disk, or another process won the rename
             warnings.warn(f"spec_jax: could not cache the dequantized GGUF at {entry} ({e}).")
-    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, source)
+    return _untied(LoadedModel(cfg, _to_device(params, dtype), tokenizer, template, source), untie)
 
 
 def _to_device(params: Any, dtype: str) -> Any:
