@@ -124,7 +124,8 @@ def load_target(
 
     untie_head: give a tied model (LM head = the embedding) its own [H, V] copy of the embedding
     as its head (`spec_jax.models.weights.untie_embeddings`: the same logits, V x H more weights;
-    XLA:CPU's verify passes of 2-8 tokens run 1.2-2.4x faster with it). None (default): on CPU only.
+    a verify pass of 2-5 tokens ran ~3x faster with it on XLA:CPU, 8 tokens 1.3x; benchmarks/RESULTS.md,
+    issue 41 part 5). None (default): on CPU only.
     """
     import jax
 

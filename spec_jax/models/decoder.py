@@ -535,6 +535,7 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final-normed hidden states [..., H] -> float32 logits [..., V] (soft-capped when the config
     says so)."""
     # Contract the tied embedding as stored ([V, H]): a transposed view would be copied every step.
+    # (On CPU `load_target` unties the head instead: XLA:CPU's [V, H] product is slow for 2-7 rows.)
     if cfg.tie_embeddings:
         logits = einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
     else:
