@@ -235,7 +235,7 @@ def untie_embeddings(cfg: Any, params: Any) -> tuple[Any, Any]:
     if not cfg.tie_embeddings:
         return cfg, params
     head = jnp.transpose(params["embed"])  # an eager transpose: a new [H, V] buffer
-    return dataclasses.replace(cfg, tie_embeddings=False), {**params, "lm_head": head}
+    return cfg.replace(tie_embeddings=False), {**params, "lm_head": head}
 
 
 def _fan_in(spec: WeightSpec) -> int:
