@@ -290,6 +290,17 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     assert np.isclose(rate, (d * 1.2 + 0.5) / (d * 2.0 + 1.5)) and rate < policy.prior
     row = admitted_row(policy, policy.initial_state(1, 8, costs), missed)
     assert np.isclose(float(row.accepted_ema[0, 0] / row.tried_ema[0, 0]), rate)
+    # The probe backoff counts observations after which drafting still does not pay, not ones
+    # where no row accepted a draft: at 8 rows some row nearly always accepts one.
+    low = policy.initial_state(8, 8, costs).replace(accepted_ema=jnp.full((8, 1), 0.2), tried_ema=jnp.ones((8, 1)))
+    one_accepts = jnp.asarray([1, 0, 0, 0, 0, 0, 0, 0])
+    after = record(policy, low, jnp.int32(3), jnp.int32(0), jnp.ones((8,), bool), one_accepts)
+    assert int(after.missed) == 1 and policy.depths[int(choose(policy, after, jnp.ones((8,), bool)))] == 0
+    again = record(policy, after, jnp.int32(3), jnp.int32(1), jnp.ones((8,), bool), one_accepts)
+    assert int(again.missed) == 2
+    high = low.replace(accepted_ema=jnp.full((8, 1), 0.9), missed=jnp.int32(2))
+    pays = record(policy, high, jnp.int32(3), jnp.int32(0), jnp.ones((8,), bool), jnp.full((8,), 7))
+    assert int(pays.missed) == 0
     # After enough plain steps a probe drafts at the cheapest depth, the deepest of equal ones.
     idle = dict(accepted_ema=jnp.zeros((1, 1)), tried_ema=jnp.ones((1, 1)), idle_steps=jnp.int32(1000))
     for probe_costs, probed in (((1.0, 2.0, 2.0, 2.0), 7), ((1.0, 1.5, 2.0, 2.0), 2), ((1.0, 3.0, 2.0, 2.5), 4)):

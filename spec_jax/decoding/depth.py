@@ -59,9 +59,10 @@ Exploration: a K = 0 step observes nothing, so the policy probes.
   `probe_every` times the cheapest drafting depth's cost over a plain step's, one step drafts at
   that depth (the deepest of equally cheap ones), at a cost of about 1 / probe_every of the time
   (a sampled token matching a sampled draft would underrate the drafts' acceptance).
-Each probe in a row that no row accepted a draft from doubles the wait, up to 2^probe_backoff
-times (default 2x: a drafter that is never right is probed half as often; 8x starved code
-prompts of probes), and a probe with a draft accepted resets it. A plain step's value gets a head
+Each probe in a row after which drafting still promises less than a plain step (`promise`, at
+the observed rows' acceptance) doubles the wait, up to 2^probe_backoff times (default 2x: a
+drafter that is never right, or right too seldom to pay, is probed half as often; 8x starved
+code prompts of probes), and one after which drafting pays resets it. A plain step's value gets a head
 start (`margin`): near break-even, noisy costs and acceptance made drafting steps lose.
 
 Drafter state across K = 0 steps. A drafter whose cache is fed from committed tokens alone (the
@@ -243,8 +244,8 @@ class DepthState:
                                included; S = the drafter's `draft_sources`, 1 for most)
     tried_ema:    [B, S] float32  discounted drafts tried; acceptance rate = accepted / tried
     idle_steps:   []  int32    K = 0 steps in a row just before this one
-    missed:       []  int32    observations in a row (drafting steps, closed shadow probes) in
-                               which no row accepted a draft: the probe backoff
+    missed:       []  int32    observations in a row (drafting steps, closed shadow probes) after
+                               which drafting still did not pay: the probe backoff
     pool_accepted, pool_tried: [S] float32  the same averages over all rows together (the
                                engine starts an admitted row's from this rate, not the prior)
     costs:        [n] float32  time of one step at each depth
@@ -285,12 +286,12 @@ class DepthState:
         return jnp.take_along_axis(rates, source[:, None], axis=1)[:, 0]
 
 
-def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array, verify_probes: Any = True,
-           source: Any = None, remaining: Any = None) -> jax.Array:
-    """The index (into `policy.depths`) of this step's depth; [] int32. verify_probes (traced
-    bool): probe with a drafting step (False where shadow probes do it). source: [B] where each
-    row's drafts come from this step (the drafter's `draft_source`), None: one source.
-    remaining: [B] new tokens each row may still take (the "finish" objective; None: throughput)."""
+def promise(policy: AdaptiveDepth, state: DepthState, live: jax.Array, source: Any = None,
+            remaining: Any = None) -> jax.Array:
+    """What a step at each depth promises the rows `live` [B] at their acceptance now, per unit of
+    time; [n] float32 (-1: a disabled depth), a plain step's with its head start (`margin`).
+    Throughput: expected tokens over the step's cost; "finish" (with `remaining`): one over the
+    batch's projected finish time."""
     depths = jnp.asarray(policy.depths, jnp.int32)
     rate = state.rate(source)  # [B]
     powers = rate[:, None] ** jnp.arange(policy.max_depth + 1, dtype=jnp.float32)  # [B, Kmax+1]
@@ -304,8 +305,18 @@ def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array, verify_pro
     else:
         tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)  # [n]
         value = jnp.where(usable, tokens / state.costs, -1.0)
-    value = jnp.where(depths == 0, value * (1.0 + policy.margin), value)  # a plain step's head start
-    best = jnp.argmax(value).astype(jnp.int32)
+    return jnp.where(depths == 0, value * (1.0 + policy.margin), value)  # a plain step's head start
+
+
+def choose(policy: AdaptiveDepth, state: DepthState, live: jax.Array, verify_probes: Any = True,
+           source: Any = None, remaining: Any = None) -> jax.Array:
+    """The index (into `policy.depths`) of this step's depth; [] int32. verify_probes (traced
+    bool): probe with a drafting step (False where shadow probes do it). source: [B] where each
+    row's drafts come from this step (the drafter's `draft_source`), None: one source.
+    remaining: [B] new tokens each row may still take (the "finish" objective; None: throughput)."""
+    depths = jnp.asarray(policy.depths, jnp.int32)
+    usable = jnp.isfinite(state.costs)
+    best = jnp.argmax(promise(policy, state, live, source, remaining)).astype(jnp.int32)
     # Probe: the cheapest usable depth > 0 (the deepest of equally cheap ones, which observes
     # more drafts for the same time: on CPU depths 2-7 often measure alike) drafts once after
     # probe_every x (its cost / a plain step's) idle steps, so probing costs at most about
@@ -372,7 +383,8 @@ def _observe(policy: AdaptiveDepth, state: DepthState, observe: jax.Array, accep
              tried: jax.Array, source: Any = None) -> DepthState:
     """The acceptance averages after the rows in `observe` [B] saw `accepted` of `tried`
     drafts [B] from draft source `source` [B] (a drafting step or a closed shadow probe);
-    `missed` counts such observations in a row in which no row accepted a draft."""
+    `missed` counts such observations in a row after which drafting at no depth promises those
+    rows more than a plain step (`promise`)."""
     decay = policy.decay
     observed = jnp.any(observe)
     sources = state.accepted_ema.shape[1]
@@ -386,14 +398,18 @@ def _observe(policy: AdaptiveDepth, state: DepthState, observe: jax.Array, accep
         mean = jnp.sum(jnp.where(at, per_row[:, None], 0.0), axis=0) / jnp.maximum(seen, 1)
         return jnp.where(seen > 0, decay * average + mean, average)
 
-    return state.replace(
+    state = state.replace(
         accepted_ema=jnp.where(at, decay * state.accepted_ema + accepted[:, None], state.accepted_ema),
         tried_ema=jnp.where(at, decay * state.tried_ema + tried[:, None], state.tried_ema),
-        missed=jnp.where(observed, jnp.where(jnp.any(observe & (accepted > 0)), 0, state.missed + 1),
-                         state.missed).astype(jnp.int32),
         pool_accepted=pooled(state.pool_accepted, accepted),
         pool_tried=pooled(state.pool_tried, tried),
     )
+    # A miss: after this observation drafting still promises the observing rows less than a plain
+    # step. (Not "no draft accepted": over 8 rows some row nearly always accepts one, so the
+    # engine's probes never backed off while drafting did not pay.)
+    pays = jnp.asarray(policy.depths)[jnp.argmax(promise(policy, state, observe, source))] > 0
+    return state.replace(missed=jnp.where(observed, jnp.where(pays, 0, state.missed + 1),
+                                          state.missed).astype(jnp.int32))
 
 
 def record(policy: AdaptiveDepth, state: DepthState, choice: jax.Array, step: jax.Array, live: jax.Array,
