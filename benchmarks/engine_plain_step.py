@@ -1,7 +1,7 @@
 """What `spec-jax serve`'s default costs against plain decoding inside the engine, without HTTP.
 
 One process, one engine per configuration (8 slots, the serve defaults), the same chat requests
-(64 tokens each, greedy, EOS ignored) submitted to each in turn, the order reversed every other
+(--prompts humaneval: HumanEval's first 8 instead; 64 tokens each, greedy, EOS ignored) submitted to each in turn, the order reversed every other
 round; prints per configuration the median tokens/s and the median of the per-round ratios to
 plain decoding. Configurations:
 
@@ -11,12 +11,22 @@ plain decoding. Configurations:
                step is a plain one and only shadow probes draft: a plain step's own cost
     forced-model-only   the same, the model drafter alone (no prompt lookup in front)
     ngram      n-gram at K = 2, adaptive: the policy's own bookkeeping (no drafter state)
+    ngram4     n-gram at K = 4 (its own), adaptive
 
     python benchmarks/engine_plain_step.py --clients 1 8 --rounds 10
     python benchmarks/engine_plain_step.py --clients 1 --configs plain forced forced-model-only --rounds 14
+    python benchmarks/engine_plain_step.py --clients 8 --configs plain default ngram --prompts humaneval
 
 The HTTP load test (`load_test.py --rounds`) measures the same engines behind the server, where
 client and server threads share the two cores with XLA; this one isolates the engine's steps.
+
+`--by-chunk` prices each part of the default's cost without the machine's drift: every engine
+gets 8 requests of --max-new-tokens at once and the engines' chunks alternate one by one; each
+chunk run with all 8 slots busy is timed and filed by what happened in it (plain steps only, a
+shadow probe, a drafting step); prints each kind's count and median, and the median plain chunk
+against plain decoding's:
+
+    python benchmarks/engine_plain_step.py --by-chunk --configs plain default forced --rounds 4 --max-new-tokens 160
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
-CONFIGS = ("plain", "default", "forced", "forced-model-only", "ngram")
+CONFIGS = ("plain", "default", "forced", "forced-model-only", "ngram", "ngram4")
 
 
 def build(name: str, target):
@@ -38,8 +48,8 @@ def build(name: str, target):
 
     if name == "plain":
         return None, None, None
-    if name == "ngram":
-        return NGramDrafter(k=2), None, "adaptive"
+    if name in ("ngram", "ngram4"):
+        return NGramDrafter(k=4 if name == "ngram4" else 2), None, "adaptive"
     spec = default_drafter_spec(None, None, batch=8)
     drafter, params = build_drafter(spec, target)
     if name == "default":
@@ -57,6 +67,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default=None, help="a directory for results.json")
+    p.add_argument("--prompts", choices=("chat", "humaneval"), default="chat",
+                   help="the first 8 general chat prompts, or the first 8 HumanEval problems")
+    p.add_argument("--by-chunk", action="store_true", help="time chunks one by one, the engines alternating")
     args = p.parse_args()
     if args.configs[0] != "plain":
         p.error("the first configuration is the baseline: plain")
@@ -70,7 +83,13 @@ def main() -> None:
     from spec_jax.decoding.engine import Engine
 
     target = load_target(None, dtype="float32")
-    prompts = [apply_chat_template(target.tokenizer, q.text, target.chat_template) for q in chat_prompts(8)]
+    if args.prompts == "chat":
+        texts = [q.text for q in chat_prompts(8)]
+    else:
+        from spec_jax.humaneval import humaneval_problems
+
+        texts = ["Complete this Python function:\n" + prob["prompt"] for prob in humaneval_problems()[:8]]
+    prompts = [apply_chat_template(target.tokenizer, text, target.chat_template) for text in texts]
     engines = {}
     for name in args.configs:
         drafter, params, k = build(name, target)
@@ -79,8 +98,8 @@ def main() -> None:
         engines[name] = engine
         print(f"{name}: ready", flush=True)
 
-    report = {}
-    for clients in args.clients:
+    report = {"by_chunk": by_chunk(engines, prompts, args.rounds, args.max_new_tokens)} if args.by_chunk else {}
+    for clients in [] if args.by_chunk else args.clients:
         speeds = {name: [] for name in engines}
         for r in range(args.rounds):
             for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
@@ -104,6 +123,41 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"args": vars(args), "clients": report}, indent=1) + "\n")
+
+
+def by_chunk(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> dict:
+    """Each engine's chunk times by kind (plain / probe / draft / probe+draft), the engines' chunks
+    alternating one by one (the order reversed every other round), chunks with all 8 slots busy."""
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
+    for r in range(rounds):
+        for engine in engines.values():
+            for i in range(8):
+                engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=max_new_tokens, ignore_eos=True)
+            engine.step()  # the admissions and a first chunk, not timed
+        order = list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))
+        while any(engine.has_work() for engine in engines.values()):
+            for name, engine in order:
+                if not engine.has_work():
+                    continue
+                drafted = sum(n for d, n in engine.depth_counts.items() if d)
+                probes, busy = engine.shadow_probes, len(engine.slot_table.running) == 8
+                start = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - start
+                kind = "+".join(k for k, happened in (
+                    ("probe", engine.shadow_probes > probes),
+                    ("draft", sum(n for d, n in engine.depth_counts.items() if d) > drafted)) if happened)
+                if busy:
+                    times[name].setdefault(kind or "plain", []).append(elapsed)
+    plain = statistics.median(times["plain"]["plain"])
+    report = {}
+    for name, kinds in times.items():
+        report[name] = {kind: dict(chunks=len(v), median_ms=1e3 * statistics.median(v)) for kind, v in kinds.items()}
+        report[name]["plain_chunk_vs_plain_decoding"] = statistics.median(kinds["plain"]) / plain
+        print(f"{name:18} plain chunk x{report[name]['plain_chunk_vs_plain_decoding']:.4f} plain decoding's; " +
+              ", ".join(f"{kind}: {len(v)} chunks, median {1e3 * statistics.median(v):.1f} ms"
+                        for kind, v in kinds.items()), flush=True)
+    return report
 
 
 if __name__ == "__main__":
