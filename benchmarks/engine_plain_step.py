@@ -1,14 +1,15 @@
 """What `spec-jax serve`'s default costs against plain decoding inside the engine, without HTTP.
 
 One process, one engine per configuration (8 slots, the serve defaults), the same chat requests
-(--prompts humaneval: HumanEval's first 8 instead; 64 tokens each, greedy, EOS ignored) submitted to each in turn, the order reversed every other
-round; prints per configuration the median tokens/s and the median of the per-round ratios to
-plain decoding. Configurations:
+(--prompts humaneval: HumanEval's first 8 instead; 64 tokens each, greedy, EOS ignored)
+submitted to each in turn, the order reversed every other round; prints per configuration the
+median tokens/s and the median of the per-round ratios to plain decoding. Configurations:
 
     plain      no drafter
     default    serve's default for 8 slots (the measured drafter, each step picking its depth)
     forced     the default drafter with drafting priced out (costs 1e6 plain steps), so every
-               step is a plain one and only shadow probes draft: a plain step's own cost
+               step is a plain one (a shadow probe's wait grows with that price: only the free
+               ones, from the lookup alone, run): the adaptive program's plain step
     forced-model-only   the same, the model drafter alone (no prompt lookup in front)
     ngram      n-gram at K = 2, adaptive: the policy's own bookkeeping (no drafter state)
     ngram4     n-gram at K = 4 (its own), adaptive

@@ -62,8 +62,8 @@ Exploration: a K = 0 step observes nothing, so the policy probes.
 Each probe in a row after which drafting still promises less than a plain step (`promise`, at
 the observed rows' acceptance) doubles the wait, up to 2^probe_backoff times (default 2x: a
 drafter that is never right, or right too seldom to pay, is probed half as often; 8x starved
-code prompts of probes), and one after which drafting pays resets it. A plain step's value gets a head
-start (`margin`): near break-even, noisy costs and acceptance made drafting steps lose.
+code prompts of probes), and one after which drafting pays resets it. A plain step's value gets
+a head start (`margin`): near break-even, noisy costs and acceptance made drafting steps lose.
 
 Drafter state across K = 0 steps. A drafter whose cache is fed from committed tokens alone (the
 draft model) is left behind by plain steps and catches up when it drafts again (`catches_up`,
