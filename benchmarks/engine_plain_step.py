@@ -13,6 +13,10 @@ median tokens/s and the median of the per-round ratios to plain decoding. Config
     forced-model-only   the same, the model drafter alone (no prompt lookup in front)
     ngram      n-gram at K = 2, adaptive: the policy's own bookkeeping (no drafter state)
     ngram4     n-gram at K = 4 (its own), adaptive
+    NAME#TAG   a second engine of configuration NAME (plain#2: a control, whose ratio is the noise)
+    NAME@FIELD=VALUE,...   an adaptive configuration with `AdaptiveDepth` fields overridden, e.g.
+               default@probe_backoff=3 or default@shadow_every=64,margin=0.2 (a tuple's values
+               colon-separated: ngram@depths=0:1:2,costs=1:1e6:1e6)
 
     python benchmarks/engine_plain_step.py --clients 1 8 --rounds 10
     python benchmarks/engine_plain_step.py --clients 1 --configs plain forced forced-model-only --rounds 14
@@ -28,6 +32,12 @@ shadow probe, a drafting step); prints each kind's count and median, and the med
 against plain decoding's:
 
     python benchmarks/engine_plain_step.py --by-chunk --configs plain default forced --rounds 4 --max-new-tokens 160
+
+`--by-round` runs the 8-client rounds (the engines alternating round by round, as the default
+mode does) and splits each engine's time into its parts: the admission step (8 prefills and the
+first chunk), then every later chunk by kind; prints each part's time against plain decoding's:
+
+    python benchmarks/engine_plain_step.py --by-round --configs plain plain#2 default --rounds 12
 """
 
 from __future__ import annotations
@@ -47,6 +57,17 @@ def build(name: str, target):
     from spec_jax.decoding.depth import AdaptiveDepth
     from spec_jax.drafters.ngram import NGramDrafter
 
+    if "#" in name:  # another engine of the same configuration
+        return build(name.split("#")[0], target)
+    if "@" in name:  # an adaptive configuration with the policy's fields overridden
+        base, overrides = name.split("@", 1)
+        drafter, params, _ = build(base, target)
+        fields = {key: tuple(float(v) for v in value.split(":")) if key in ("costs", "depths")
+                  else type(getattr(AdaptiveDepth, key))(value)
+                  for key, value in (item.split("=", 1) for item in overrides.split(","))}
+        if "depths" in fields:
+            fields["depths"] = tuple(int(d) for d in fields["depths"])
+        return drafter, params, AdaptiveDepth(**fields)
     if name == "plain":
         return None, None, None
     if name in ("ngram", "ngram4"):
@@ -64,14 +85,20 @@ def build(name: str, target):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="requests in flight at once")
-    p.add_argument("--configs", nargs="+", default=["plain", "default"], choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", default=["plain", "default"],
+                   help=f"from {', '.join(CONFIGS)}, or NAME@FIELD=VALUE,... (see above)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default=None, help="a directory for results.json")
     p.add_argument("--prompts", choices=("chat", "humaneval"), default="chat",
                    help="the first 8 general chat prompts, or the first 8 HumanEval problems")
     p.add_argument("--by-chunk", action="store_true", help="time chunks one by one, the engines alternating")
+    p.add_argument("--by-round", action="store_true",
+                   help="8-client rounds, each engine's time split into admissions and chunks by kind")
     args = p.parse_args()
+    bad = [c for c in args.configs if c.split("#")[0].split("@")[0] not in CONFIGS]
+    if bad:
+        p.error(f"unknown configurations {bad}; choose from {CONFIGS} (NAME@FIELD=VALUE,... to override)")
     if args.configs[0] != "plain":
         p.error("the first configuration is the baseline: plain")
 
@@ -99,8 +126,12 @@ def main() -> None:
         engines[name] = engine
         print(f"{name}: ready", flush=True)
 
-    report = {"by_chunk": by_chunk(engines, prompts, args.rounds, args.max_new_tokens)} if args.by_chunk else {}
-    for clients in [] if args.by_chunk else args.clients:
+    report = {}
+    if args.by_chunk:
+        report["by_chunk"] = by_chunk(engines, prompts, args.rounds, args.max_new_tokens)
+    if args.by_round:
+        report["by_round"] = by_round(engines, prompts, args.rounds, args.max_new_tokens)
+    for clients in [] if args.by_chunk or args.by_round else args.clients:
         speeds = {name: [] for name in engines}
         for r in range(args.rounds):
             for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
@@ -140,16 +171,10 @@ def by_chunk(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> 
             for name, engine in order:
                 if not engine.has_work():
                     continue
-                drafted = sum(n for d, n in engine.depth_counts.items() if d)
-                probes, busy = engine.shadow_probes, len(engine.slot_table.running) == 8
-                start = time.perf_counter()
-                engine.step()
-                elapsed = time.perf_counter() - start
-                kind = "+".join(k for k, happened in (
-                    ("probe", engine.shadow_probes > probes),
-                    ("draft", sum(n for d, n in engine.depth_counts.items() if d) > drafted)) if happened)
+                busy = len(engine.slot_table.running) == 8
+                kind, elapsed = timed_step(engine)
                 if busy:
-                    times[name].setdefault(kind or "plain", []).append(elapsed)
+                    times[name].setdefault(kind, []).append(elapsed)
     plain = statistics.median(times["plain"]["plain"])
     report = {}
     for name, kinds in times.items():
@@ -158,6 +183,54 @@ def by_chunk(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> 
         print(f"{name:18} plain chunk x{report[name]['plain_chunk_vs_plain_decoding']:.4f} plain decoding's; " +
               ", ".join(f"{kind}: {len(v)} chunks, median {1e3 * statistics.median(v):.1f} ms"
                         for kind, v in kinds.items()), flush=True)
+    return report
+
+
+def timed_step(engine) -> tuple[str, float]:
+    """(what happened in it: "plain", "probe", "draft" or "probe+draft"; seconds) of one `step()`."""
+    drafted = sum(n for d, n in engine.depth_counts.items() if d)
+    probes = engine.shadow_probes
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    kind = "+".join(k for k, happened in (
+        ("probe", engine.shadow_probes > probes),
+        ("draft", sum(n for d, n in engine.depth_counts.items() if d) > drafted)) if happened)
+    return kind or "plain", elapsed
+
+
+def by_round(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> dict:
+    """Each engine's time in 8-client rounds (the engines alternating round by round, the order
+    reversed every other round), split into the admission step (the prefills and the first chunk)
+    and the later chunks by kind; each part's time over plain decoding's total."""
+    parts: dict[str, dict[str, list[float]]] = {name: {"admission step": []} for name in engines}
+    totals: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(rounds):
+        for name, engine in (list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))):
+            for i in range(8):
+                engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=max_new_tokens, ignore_eos=True)
+            start, first = time.perf_counter(), True
+            while engine.has_work():
+                kind, elapsed = timed_step(engine)
+                parts[name].setdefault("admission step" if first else kind, []).append(elapsed)
+                first = False
+            totals[name].append(time.perf_counter() - start)
+    plain_total = sum(totals["plain"])
+    plain_chunk = statistics.mean(parts["plain"]["plain"])
+    report = {}
+    for name, kinds in parts.items():
+        ratios = [a / b for a, b in zip(totals["plain"], totals[name])]
+        row = dict(ratio=plain_total / sum(totals[name]), round_ratios=ratios, parts={})
+        for kind, v in kinds.items():
+            # extra: this part's time beyond what plain decoding's plain chunks (or admission
+            # steps) took for as many, over plain decoding's total
+            base = statistics.mean(parts["plain"]["admission step"]) if kind == "admission step" else plain_chunk
+            row["parts"][kind] = dict(count=len(v), mean_ms=1e3 * statistics.mean(v),
+                                      extra=(sum(v) - base * len(v)) / plain_total)
+        report[name] = row
+        print(f"{name:24} x{row['ratio']:.3f} plain (rounds {min(ratios):.2f}-{max(ratios):.2f}); " + ", ".join(
+            f"{kind}: {part['count']} x {part['mean_ms']:.1f} ms ({100 * part['extra']:+.1f}%)"
+            for kind, part in row["parts"].items()), flush=True)
     return report
 
 

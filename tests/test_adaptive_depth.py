@@ -301,6 +301,21 @@ def test_policy_choices_and_cost_cache(models, tmp_path, monkeypatch):
     high = low.replace(accepted_ema=jnp.full((8, 1), 0.9), missed=jnp.int32(2))
     pays = record(policy, high, jnp.int32(3), jnp.int32(0), jnp.ones((8,), bool), jnp.full((8,), 7))
     assert int(pays.missed) == 0
+    # ... judged over the batch's live rows, which step at one depth: one row's shadow probe closing
+    # with both drafts matched does not reset the wait while the batch still steps plainly.
+    from spec_jax.decoding.depth import record_shadow
+
+    shallow = dataclasses.replace(policy, depths=(0, 2))
+    probing = shallow.initial_state(8, 8, (1.0, 1.3)).replace(
+        accepted_ema=jnp.full((8, 1), 0.2), tried_ema=jnp.ones((8, 1)), missed=jnp.int32(1),
+        shadow=jnp.full((8, 2), 5), shadow_at=jnp.asarray([1, -1, -1, -1, -1, -1, -1, -1]))
+    closed = record_shadow(shallow, probing, jnp.ones((8,), bool), jnp.full((8,), 5), jnp.asarray(False),
+                           jnp.zeros((8, 2), jnp.int32))
+    assert int(closed.shadow_at[0]) == -1 and float(closed.accepted_ema[0, 0]) > 1.0  # row 0 saw 2 of 2
+    assert int(closed.missed) == 2 and shallow.depths[int(choose(shallow, closed, jnp.ones((8,), bool)))] == 0
+    alone = record_shadow(shallow, probing, jnp.asarray([True] + [False] * 7), jnp.full((8,), 5),
+                          jnp.asarray(False), jnp.zeros((8, 2), jnp.int32))
+    assert int(alone.missed) == 0  # the batch is that one row: drafting pays for it
     # After enough plain steps a probe drafts at the cheapest depth, the deepest of equal ones.
     idle = dict(accepted_ema=jnp.zeros((1, 1)), tried_ema=jnp.ones((1, 1)), idle_steps=jnp.int32(1000))
     for probe_costs, probed in (((1.0, 2.0, 2.0, 2.0), 7), ((1.0, 1.5, 2.0, 2.0), 2), ((1.0, 3.0, 2.0, 2.5), 4)):

@@ -365,7 +365,7 @@ def record_shadow(policy: AdaptiveDepth, state: DepthState, live: jax.Array, com
     closed = open_ & (~hit | (moved >= k))
     source = jnp.where(opened, _source(state, source), state.shadow_source)
     tried = jnp.where(moved < k, moved + 1, k).astype(jnp.float32)  # as a step at depth K counts them
-    state = _observe(policy, state, closed, moved, tried, source)
+    state = _observe(policy, state, closed, moved, tried, live, source)
     return state.replace(
         shadow=drafts,
         shadow_source=source,
@@ -380,11 +380,11 @@ def _source(state: DepthState, source: Any) -> jax.Array:
 
 
 def _observe(policy: AdaptiveDepth, state: DepthState, observe: jax.Array, accepted: jax.Array,
-             tried: jax.Array, source: Any = None) -> DepthState:
+             tried: jax.Array, live: jax.Array, source: Any = None) -> DepthState:
     """The acceptance averages after the rows in `observe` [B] saw `accepted` of `tried`
     drafts [B] from draft source `source` [B] (a drafting step or a closed shadow probe);
-    `missed` counts such observations in a row after which drafting at no depth promises those
-    rows more than a plain step (`promise`)."""
+    `missed` counts such observations in a row after which drafting at no depth promises the
+    batch's `live` rows more than a plain step (`promise`)."""
     decay = policy.decay
     observed = jnp.any(observe)
     sources = state.accepted_ema.shape[1]
@@ -404,10 +404,12 @@ def _observe(policy: AdaptiveDepth, state: DepthState, observe: jax.Array, accep
         pool_accepted=pooled(state.pool_accepted, accepted),
         pool_tried=pooled(state.pool_tried, tried),
     )
-    # A miss: after this observation drafting still promises the observing rows less than a plain
-    # step. (Not "no draft accepted": over 8 rows some row nearly always accepts one, so the
-    # engine's probes never backed off while drafting did not pay.)
-    pays = jnp.asarray(policy.depths)[jnp.argmax(promise(policy, state, observe, source))] > 0
+    # A miss: after this observation drafting still promises the batch less than a plain step,
+    # judged over every live row, since the batch steps at one depth. (Not "no draft accepted":
+    # over 8 rows some row nearly always accepts one; and not over the observing rows alone: a
+    # shadow probe closes row by row, and one row whose two drafts matched reset the wait while
+    # the batch still stepped plainly, so the engine's probes on chat never backed off.)
+    pays = jnp.asarray(policy.depths)[jnp.argmax(promise(policy, state, live, source))] > 0
     return state.replace(missed=jnp.where(observed, jnp.where(pays, 0, state.missed + 1),
                                           state.missed).astype(jnp.int32))
 
@@ -419,7 +421,7 @@ def record(policy: AdaptiveDepth, state: DepthState, choice: jax.Array, step: ja
     may); a drafting step closes any open shadow probe unread (the tokens moved on)."""
     depth = jnp.asarray(policy.depths, jnp.int32)[choice]
     tried = jnp.where(accepted < depth, accepted + 1, depth).astype(jnp.float32)
-    state = _observe(policy, state, live & (depth > 0), accepted, tried, source)
+    state = _observe(policy, state, live & (depth > 0), accepted, tried, live, source)
     return state.replace(
         idle_steps=jnp.where(depth == 0, state.idle_steps + 1, 0).astype(jnp.int32),
         shadow_at=jnp.where(depth == 0, state.shadow_at, -1).astype(jnp.int32),
