@@ -7,9 +7,11 @@ median tokens/s and the median of the per-round ratios to plain decoding. Config
 
     plain      no drafter
     default    serve's default for 8 slots (the measured drafter, each step picking its depth)
-    forced     the default drafter with drafting priced out (costs 1e6 plain steps), so every
-               step is a plain one (a shadow probe's wait grows with that price: only the free
-               ones, from the lookup alone, run): the adaptive program's plain step
+    dm-ngram   the draft model with prompt lookup at K = 2, adaptive (serve's default until
+               session 31)
+    forced     dm-ngram with drafting priced out (costs 1e6 plain steps), so every step is a
+               plain one (a shadow probe's wait grows with that price: only the free ones, from
+               the lookup alone, run): the adaptive program's plain step
     forced-model-only   the same, the model drafter alone (no prompt lookup in front)
     ngram      n-gram at K = 2, adaptive: the policy's own bookkeeping (no drafter state)
     ngram4     n-gram at K = 4 (its own), adaptive
@@ -48,12 +50,12 @@ import statistics
 import time
 from pathlib import Path
 
-CONFIGS = ("plain", "default", "forced", "forced-model-only", "ngram", "ngram4")
+CONFIGS = ("plain", "default", "dm-ngram", "forced", "forced-model-only", "ngram", "ngram4")
 
 
 def build(name: str, target):
     """(drafter, params, k) of a configuration."""
-    from spec_jax.app.inputs import build_drafter, default_drafter_spec
+    from spec_jax.app.inputs import build_drafter, default_drafter_spec, parse_drafter_spec
     from spec_jax.decoding.depth import AdaptiveDepth
     from spec_jax.drafters.ngram import NGramDrafter
 
@@ -72,10 +74,12 @@ def build(name: str, target):
         return None, None, None
     if name in ("ngram", "ngram4"):
         return NGramDrafter(k=4 if name == "ngram4" else 2), None, "adaptive"
-    spec = default_drafter_spec(None, None, batch=8)
-    drafter, params = build_drafter(spec, target)
     if name == "default":
-        return drafter, params, spec.generate_k
+        spec = default_drafter_spec(None, None, batch=8, engine=True)
+        return (*build_drafter(spec, target), spec.generate_k)
+    drafter, params = build_drafter(parse_drafter_spec("draft-model+ngram", 2), target)
+    if name == "dm-ngram":
+        return drafter, params, "adaptive"
     priced_out = AdaptiveDepth(depths=(0, 1, drafter.k), costs=(1.0, 1e6, 1e6))
     if name == "forced":
         return drafter, params, priced_out

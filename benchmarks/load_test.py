@@ -28,6 +28,8 @@ bar); `--slots 8` keeps serve's default engine whatever the number of clients:
     python benchmarks/load_test.py --concurrency 1 8 16 --slots 8 --drafters none default --cache dense
     python benchmarks/load_test.py --concurrency 1 4 16 --drafters none suffix --workload agent
 
+A named drafter as NAME@K runs with the adaptive depth, K its largest (`ngram@2`).
+
 On a machine whose speed drifts, `--rounds R` runs the drafters side by side instead: per
 concurrency, R rounds of each, the order reversed every other round, and prints the median of
 each round's ratio to the first drafter's throughput:
@@ -328,7 +330,7 @@ def run_drafter(name: str, slots: int, target, args) -> tuple:
     if name == "none":
         return None, None, "none", None, None
     if name == "default":  # serve's default: the measured drafter for the slots, its depth policy
-        spec = default_drafter_spec(args.target, None, batch=slots)
+        spec = default_drafter_spec(args.target, None, batch=slots, engine=True)
         return (*build_drafter(spec, target), f"default ({spec.label}, {slots} slots)", None, spec.generate_k)
     if name in ("batch1", "adaptive"):
         drafter, params, _ = default_drafter(target, batch_size=1)
@@ -336,6 +338,9 @@ def run_drafter(name: str, slots: int, target, args) -> tuple:
         if name == "adaptive":
             return drafter, params, f"{kind} adaptive K {args.k_choices}", args.k_choices, None
         return drafter, params, f"{kind} K={drafter.k} (default at batch 1)", None, None
+    if "@" in name:  # NAME@K: the drafter adaptive, K its largest depth (as adaptive_depth.py's)
+        kind, _, k = name.partition("@")
+        return (*build_drafter(parse_drafter_spec(kind, int(k)), target), f"{kind} K={k} adaptive", None, "adaptive")
     return (*build_drafter(parse_drafter_spec(name), target), name, None, None)
 
 

@@ -211,6 +211,8 @@ TABLE = {
                        {"up_to_batch": None, "kind": "none", "k": None, "why": "more greedy"}],
             "sampled": [{"up_to_batch": 4, "kind": "ngram", "k": 3, "why": "few sampled"},
                         {"up_to_batch": None, "kind": "none", "k": None, "why": "more sampled"}],
+            "engine": [{"up_to_batch": 8, "kind": "ngram", "k": 2, "why": "engine up to 8"},
+                       {"up_to_batch": None, "kind": "none", "k": None, "why": "bigger engine"}],
         }},
         "unmeasured": [{"up_to_batch": 1, "kind": "ngram", "k": None, "why": "unmeasured, one"},
                        {"up_to_batch": None, "kind": "none", "k": None, "why": "unmeasured, several"}],
@@ -250,6 +252,25 @@ def test_default_drafter_choice_reads_the_measured_table(backend, batch, tempera
         "none", k, "no drafter named and none shipped for this target")
 
 
+def test_the_engine_reads_its_own_entries():
+    """`spec-jax serve`'s engine reads its backend's "engine" entries, by slots, whatever the
+    temperature; a backend without them gives the engine the greedy or sampled entries."""
+    from spec_jax.checkpoints.shipped import default_drafter_choice
+
+    def choice(batch, temperature=0.0, backend="cpu"):
+        return default_drafter_choice(True, None, batch, temperature, backend=backend, table=TABLE, engine=True)
+
+    assert choice(8) == ("ngram", 2, "default for the default model: engine up to 8")
+    assert choice(1, 0.7)[:2] == ("ngram", 2) and choice(9)[0] == "none"
+    # generate at the same batch keeps its own entry
+    assert default_drafter_choice(True, None, 8, 0.0, backend="cpu", table=TABLE)[0] == "draft-model+ngram"
+    assert choice(1, backend="gpu")[2].endswith("unmeasured, one")
+    no_engine = {"drafter": {"backends": {"cpu": {k: v for k, v in TABLE["drafter"]["backends"]["cpu"].items()
+                                                  if k != "engine"}}, "unmeasured": []}}
+    assert default_drafter_choice(True, None, 8, 0.0, backend="cpu", table=no_engine, engine=True)[0] == (
+        "draft-model+ngram")
+
+
 def test_default_drafter_spec_follows_the_table(monkeypatch):
     """The CLI's default (no --target, no --drafter) is the table's choice for the batch and
     temperature, with its tree, its depth policy (adaptive unless K is given) and the reasons; a
@@ -275,6 +296,8 @@ def test_default_drafter_spec_follows_the_table(monkeypatch):
     assert (sampled.kind, sampled.k) == ("ngram", 3) and "unmeasured: chain" in sampled.reason
     assert sampled.adaptive and "unmeasured: adaptive" in sampled.reason
     assert default_drafter_spec("some/model", None, batch=1).kind == "none"
+    served = default_drafter_spec(None, None, batch=8, engine=True)  # serve's engine of 8 slots
+    assert (served.kind, served.k, served.adaptive) == ("ngram", 2, False) and "engine up to 8" in served.reason
 
 
 def test_the_shipped_measured_table_is_well_formed():

@@ -143,11 +143,12 @@ def add_drafter_arg(p: argparse.ArgumentParser, default_help: str) -> None:
 
 
 def drafter_spec_from_args(
-    args: argparse.Namespace, prompts: Sequence[str] = (), batch: int = 1, adaptive_ok: bool = False
+    args: argparse.Namespace, prompts: Sequence[str] = (), batch: int = 1, adaptive_ok: bool = False,
+    engine: bool = False,
 ) -> DrafterSpec:
     """`--drafter KIND` or `--drafter KIND=PATH`; without --drafter, `default_drafter_spec` for
-    `batch` prompts decoded together at the command's --temperature (adaptive depth by default
-    where the command runs it: `adaptive_ok`).
+    `batch` prompts decoded together at the command's --temperature (`engine`: for `serve`'s
+    engine of `batch` slots) (adaptive depth by default where the command runs it: `adaptive_ok`).
 
     The old two-word form `--drafter dflash PATH` cannot be told apart from a prompt, so it is
     refused (naming the one-word form) when the word after it is an existing path."""
@@ -162,7 +163,7 @@ def drafter_spec_from_args(
         tree = 0
     if args.drafter is None:
         spec = default_drafter_spec(args.target, k, batch=batch,
-                                    temperature=getattr(args, "temperature", 0.0))
+                                    temperature=getattr(args, "temperature", 0.0), engine=engine)
         spec = spec if tree is None else dataclasses.replace(spec, tree=tree)
         # The default drafter picks its depth per step where the measured table says so (and
         # the command can run it), unless --k pins K.

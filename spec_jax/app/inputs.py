@@ -218,13 +218,14 @@ def build_drafter(spec: DrafterSpec | None, target: LoadedModel) -> tuple[Any, A
 
 
 def default_drafter_spec(
-    target_arg: str | None, k: int | None, batch: int = 1, temperature: float = 0.0
+    target_arg: str | None, k: int | None, batch: int = 1, temperature: float = 0.0, engine: bool = False
 ) -> DrafterSpec:
     """`generate` without --drafter: `default_drafter_choice` for the default model (no --target)
-    at this batch size and temperature, with the reason in `DrafterSpec.reason`; each step picks
-    its depth (`adaptive`) where `default_depth_choice` says so and no K is given."""
+    at this batch size and temperature (`engine`: `serve`'s engine of `batch` slots), with the
+    reason in `DrafterSpec.reason`; each step picks its depth (`adaptive`) where
+    `default_depth_choice` says so and no K is given."""
     pinned = k is not None
-    kind, k, reason = default_drafter_choice(target_arg is None, k, batch, temperature)
+    kind, k, reason = default_drafter_choice(target_arg is None, k, batch, temperature, engine=engine)
     if kind == "none":
         return DrafterSpec(kind, None, k, reason=reason)
     tree, why = default_tree_choice(batch, temperature)

@@ -157,7 +157,8 @@ def build_state(args: argparse.Namespace) -> "ServerState":
 
     k_choices = check_args(args)
     # The engine does not run the adaptive depth on a mesh yet: there the default pins K.
-    spec = drafter_spec_from_args(args, (), batch=args.slots, adaptive_ok=not args.mesh or args.k == "adaptive")
+    spec = drafter_spec_from_args(args, (), batch=args.slots, adaptive_ok=not args.mesh or args.k == "adaptive",
+                                  engine=True)
     if k_choices is not None and spec.kind != "none":  # the adaptive policy's depths
         spec = dataclasses.replace(spec, adaptive=True)
     t0 = time.perf_counter()

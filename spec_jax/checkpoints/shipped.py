@@ -143,12 +143,16 @@ def measured_defaults() -> dict[str, Any]:
     return json.loads(MEASURED_DEFAULTS.read_text())
 
 
-def measured_entry(section: dict[str, Any], backend: str, temperature: float, batch_size: int) -> dict[str, Any]:
-    """The rule that reads a section ("drafter" or "tree") of the table: the entries of this
-    backend and decoding mode (greedy when temperature is 0, else sampled), or the section's
-    "unmeasured" ones; the first whose up_to_batch covers the batch (null: any) wins."""
-    mode = "greedy" if temperature <= 0 else "sampled"
-    entries = section["backends"].get(backend, {}).get(mode, section["unmeasured"])
+def measured_entry(section: dict[str, Any], backend: str, temperature: float, batch_size: int,
+                   engine: bool = False) -> dict[str, Any]:
+    """The rule that reads a section ("drafter", "tree", "depth") of the table: the entries of
+    this backend and decoding mode (greedy when temperature is 0, else sampled; `engine`: the
+    backend's "engine" entries where it has them, measured on `spec-jax serve`'s engine, whose
+    drafter serves every temperature), or the section's "unmeasured" ones; the first whose
+    up_to_batch covers the batch (null: any) wins."""
+    modes = section["backends"].get(backend, {})
+    mode = "engine" if engine and "engine" in modes else "greedy" if temperature <= 0 else "sampled"
+    entries = modes.get(mode, section["unmeasured"])
     return next(e for e in entries if e["up_to_batch"] is None or batch_size <= e["up_to_batch"])
 
 
@@ -205,15 +209,17 @@ def moe_target_k(drafter: Any, target: LoadedModel, backend: str | None = None) 
 
 def default_drafter_choice(
     default_model: bool, k: int | None = None, batch_size: int = 1, temperature: float = 0.0,
-    backend: str | None = None, table: dict | None = None,
+    backend: str | None = None, table: dict | None = None, engine: bool = False,
 ) -> tuple[str, int | None, str]:
     """(kind, K, reason) of the drafter to use when none is named: for the default model, the one
     measured fastest on `backend` (default: JAX's) for this batch size and decoding mode (greedy
-    when temperature is 0, else sampled); plain decoding for other targets, for which spec_jax
-    ships no drafter. A K the caller gives wins over the measured one."""
+    when temperature is 0, else sampled; `engine`: for `spec-jax serve`'s engine of batch_size
+    slots, where the backend's table has engine entries); plain decoding for other targets, for
+    which spec_jax ships no drafter. A K the caller gives wins over the measured one."""
     if not default_model:
         return "none", k, "no drafter named and none shipped for this target"
-    entry = measured_entry((table or measured_defaults())["drafter"], _backend(backend), temperature, batch_size)
+    entry = measured_entry((table or measured_defaults())["drafter"], _backend(backend), temperature, batch_size,
+                           engine)
     kind = entry["kind"]
     k = None if kind == "none" else (k if k is not None else entry["k"])
     return kind, k, f"default for the default model: {entry['why']}"
