@@ -59,8 +59,8 @@ Exploration: a K = 0 step observes nothing, so the policy probes.
   `probe_every` times the cheapest drafting depth's cost over a plain step's, one step drafts at
   that depth (the deepest of equally cheap ones), at a cost of about 1 / probe_every of the time
   (a sampled token matching a sampled draft would underrate the drafts' acceptance).
-Each probe in a row after which drafting still promises less than a plain step (`promise`, at
-the observed rows' acceptance) doubles the wait, up to 2^probe_backoff times (default 2x: a
+Each probe in a row after which drafting still promises the batch's live rows less than a plain
+step (`promise`, with the acceptance the probe observed) doubles the wait, up to 2^probe_backoff times (default 2x: a
 drafter that is never right, or right too seldom to pay, is probed half as often; 8x starved
 code prompts of probes), and one after which drafting pays resets it. A plain step's value gets
 a head start (`margin`): near break-even, noisy costs and acceptance made drafting steps lose.
@@ -111,8 +111,8 @@ class AdaptiveDepth:
     probe_every:  after this many K = 0 steps in a row, times the cost ratio of the cheapest
                   drafting depth to a plain step, one step drafts at that depth (so probing
                   costs at most about 1 / probe_every of the time).
-    probe_backoff: each drafting step in a row with no draft accepted doubles the wait before
-                  the next probe, at most 2^probe_backoff times.
+    probe_backoff: each probe in a row after which drafting still does not pay the batch
+                  doubles the wait before the next probe, at most 2^probe_backoff times.
     margin:       a drafting depth must promise this much more than a plain step (0.1: 10% more
                   tokens per unit of time) to be chosen: costs and acceptance are noisy
                   estimates, and near break-even the engine's drafting steps lost throughput.
