@@ -13,11 +13,12 @@ median tokens/s and the median of the per-round ratios to plain decoding. Config
                plain one (a shadow probe's wait grows with that price: only the free ones, from
                the lookup alone, run): the adaptive program's plain step
     forced-model-only   the same, the model drafter alone (no prompt lookup in front)
-    ngram      n-gram at K = 2, adaptive: the policy's own bookkeeping (no drafter state)
+    ngram      n-gram at K = 2, adaptive (serve's default for 8 slots on CPU since session 31;
+               no drafter state: the policy's own bookkeeping)
     ngram4     n-gram at K = 4 (its own), adaptive
     NAME#TAG   a second engine of configuration NAME (plain#2: a control, whose ratio is the noise)
     NAME@FIELD=VALUE,...   an adaptive configuration with `AdaptiveDepth` fields overridden, e.g.
-               default@probe_backoff=3 or default@shadow_every=64,margin=0.2 (a tuple's values
+               dm-ngram@probe_backoff=3 or dm-ngram@shadow_every=64,margin=0.2 (a tuple's values
                colon-separated: ngram@depths=0:1:2,costs=1:1e6:1e6)
 
     python benchmarks/engine_plain_step.py --clients 1 8 --rounds 10
@@ -33,13 +34,13 @@ chunk run with all 8 slots busy is timed and filed by what happened in it (plain
 shadow probe, a drafting step); prints each kind's count and median, and the median plain chunk
 against plain decoding's:
 
-    python benchmarks/engine_plain_step.py --by-chunk --configs plain default forced --rounds 4 --max-new-tokens 160
+    python benchmarks/engine_plain_step.py --by-chunk --configs plain dm-ngram forced --rounds 4 --max-new-tokens 160
 
 `--by-round` runs the 8-client rounds (the engines alternating round by round, as the default
 mode does) and splits each engine's time into its parts: the admission step (8 prefills and the
 first chunk), then every later chunk by kind; prints each part's time against plain decoding's:
 
-    python benchmarks/engine_plain_step.py --by-round --configs plain plain#2 default --rounds 12
+    python benchmarks/engine_plain_step.py --by-round --configs plain plain#2 dm-ngram --rounds 12
 """
 
 from __future__ import annotations
