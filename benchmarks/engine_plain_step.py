@@ -98,6 +98,9 @@ def main() -> None:
     p.add_argument("--prompts", choices=("chat", "humaneval"), default="chat",
                    help="the first 8 general chat prompts, or the first 8 HumanEval problems")
     p.add_argument("--by-chunk", action="store_true", help="time chunks one by one, the engines alternating")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the requests' temperature (> 0: each request seeded by its round and client, so every "
+                        "engine gets the same ones); the client mode only")
     p.add_argument("--by-round", action="store_true",
                    help="8-client rounds, each engine's time split into admissions and chunks by kind")
     args = p.parse_args()
@@ -142,7 +145,8 @@ def main() -> None:
             for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
                 engine = engines[name]
                 for i in range(clients):
-                    engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=args.max_new_tokens, ignore_eos=True)
+                    engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=args.max_new_tokens, ignore_eos=True,
+                                  **sampled(args.temperature, r, i))
                 start = time.perf_counter()
                 engine.run_all()
                 speeds[name].append(args.max_new_tokens * clients / (time.perf_counter() - start))
@@ -189,6 +193,11 @@ def by_chunk(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> 
               ", ".join(f"{kind}: {len(v)} chunks, median {1e3 * statistics.median(v):.1f} ms"
                         for kind, v in kinds.items()), flush=True)
     return report
+
+
+def sampled(temperature: float, r: int, i: int) -> dict:
+    """A request's sampling keywords: none for greedy; else the temperature and a seed of its own."""
+    return {} if temperature <= 0 else dict(temperature=temperature, seed=1000 * r + i)
 
 
 def timed_step(engine) -> tuple[str, float]:
