@@ -8,7 +8,8 @@
 Kinds are entries of `spec_jax.drafters.registry`; the loaders of the built-in ones are here.
 The default drafter and tree come from the measured table `assets/measured_defaults.json`.
 `spec-jax generate` without `--drafter` uses `default_drafter_choice`, so the API and the command
-line pick the same drafter for the same call.
+line pick the same drafter for the same call; `spec-jax serve` uses it with `engine=True` (the
+table's entries measured on the serving engine, by slots, where a backend has them).
 """
 
 from __future__ import annotations
