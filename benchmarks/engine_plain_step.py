@@ -100,7 +100,7 @@ def main() -> None:
     p.add_argument("--by-chunk", action="store_true", help="time chunks one by one, the engines alternating")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the requests' temperature (> 0: each request seeded by its round and client, so every "
-                        "engine gets the same ones); the client mode only")
+                        "engine gets the same ones)")
     p.add_argument("--by-round", action="store_true",
                    help="8-client rounds, each engine's time split into admissions and chunks by kind")
     args = p.parse_args()
@@ -136,17 +136,15 @@ def main() -> None:
 
     report = {}
     if args.by_chunk:
-        report["by_chunk"] = by_chunk(engines, prompts, args.rounds, args.max_new_tokens)
+        report["by_chunk"] = by_chunk(engines, prompts, args.rounds, args.max_new_tokens, args.temperature)
     if args.by_round:
-        report["by_round"] = by_round(engines, prompts, args.rounds, args.max_new_tokens)
+        report["by_round"] = by_round(engines, prompts, args.rounds, args.max_new_tokens, args.temperature)
     for clients in [] if args.by_chunk or args.by_round else args.clients:
         speeds = {name: [] for name in engines}
         for r in range(args.rounds):
             for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
                 engine = engines[name]
-                for i in range(clients):
-                    engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=args.max_new_tokens, ignore_eos=True,
-                                  **sampled(args.temperature, r, i))
+                submit_round(engine, prompts, r, clients, args.max_new_tokens, args.temperature)
                 start = time.perf_counter()
                 engine.run_all()
                 speeds[name].append(args.max_new_tokens * clients / (time.perf_counter() - start))
@@ -166,14 +164,13 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps({"args": vars(args), "clients": report}, indent=1) + "\n")
 
 
-def by_chunk(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> dict:
+def by_chunk(engines: dict, prompts: list, rounds: int, max_new_tokens: int, temperature: float) -> dict:
     """Each engine's chunk times by kind (plain / probe / draft / probe+draft), the engines' chunks
     alternating one by one (the order reversed every other round), chunks with all 8 slots busy."""
     times: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
     for r in range(rounds):
         for engine in engines.values():
-            for i in range(8):
-                engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=max_new_tokens, ignore_eos=True)
+            submit_round(engine, prompts, r, 8, max_new_tokens, temperature)
             engine.step()  # the admissions and a first chunk, not timed
         order = list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))
         while any(engine.has_work() for engine in engines.values()):
@@ -195,9 +192,12 @@ def by_chunk(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> 
     return report
 
 
-def sampled(temperature: float, r: int, i: int) -> dict:
-    """A request's sampling keywords: none for greedy; else the temperature and a seed of its own."""
-    return {} if temperature <= 0 else dict(temperature=temperature, seed=1000 * r + i)
+def submit_round(engine, prompts: list, r: int, clients: int, max_new_tokens: int, temperature: float) -> None:
+    """Round r's requests, one per client (sampled ones seeded by round and client, so every
+    engine gets the same ones)."""
+    for i in range(clients):
+        sampled = {} if temperature <= 0 else dict(temperature=temperature, seed=1000 * r + i)
+        engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=max_new_tokens, ignore_eos=True, **sampled)
 
 
 def timed_step(engine) -> tuple[str, float]:
@@ -213,7 +213,7 @@ def timed_step(engine) -> tuple[str, float]:
     return kind or "plain", elapsed
 
 
-def by_round(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> dict:
+def by_round(engines: dict, prompts: list, rounds: int, max_new_tokens: int, temperature: float) -> dict:
     """Each engine's time in 8-client rounds (the engines alternating round by round, the order
     reversed every other round), split into the admission step (the prefills and the first chunk)
     and the later chunks by kind; each part's time over plain decoding's total."""
@@ -221,8 +221,7 @@ def by_round(engines: dict, prompts: list, rounds: int, max_new_tokens: int) -> 
     totals: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(rounds):
         for name, engine in (list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))):
-            for i in range(8):
-                engine.submit(prompts[(r + i) % len(prompts)], max_new_tokens=max_new_tokens, ignore_eos=True)
+            submit_round(engine, prompts, r, 8, max_new_tokens, temperature)
             start, first = time.perf_counter(), True
             while engine.has_work():
                 kind, elapsed = timed_step(engine)

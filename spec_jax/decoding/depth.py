@@ -60,10 +60,11 @@ Exploration: a K = 0 step observes nothing, so the policy probes.
   that depth (the deepest of equally cheap ones), at a cost of about 1 / probe_every of the time
   (a sampled token matching a sampled draft would underrate the drafts' acceptance).
 Each probe in a row after which drafting still promises the batch's live rows less than a plain
-step (`promise`, with the acceptance the probe observed) doubles the wait, up to 2^probe_backoff times (default 2x: a
-drafter that is never right, or right too seldom to pay, is probed half as often; 8x starved
-code prompts of probes), and one after which drafting pays resets it. A plain step's value gets
-a head start (`margin`): near break-even, noisy costs and acceptance made drafting steps lose.
+step (`promise`, with the acceptance the probe observed, by the throughput objective whatever
+the entry point's) doubles the wait, up to 2^probe_backoff times (default 2x: a drafter that is
+never right, or right too seldom to pay, is probed half as often; 8x starved code prompts of
+probes), and one after which drafting pays resets it. A plain step's value gets a head start
+(`margin`): near break-even, noisy costs and acceptance made drafting steps lose.
 
 Drafter state across K = 0 steps. A drafter whose cache is fed from committed tokens alone (the
 draft model) is left behind by plain steps and catches up when it drafts again (`catches_up`,
@@ -384,7 +385,8 @@ def _observe(policy: AdaptiveDepth, state: DepthState, observe: jax.Array, accep
     """The acceptance averages after the rows in `observe` [B] saw `accepted` of `tried`
     drafts [B] from draft source `source` [B] (a drafting step or a closed shadow probe);
     `missed` counts such observations in a row after which drafting at no depth promises the
-    batch's `live` rows more than a plain step (`promise`)."""
+    batch's `live` rows more than a plain step (`promise` by throughput: the rows' remaining
+    tokens, which the "finish" objective also weighs, do not reach the record)."""
     decay = policy.decay
     observed = jnp.any(observe)
     sources = state.accepted_ema.shape[1]
