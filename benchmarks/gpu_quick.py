@@ -6,8 +6,8 @@ in its own process under a hard time budget, each result on disk the moment its 
     python benchmarks/gpu_quick.py --target random:tiny --dtype float32 --smoke --out /tmp/q   # CPU check
     tpu_scripts/gpu_host.sh --quick [--host USER@HOST]            # the same over ssh, results copied back
 
-The steps (the timed steps' budgets sum to 320 s, after a 150 s warm phase: 470 s, so the suite ends
-inside 8 minutes, compiles included):
+The steps (the timed steps' budgets sum to 280 s, after a 190 s warm phase: 470 s, so the suite ends
+inside 8 minutes, compiles included; a step may also spend what the phases before it left unspent):
  1. ar_floor      plain decoding (the real loop, batch 1) against the weight-bandwidth floor
                   (parameter bytes / measured copy bandwidth); Qwen3-8B shapes
  2. dflash_trees  the loop's DFlash step (block 16, 5 layers) as a chain and as trees of 16 and 32
@@ -25,13 +25,15 @@ budget on two compiles. `--preset`/`--target` puts every step on one target inst
 models of real shapes (`random:PRESET`), so nothing but the repository travels; with random
 weights a drafter accepts (almost) nothing, so the DFlash figures are step costs, not speedups.
 
-Before the steps, a warm phase (--warm-budget, default 150 s; 0 = none) runs every step but
+Before the steps, a warm phase (--warm-budget, default 190 s; 0 = none) runs every step but
 exactness, --warm-jobs (6) processes at a time in priority order, dflash_trees as one process per
 (batch, tree), each measurement run once, so their programs compile side by side into the
 persistent cache; the timed steps then load them. Exactness runs beside it. A cold H100 run
-without it spent every budget compiling (about 25 s per 1B loop program); with ten processes at
-once only three finished in 150 s. The small-target steps compile with --fast-compile-flags
-(Triton GEMMs off: cuBLAS, no Triton autotuning); ar_floor keeps XLA's defaults.
+without it spent every budget compiling (30-70 s per 1B loop program alone); side by side, six at
+a time, ~15 programs compiled in 150 s. The seconds the warm phase and each step leave unspent go
+to the next step, which still ends where the budgets so far end: the steps after it keep theirs.
+--fast-compile-flags gives the small-target steps extra XLA flags (none by default: Triton GEMMs
+off, tried in session 24, ran the 1B step 1.77x slower on an H100 and compiled no faster).
 Every step's log has a line per measurement with the seconds since the step began and its
 compile tally (programs, cache hits, compile seconds), and the target's load time.
 
@@ -84,14 +86,13 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
 MIN_START_S = 5.0  # a step is not started with less time than this left in --total
-WARM_BUDGET_S = 150.0  # the warm phase: the slowest group of compiles (an 8B loop: 30-50 s) and its load
+WARM_BUDGET_S = 190.0  # the warm phase; side by side the H100 compiled ~15 programs in 150 s, one alone 30-70 s
 DEFAULT_TOTAL_S = 470.0  # with a warm phase: the whole suite inside 8 minutes
-# The second H100 lease (2026-11-26, session 24): compiled alone, a 1B loop program took 30-50 s
-# (batch-8 plain decoding: 50 s), and ten warm-phase processes side by side finished 3 in 150 s.
-# XLA:GPU compiles and times many Triton configurations per matmul fusion; with Triton GEMMs off
-# the matmuls go to cuBLAS, whose algorithm choice is cheap (NVIDIA's JAX-Toolbox recommends the
-# flag). Applied to the small-target steps only, so ar_floor stays XLA's default program.
-FAST_COMPILE_FLAGS = "--xla_gpu_enable_triton_gemm=false"
+# XLA flags for the small-target steps only (--fast-compile-flags), off by default. Session 24 set
+# Triton GEMMs off here to compile faster; the H100 lease of session 32 measured the opposite: the
+# 1B batch-1 step ran 3.69 ms against 2.09 ms with XLA's defaults (1.77x slower: cuBLAS for the
+# T = 1 matmuls), and a 1B loop program still took 29-106 s to compile (67 s alone for batch 8's chain).
+FAST_COMPILE_FLAGS = ""
 WARM_JOBS = 6  # warm-phase processes at once, started in priority order
 NEEDED_MODULES = ("jax", "flax", "optax", "orbax", "numpy", "tqdm")
 
@@ -145,14 +146,16 @@ class Step:
     fast_compile: bool = False  # compiled with --fast-compile-flags (the small-target steps)
 
 
-# Budgets from the H100 run of 2026-11-26 (session 23), programs from the warm cache: ar_floor took
-# 12 s, verify_cost 8, capacity 19; dflash_trees and engine ran out at 90 s with rows left.
+# Budgets from the H100 run of session 32 (2026-11-27), programs from the warm cache: ar_floor took
+# 13 s, verify_cost 9, capacity 22, dflash_trees ~45 and engine ~30 (the rerun: 62 with one program
+# compiled). A step may also spend what the steps before it left unspent (run_suite), so short
+# budgets cost nothing where a step finishes early and the warm phase gets the time compiles need.
 STEPS = (  # priority order: the suite runs them in this order
-    Step("ar_floor", 50, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
+    Step("ar_floor", 30, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
     Step("dflash_trees", 110, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8", True),
-    Step("verify_cost", 25, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1", True),
-    Step("capacity", 40, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention", True),
-    Step("engine", 95, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash", True),
+    Step("verify_cost", 20, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1", True),
+    Step("capacity", 30, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention", True),
+    Step("engine", 90, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash", True),
     # Times nothing, so it runs during the warm phase when there is one (its budget: the phase's).
     Step("exactness", 150, None, "pytest: live attention, greedy speculative == AR (float32), trees", True),
 )
@@ -773,8 +776,11 @@ def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], start
         headline = (r.get("headline") or "").replace("|", "/")
         tally = r.get("compilation")
         compiled = f"{tally['programs']} ({tally['cache_hits']})" if tally else "-"
+        # "own + earlier steps' unspent" where a step was given more than its own budget.
+        extra = r["budget_s"] - r.get("own_budget_s", r["budget_s"])
+        budget = f"{r['budget_s']:.0f}" + (f" ({r['own_budget_s']:.0f} + {extra:.0f})" if extra >= 0.5 else "")
         lines.append(f"| {i} | {r['step']} | {r.get('target') or '-'} | {r['status']} | "
-                     f"{r['seconds']:.0f} / {r['budget_s']:.0f} | {compiled} | {headline} |")
+                     f"{r['seconds']:.0f} / {budget} | {compiled} | {headline} |")
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     if args.archive:
         write_archive(args.out, args.archive)
@@ -832,6 +838,11 @@ def run_suite(args: argparse.Namespace, selected: list[Step]) -> int:
         print(f"{'warm phase':<13} {done}/{len(args.warm_record['processes'])} ok {args.warm_record['seconds']:6.1f} s / "
               f"{args.warm_record['budget_s']:.0f} s  (programs compiled side by side into the cache)", flush=True)
     beside = args.warm_record.pop("beside", None) if getattr(args, "warm_record", None) else None
+    # What the warm phase and each step leave of their budgets passes to the next step: a step that
+    # finishes early (its programs from the cache) lets a later one finish a compile. A step still
+    # ends by the sum of its own and its predecessors' budgets, so the steps after it keep theirs.
+    banked = max(args.warm_record["budget_s"] - args.warm_record["seconds"], 0.0) if getattr(
+        args, "warm_record", None) else 0.0
     for step in selected:
         left = args.total - (time.monotonic() - t0)
         if beside is not None and step.name == beside["step"]:
@@ -839,7 +850,11 @@ def run_suite(args: argparse.Namespace, selected: list[Step]) -> int:
         elif left < MIN_START_S:
             record = skipped(step, args, f"the suite's {args.total:.0f} s were spent")
         else:
-            record = run_step(step, args, env, min(budgets[step.name], left))
+            budget = min(budgets[step.name] + banked, left)
+            record = run_step(step, args, env, budget)
+            record["own_budget_s"] = round(budgets[step.name], 1)
+            banked = max(budget - record["seconds"], 0.0)
+            write_json(args.out / f"{step.name}.json", record)
         records.append(record)
         write_summary(args, records, started, time.monotonic() - t0)
         print(f"{step.name:<13} {record['status']:<9} {record['seconds']:6.1f} s / {record['budget_s']:.0f} s  "
@@ -930,8 +945,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-jobs", type=positive_int, default=WARM_JOBS, metavar="N",
                    help=f"warm-phase processes at once, started in priority order (default: {WARM_JOBS})")
     p.add_argument("--fast-compile-flags", default=FAST_COMPILE_FLAGS, metavar="FLAGS",
-                   help="XLA flags for the small-target steps (dflash_trees, verify_cost, capacity, engine, "
-                        f"exactness), to compile faster (default: {FAST_COMPILE_FLAGS!r}; '' = XLA's defaults)")
+                   help="XLA flags for the small-target steps only (dflash_trees, verify_cost, capacity, engine, "
+                        "exactness), e.g. a compile-time variant to compare (default: none; Triton GEMMs off "
+                        "ran the 1B step 1.77x slower on an H100 and compiled no faster)")
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # a warm-phase child
     p.add_argument("--skip-ar", action="store_true", help=argparse.SUPPRESS)  # dflash_trees without its AR row
     p.add_argument("--archive", type=Path, default=None, metavar="FILE.tar.gz",
