@@ -42,9 +42,12 @@ def loop_step_seconds(target: Any, prompts: list[list[int]], drafter: Any, param
             "tau": long.stats.tau, "prefill_s": short.generate_s}
 
 
-def shaped_drafter(target_cfg: Any, block_size: int, layers: int, dtype: str, tree: Any = 0):
+def shaped_drafter(target_cfg: Any, block_size: int, layers: int, dtype: str, tree: Any = 0,
+                   draft_vocab: int = 0):
     """(drafter, random params) of a DFlash drafter shaped like the published ones for the target
-    (see the module docstring); `tree` as `DFlashDrafter` takes it (0 = a chain)."""
+    (see the module docstring); `tree` as `DFlashDrafter` takes it (0 = a chain); `draft_vocab`
+    > 0 gives it its own head over that many tokens (speculators' reduced draft vocabulary)
+    instead of the target's LM head."""
     from spec_jax.drafters.dflash import DFlashDrafter, default_target_layer_ids, init_dflash_params
     from spec_jax.training.run import smollm2_dflash_config
 
@@ -52,7 +55,8 @@ def shaped_drafter(target_cfg: Any, block_size: int, layers: int, dtype: str, tr
     n = target_cfg.num_layers
     # Clamped into the target's layers: the default spread runs below 0 under 4 layers (random:tiny).
     ids = tuple(sorted({min(max(i, 0), n - 1) for i in default_target_layer_ids(n, layers)}))
-    cfg = dataclasses.replace(shaped, layer=shaped.layer.replace(dtype=dtype), target_layer_ids=ids)
+    cfg = dataclasses.replace(shaped, layer=shaped.layer.replace(dtype=dtype), target_layer_ids=ids,
+                              draft_vocab_size=draft_vocab or None)
     return DFlashDrafter(cfg, tree=tree), init_dflash_params(cfg, jax.random.key(0))
 
 

@@ -49,7 +49,8 @@ OUT/jax_cache), and XLA:GPU's autotuning results to OUT/autotune_cache: a second
 Opt-in probes (issue 46 part 3; never in the default run): `--steps ar_profile` times the AR step
 and traces it with jax.profiler, reporting kernels per step, their busy time and the gaps between
 them; `--steps dflash_profile` does the same for the DFlash chain and the trees in --trees (default
-0,32: the chain and a tree of 32), with each one's costliest kernels per step, at Qwen3-8B shapes;
+0,32: the chain and a tree of 32), with each one's costliest kernels per step, at Qwen3-8B shapes,
+and with `--draft-vocabs 0,32768` each also with the drafter's own head over 32768 tokens;
 `--xla-flags="..."` runs the steps under extra XLA flags (a command-buffer variant, say) so
 two runs with different --out compare them. `--batches` / `--trees` resize dflash_trees, e.g.
 `--preset qwen3-8b --steps dflash_trees --batches 1 --trees 0,32` for the 8B step targets.
@@ -69,6 +70,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import re
@@ -303,12 +305,14 @@ def step_dflash_profile(rec: Recorder, target: Any, s: Settings, args: argparse.
 
     from spec_jax.decoding.generate import default_capacity, generate
 
-    chain, params = shaped_drafter(target.cfg, s.block_size, s.draft_layers, args.dtype)
     trees = args.trees or (0, 32)
     capacity = default_capacity(s.context, s.new_tokens * s.block_size, max(trees + (s.block_size,)))
     prompts = random_prompts(target, 1, s.context)
     methods: dict[str, Any] = {}
-    for tree in trees:
+    # --draft-vocabs: the drafter's own head over the first N tokens instead of the target's LM head
+    # (0), to price the chain's second LM-head read (1.24 GB at Qwen3-8B shapes, 0.41 ms on an H100).
+    for vocab, tree in itertools.product(args.draft_vocabs or (0,), trees):
+        chain, params = shaped_drafter(target.cfg, s.block_size, s.draft_layers, args.dtype, draft_vocab=vocab)
         drafter = dataclasses.replace(chain, tree=tree)
         timing = loop_step_seconds(target, prompts, drafter, params, new_tokens=s.new_tokens, capacity=capacity,
                                    repeats=s.repeats)  # compiles and warms the program traced below
@@ -325,7 +329,7 @@ def step_dflash_profile(rec: Recorder, target: Any, s: Settings, args: argparse.
             return device_activity(run), box["out"].loop_steps
 
         (short, short_steps), (long, long_steps) = traced(1), traced(s.new_tokens)
-        label = f"tree {tree}" if tree else f"chain K={chain.k}"
+        label = (f"tree {tree}" if tree else f"chain K={chain.k}") + (f", draft vocab {vocab}" if vocab else "")
         if not long["device_lines"]:
             methods[label] = {"step_ms": ms, "trace": "no device activity (a CPU run)"}
         else:
@@ -580,6 +584,7 @@ def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] 
     batches, trees = batches or args.batches, trees or args.trees
     cmd += ["--batches", ",".join(map(str, batches))] if batches else []
     cmd += ["--trees", ",".join(map(str, trees))] if trees else []
+    cmd += ["--draft-vocabs", ",".join(map(str, args.draft_vocabs))] if args.draft_vocabs else []
     return cmd + (["--smoke"] if args.smoke else []) + (["--skip-ar"] if skip_ar else []) + (["--warm"] if warm else [])
 
 
@@ -937,6 +942,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int_list, default=None, help="dflash_trees' batch sizes (default: 1,8)")
     p.add_argument("--trees", type=int_list, default=None,
                    help="dflash_trees' trees, 0 = the chain (default: 0,16,32)")
+    p.add_argument("--draft-vocabs", type=int_list, default=None,
+                   help="dflash_profile's drafter heads: 0 = the target's LM head (default), N = its own head "
+                        "over N tokens (e.g. 0,32768 prices the chain's second LM-head read)")
     p.add_argument("--xla-flags", default="", metavar="FLAGS",
                    help="appended to every step's XLA_FLAGS (e.g. a command-buffer variant to compare)")
     p.add_argument("--warm-budget", type=float, default=WARM_BUDGET_S, metavar="SECONDS",

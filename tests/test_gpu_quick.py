@@ -127,3 +127,16 @@ def test_no_step_starts_once_the_suites_time_is_spent(tmp_path):
     summary = records(out)
     assert [s["status"] for s in summary.values()] == ["timed out", "skipped"], run.stdout
     assert summary["verify_cost"]["reason"] == "the suite's 5 s were spent"
+
+
+def test_the_dflash_profile_probe_runs_with_a_reduced_draft_head(tmp_path):
+    """The opt-in DFlash probe end to end (on a CPU it times the steps; no device trace): each
+    (draft vocabulary, tree) pair is one method, the reduced head labelled with its size."""
+    out = tmp_path / "quick"
+    run = run_quick(out, "--steps", "dflash_profile", "--trees", "0", "--draft-vocabs", "0,64", "--warm-budget", "0")
+    assert run.returncode == 0, run.stdout + run.stderr
+    record = records(out)["dflash_profile"]
+    methods = record["result"]["methods"]
+    assert list(methods) == ["chain K=7", "chain K=7, draft vocab 64"], methods
+    assert all(m["step_ms"] > 0 for m in methods.values())
+    assert "--draft-vocabs 0,64" in record["command"]

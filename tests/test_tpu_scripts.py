@@ -195,7 +195,9 @@ def test_gpu_quick_opt_in_probes_and_xla_flags(tmp_path):
     flags = f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'q' / 'autotune_cache'} " \
             "--xla_gpu_graph_min_graph_size=1'"
     assert "XLA_FLAGS=" in out.stdout and flags in out.stdout
-    assert "--batches 1 --trees 0,32" in out.stdout
+    assert "--batches 1 --trees 0,32" in out.stdout and "--draft-vocabs" not in out.stdout
+    vocab = run_quick("--dry-run", "--steps", "dflash_profile", "--draft-vocabs", "0,32768")
+    assert "--run-step dflash_profile" in vocab.stdout and "--draft-vocabs 0,32768" in vocab.stdout
     default = run_quick("--dry-run")
     assert "ar_profile" not in default.stdout
 
