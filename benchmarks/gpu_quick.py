@@ -6,7 +6,7 @@ in its own process under a hard time budget, each result on disk the moment its 
     python benchmarks/gpu_quick.py --target random:tiny --dtype float32 --smoke --out /tmp/q   # CPU check
     tpu_scripts/gpu_host.sh --quick [--host USER@HOST]            # the same over ssh, results copied back
 
-The steps (the timed steps' budgets sum to 280 s, after a 190 s warm phase: 470 s, so the suite ends
+The steps (the timed steps' budgets sum to 260 s, after a 210 s warm phase: 470 s, so the suite ends
 inside 8 minutes, compiles included; a step may also spend what the phases before it left unspent):
  1. ar_floor      plain decoding (the real loop, batch 1) against the weight-bandwidth floor
                   (parameter bytes / measured copy bandwidth); Qwen3-8B shapes
@@ -25,10 +25,11 @@ budget on two compiles. `--preset`/`--target` puts every step on one target inst
 models of real shapes (`random:PRESET`), so nothing but the repository travels; with random
 weights a drafter accepts (almost) nothing, so the DFlash figures are step costs, not speedups.
 
-Before the steps, a warm phase (--warm-budget, default 190 s; 0 = none) runs every step but
+Before the steps, a warm phase (--warm-budget, default 210 s; 0 = none) runs every step but
 exactness, --warm-jobs (6) processes at a time in priority order, dflash_trees as one process per
-(batch, tree), each measurement run once, so their programs compile side by side into the
-persistent cache; the timed steps then load them. Exactness runs beside it. A cold H100 run
+batch for its AR rows and one per (batch, tree), the engine one per concurrency, each measurement
+run once, so their programs compile side by side into the persistent cache; the timed steps then
+load them. Exactness runs beside it. A cold H100 run
 without it spent every budget compiling (30-70 s per 1B loop program alone); side by side, six at
 a time, ~15 programs compiled in 150 s. The seconds the warm phase and each step leave unspent go
 to the next step, which still ends where the budgets so far end: the steps after it keep theirs.
@@ -88,12 +89,12 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
 MIN_START_S = 5.0  # a step is not started with less time than this left in --total
-WARM_BUDGET_S = 190.0  # the warm phase; side by side the H100 compiled ~15 programs in 150 s, one alone 30-70 s
+WARM_BUDGET_S = 210.0  # the warm phase; side by side the H100 compiled ~15 programs in 150 s, one alone 30-70 s
 DEFAULT_TOTAL_S = 470.0  # with a warm phase: the whole suite inside 8 minutes
-# XLA flags for the small-target steps only (--fast-compile-flags), off by default. Session 24 set
-# Triton GEMMs off here to compile faster; the H100 lease of session 32 measured the opposite: the
-# 1B batch-1 step ran 3.69 ms against 2.09 ms with XLA's defaults (1.77x slower: cuBLAS for the
-# T = 1 matmuls), and a 1B loop program still took 29-106 s to compile (67 s alone for batch 8's chain).
+# XLA flags for the small-target steps only (--fast-compile-flags), none by default. Session 24 set
+# Triton GEMMs off here to compile faster; the H100 lease of session 32 measured the opposite: every
+# 1B figure 1.5-1.9x slower than with XLA's defaults (batch-1 AR 3.69 ms against 2.09), and a 1B
+# loop program still took 29-106 s to compile (67 s alone for batch 8's chain).
 FAST_COMPILE_FLAGS = ""
 WARM_JOBS = 6  # warm-phase processes at once, started in priority order
 NEEDED_MODULES = ("jax", "flax", "optax", "orbax", "numpy", "tqdm")
@@ -154,10 +155,10 @@ class Step:
 # budgets cost nothing where a step finishes early and the warm phase gets the time compiles need.
 STEPS = (  # priority order: the suite runs them in this order
     Step("ar_floor", 30, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
-    Step("dflash_trees", 110, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8", True),
+    Step("dflash_trees", 100, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8", True),
     Step("verify_cost", 20, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1", True),
     Step("capacity", 30, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention", True),
-    Step("engine", 90, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash", True),
+    Step("engine", 80, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash", True),
     # Times nothing, so it runs during the warm phase when there is one (its budget: the phase's).
     Step("exactness", 150, None, "pytest: live attention, greedy speculative == AR (float32), trees", True),
 )
@@ -400,20 +401,24 @@ def step_dflash_trees(rec: Recorder, target: Any, s: Settings, args: argparse.Na
     from spec_jax.decoding.generate import default_capacity
 
     chain, params = shaped_drafter(target.cfg, s.block_size, s.draft_layers, args.dtype)
-    # Every step may commit a whole block; a tree's pass writes its nodes past the last token.
-    # generate's own rounding, so the AR program may be one another step compiled (the cache has it).
+    # Every step may commit a whole block; a tree's pass writes its nodes past the last token. From
+    # every tree, not the part a warm-phase child runs: the same programs as the timed step's.
     capacity = default_capacity(s.context, s.new_tokens * s.block_size, max(s.trees + (s.block_size,)))
+    # A warm-phase child runs one part: the AR rows ("ar") or one tree ("t16"); the timed step all.
+    run_ar, trees = args.part in (None, "ar"), s.trees
+    if args.part is not None:
+        trees = () if args.part == "ar" else (int(args.part.removeprefix("t")),)
     rows: list[dict[str, Any]] = []
     for batch in s.batches:
         prompts = random_prompts(target, batch, s.context)
         timing = dict(new_tokens=s.new_tokens, capacity=capacity, repeats=s.repeats)
         ar_s = None
-        if not args.skip_ar:
+        if run_ar:
             ar_s = loop_step_seconds(target, prompts, None, None, **timing)["step_s"]
             rows.append({"batch": batch, "method": "AR", "step_ms": 1e3 * ar_s, "vs_ar": 1.0, "tau": 1.0})
         rec.update(dflash_headline(rows), rows=rows, block_size=s.block_size, draft_layers=s.draft_layers,
                    capacity=capacity)
-        for tree in s.trees:
+        for tree in trees:
             r = loop_step_seconds(target, prompts, dataclasses.replace(chain, tree=tree), params, **timing)
             rows.append({"batch": batch, "method": f"tree {tree}" if tree else f"chain K={chain.k}",
                          "tree": tree, "step_ms": 1e3 * r["step_s"],
@@ -551,8 +556,9 @@ def run_one_step(args: argparse.Namespace) -> int:
     spec = step_target(step, args)
     out = args.out / "warm" if args.warm else args.out
     out.mkdir(parents=True, exist_ok=True)
-    tag = "".join(f"-{k}{','.join(map(str, v))}" for k, v in (("b", args.batches), ("t", args.trees))
-                  if v and args.warm)
+    parts = (("b", args.batches), ("c", args.concurrency))
+    tag = "".join(f"-{k}{','.join(map(str, v))}" for k, v in parts if v and args.warm) + (
+        f"-{args.part}" if args.part and args.warm else "")
     rec = Recorder(out / f"{step.name}{tag}.json", step.name, spec)
     target = load_target(rec, spec, args.dtype) if spec is not None else None
     sizes = SMOKE if args.smoke else FULL
@@ -560,6 +566,8 @@ def run_one_step(args: argparse.Namespace) -> int:
         sizes = dataclasses.replace(sizes, batches=args.batches)
     if args.trees:
         sizes = dataclasses.replace(sizes, trees=args.trees)
+    if args.concurrency:
+        sizes = dataclasses.replace(sizes, concurrency=args.concurrency)
     if args.warm:  # the same programs, each measurement run once: the compiles are the point
         sizes = dataclasses.replace(sizes, repeats=1)
     STEP_FUNCTIONS[step.name](rec, target, sizes, args)
@@ -576,16 +584,18 @@ def step_target(step: Step, args: argparse.Namespace) -> str | None:
 
 
 def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] | None = None,
-                 trees: tuple[int, ...] | None = None, warm: bool = False, skip_ar: bool = False) -> list[str]:
+                 warm: bool = False, part: str | None = None, concurrency: tuple[int, ...] | None = None) -> list[str]:
     cmd = [sys.executable, str(SCRIPT), "--run-step", step.name, "--dtype", args.dtype, "--out", str(args.out)]
     target = step_target(step, args)
     if target is not None:
         cmd += ["--target", target]
-    batches, trees = batches or args.batches, trees or args.trees
+    batches, concurrency = batches or args.batches, concurrency or args.concurrency
     cmd += ["--batches", ",".join(map(str, batches))] if batches else []
-    cmd += ["--trees", ",".join(map(str, trees))] if trees else []
+    cmd += ["--trees", ",".join(map(str, args.trees))] if args.trees else []
+    cmd += ["--concurrency", ",".join(map(str, concurrency))] if concurrency else []
     cmd += ["--draft-vocabs", ",".join(map(str, args.draft_vocabs))] if args.draft_vocabs else []
-    return cmd + (["--smoke"] if args.smoke else []) + (["--skip-ar"] if skip_ar else []) + (["--warm"] if warm else [])
+    cmd += ["--part", part] if part else []
+    return cmd + (["--smoke"] if args.smoke else []) + (["--warm"] if warm else [])
 
 
 def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -601,9 +611,11 @@ def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[tuple[
             continue
         if step.name == "dflash_trees":
             for batch in args.batches or sizes.batches:
-                for i, tree in enumerate(args.trees or sizes.trees):
-                    commands.append((f"{step.name}-b{batch}-t{tree}",
-                                     step_command(step, args, (batch,), (tree,), warm=True, skip_ar=i > 0)))
+                commands += [(f"{step.name}-b{batch}-{part}", step_command(step, args, (batch,), warm=True, part=part))
+                             for part in ["ar", *(f"t{tree}" for tree in args.trees or sizes.trees)]]
+        elif step.name == "engine":
+            commands += [(f"{step.name}-c{n}", step_command(step, args, warm=True, concurrency=(n,)))
+                         for n in args.concurrency or sizes.concurrency]
         else:
             commands.append((step.name, step_command(step, args, warm=True)))
     return commands
@@ -940,6 +952,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=None, metavar="DIR|off",
                    help="JAX persistent compilation cache for the steps (default: OUT/jax_cache)")
     p.add_argument("--batches", type=int_list, default=None, help="dflash_trees' batch sizes (default: 1,8)")
+    p.add_argument("--concurrency", type=int_list, default=None,
+                   help="the engine step's concurrent requests (default: 1,8,32)")
     p.add_argument("--trees", type=int_list, default=None,
                    help="dflash_trees' trees, 0 = the chain (default: 0,16,32)")
     p.add_argument("--draft-vocabs", type=int_list, default=None,
@@ -957,7 +971,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "exactness), e.g. a compile-time variant to compare (default: none; Triton GEMMs off "
                         "ran the 1B step 1.77x slower on an H100 and compiled no faster)")
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # a warm-phase child
-    p.add_argument("--skip-ar", action="store_true", help=argparse.SUPPRESS)  # dflash_trees without its AR row
+    # A warm-phase child's share of dflash_trees: "ar" (the AR rows) or "tN" (tree N, 0 = the chain).
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--archive", type=Path, default=None, metavar="FILE.tar.gz",
                    help="also write the results (JSON, logs, summaries, not the caches) to this archive after "
                         "every step (for a lease whose tool brings back only a few files)")
