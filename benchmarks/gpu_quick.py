@@ -600,10 +600,10 @@ def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] 
 
 def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """The warm phase's processes: every selected step but `exactness` (pytest compiles its own
-    programs; it runs beside them as itself), dflash_trees split into one process per (batch, tree)
-    so its programs, the suite's most, compile side by side. Only a batch's first tree process
-    compiles the AR program: on the H100 three processes compiled the same one side by side, and
-    the batch-8 processes ran out of time before their own."""
+    programs; it runs beside them as itself). dflash_trees is split into one process per batch for
+    its AR rows and one per (batch, tree), the engine into one per concurrency, so no process holds
+    a queue of compiles: on the H100 (session 32) the killed ones were those with two or more in a
+    row (batch 8's AR then chain; the engine's 12 programs). Each program is compiled once."""
     sizes = SMOKE if args.smoke else FULL
     commands = []
     for step in selected:
