@@ -49,7 +49,8 @@ OUT/jax_cache), and XLA:GPU's autotuning results to OUT/autotune_cache: a second
 
 Opt-in probes (issue 46 part 3; never in the default run): `--steps ar_profile` times the AR step
 and traces it with jax.profiler, reporting kernels per step, their busy time and the gaps between
-them; `--steps dflash_profile` does the same for the DFlash chain and the trees in --trees (default
+them, and for each of the costliest kernels its instruction in the optimized HLO (what it computes,
+on which shapes); `--steps dflash_profile` does the same for the DFlash chain and the trees in --trees (default
 0,32: the chain and a tree of 32), with each one's costliest kernels per step, at Qwen3-8B shapes,
 and with `--draft-vocabs 0,32768` each also with the drafter's own head over 32768 tokens;
 `--xla-flags="..."` runs the steps under extra XLA flags (a command-buffer variant, say) so
@@ -287,7 +288,7 @@ def step_ar_profile(rec: Recorder, target: Any, s: Settings, args: argparse.Name
     if not long["device_lines"]:
         rec.update(f"AR {ar_ms:.3f} ms/step; the trace has no device activity (a CPU run)", trace=long)
         return
-    per_step = step_activity(short, long, s.new_tokens - 1, ar_ms)
+    per_step = step_activity(short, long, s.new_tokens - 1, ar_ms, newest_loop_hlo())
     rec.update(f"AR {ar_ms:.3f} ms/step: {per_step['kernels_per_step']:.0f} kernels busy "
                f"{per_step['busy_ms_per_step']:.3f} ms, gaps {per_step['gap_ms_per_step']:.3f} ms",
                **per_step, short_trace=summary_of(short), long_trace=summary_of(long))
@@ -334,24 +335,78 @@ def step_dflash_profile(rec: Recorder, target: Any, s: Settings, args: argparse.
         if not long["device_lines"]:
             methods[label] = {"step_ms": ms, "trace": "no device activity (a CPU run)"}
         else:
-            methods[label] = dict(step_ms=ms, **step_activity(short, long, long_steps - short_steps, ms))
+            methods[label] = dict(step_ms=ms, **step_activity(short, long, long_steps - short_steps, ms,
+                                                              newest_loop_hlo()))
         cells = [f"{k} {v['step_ms']:.2f} ms" + (f" ({v['kernels_per_step']:.0f} kernels, gaps "
                                                  f"{v['gap_ms_per_step']:.2f})" if "kernels_per_step" in v else "")
                  for k, v in methods.items()]
         rec.update("; ".join(cells), methods=methods, capacity=capacity, block_size=s.block_size)
 
 
-def step_activity(short: dict[str, Any], long: dict[str, Any], steps: int, step_ms: float) -> dict[str, Any]:
+def step_activity(short: dict[str, Any], long: dict[str, Any], steps: int, step_ms: float,
+                  hlo: str | None = None) -> dict[str, Any]:
     """Per loop step, from two traces that differ by `steps` steps: kernels, busy ms, the gap to
-    the measured step time, and the kernels costing the most per step."""
+    the measured step time, and the kernels costing the most per step, each with what it computes
+    (its instruction in the program's optimized HLO, `hlo`) where the name is found there."""
     busy_ms = (long["busy_ns"] - short["busy_ns"]) / steps / 1e6
     names = set(long["by_name"]) | set(short["by_name"])
     diff = {n: [(long["by_name"].get(n, (0, 0))[i] - short["by_name"].get(n, (0, 0))[i]) / steps for i in (0, 1)]
             for n in names}
     top = sorted(diff.items(), key=lambda kv: -kv[1][1])[:20]
+    sources = hlo_of_kernels(hlo, [n for n, _ in top]) if hlo else {}
     return {"kernels_per_step": (long["events"] - short["events"]) / steps, "busy_ms_per_step": busy_ms,
             "gap_ms_per_step": step_ms - busy_ms,
-            "top_kernels_per_step": [{"name": n, "count": c, "ms": ns / 1e6} for n, (c, ns) in top]}
+            "top_kernels_per_step": [{"name": n, "count": c, "ms": ns / 1e6, **sources.get(n, {})}
+                                     for n, (c, ns) in top]}
+
+
+def newest_loop_hlo() -> str | None:
+    """The optimized HLO of the loop program `generate` ran last in this process: the executable it
+    holds (nothing compiles again), or None where it cannot print itself."""
+    import spec_jax.decoding.generate  # noqa: F401 - the module, which the package's `generate` function hides
+
+    programs = sys.modules["spec_jax.decoding.generate"]._COMPILED.values()
+    try:
+        return programs[-1].as_text() if programs else None
+    except Exception:  # noqa: BLE001 - a diagnostic: the profile stands without it
+        return None
+
+
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_HLO_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def hlo_of_kernels(hlo: str, names: list[str]) -> dict[str, dict[str, str]]:
+    """Kernel names -> {"hlo": the instruction that launched it, "computes": the root of the
+    computation it calls, "operands": that computation's parameter shapes}, metadata dropped. XLA:GPU names a fusion's kernel after the fusion
+    instruction, '.' and '-' as '_' (`loop_transpose_fusion.761` -> `loop_transpose_fusion_761`);
+    library calls (cuBLAS, the top-k) have their own names and are not found."""
+    wanted, lines, roots, params, current = set(names), {}, {}, {}, None
+    for line in hlo.splitlines():
+        line = re.sub(r",? metadata=\{[^}]*\}", "", line).rstrip()
+        if line.endswith("{") and " = " not in line:  # a computation's header
+            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            continue
+        found = _HLO_INSTRUCTION.match(line)
+        if not found:
+            continue
+        if line.lstrip().startswith("ROOT ") and current is not None:
+            roots[current] = line.strip()
+        parameter = re.search(r" = (\S+) parameter\((\d+)\)", line)
+        if parameter and current is not None:
+            params.setdefault(current, {})[int(parameter.group(2))] = parameter.group(1)
+        kernel = re.sub(r"[.\-]", "_", found.group(1))
+        if kernel in wanted:
+            lines[kernel] = line.strip()
+    out = {}
+    for kernel, line in lines.items():
+        called = _HLO_CALLS.search(line)
+        out[kernel] = {"hlo": line[:400]}
+        if called and called.group(1) in roots:
+            out[kernel]["computes"] = roots[called.group(1)][:300]
+            shapes = params.get(called.group(1), {})
+            out[kernel]["operands"] = ", ".join(shapes[i] for i in sorted(shapes))[:300]
+    return out
 
 
 def device_activity(fn: Callable[[], Any]) -> dict[str, Any]:

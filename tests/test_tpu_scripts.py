@@ -214,6 +214,36 @@ def test_gpu_quick_device_busy_time_is_the_union_of_stream_intervals():
     assert covered_ns([(30, 40), (0, 10)]) == 20  # any order
 
 
+def test_gpu_quick_profiles_name_what_each_kernel_computes():
+    """The probes' top kernels carry their instruction from the program's optimized HLO: a fusion's
+    kernel is named after it with '.' and '-' as '_'. Checked on the CPU's own program text (the
+    names and the text's shape are the same there), and on the loop `generate` just ran."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
+    from gpu_quick import hlo_of_kernels, newest_loop_hlo
+
+    from spec_jax.checkpoints import load_target
+    from spec_jax.decoding.generate import generate
+
+    hlo = jax.jit(lambda x, y: jnp.swapaxes(x, 0, 1) * 2.0 + y).lower(
+        jnp.ones((3, 4)), jnp.ones((4, 3))).compile().as_text()
+    fusions = re.findall(r"%([\w.\-]+) = \S+ fusion\(", hlo)
+    assert fusions, hlo
+    kernel = re.sub(r"[.\-]", "_", fusions[0])
+    found = hlo_of_kernels(hlo, [kernel, "nvjet_tst_64x8_64x16_1x1_v_bz_TNN"])  # a cuBLAS kernel: not in HLO
+    assert list(found) == [kernel]
+    assert f"%{fusions[0]} = " in found[kernel]["hlo"] and "metadata" not in found[kernel]["hlo"]
+    assert found[kernel]["computes"].startswith("ROOT ") and found[kernel]["operands"].startswith("f32[")
+
+    generate(load_target("random:tiny", dtype="float32"), [[1, 2, 3]], max_new_tokens=2, ignore_eos=True)
+    loop = newest_loop_hlo()
+    assert loop is not None and "while" in loop
+
+
 def test_gpu_quick_exactness_cases_exist():
     """The GPU suite names test cases by id (one per drafter kind): a renamed case would leave
     the lease's exactness step collecting nothing."""
