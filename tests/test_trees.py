@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # tree_step_ops
 
 from conftest import TINY_DFLASH, VOCAB, make_prompts
 from spec_jax.decoding import generate
@@ -31,6 +36,7 @@ from spec_jax.drafters.tree import (
     static_tree,
     tree_from_logprobs,
 )
+from spec_jax.models.interface import ancestor_mask, tree_depths
 from spec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_params
 from spec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, init_medusa_params
 from test_sampling_stats import (  # noqa: F401  (e2e is a fixture)
@@ -355,6 +361,72 @@ def test_node_depths():
     np.testing.assert_array_equal(node_depths(jnp.asarray([[0, 1, 0, 3, 2]])), [[0, 1, 2, 1, 2, 3]])
 
 
+def random_trees(rng, batch, nodes, chain_bias=0.0):
+    """[B, N] parents (-1 for in-pass index 0, else an earlier node): random trees, biased towards
+    deep chains by `chain_bias` (the probability a node's parent is the node just before it)."""
+    parents = np.full((batch, nodes), -1, np.int32)
+    for b, i in itertools.product(range(batch), range(1, nodes)):
+        parents[b, i] = i - 1 if rng.random() < chain_bias else rng.integers(0, i)
+    return parents
+
+
+def test_ancestor_mask_equals_the_walk_up_on_random_forests():
+    """Pointer doubling against following each node's parents one generation at a time, on trees
+    from flat to a single chain (the deepest path, N - 1 generations) and on forests (several -1s)."""
+    rng = np.random.default_rng(0)
+    for nodes, bias in [(1, 0.0), (2, 1.0), (5, 0.5), (17, 1.0), (33, 0.0), (33, 0.9), (64, 1.0)]:
+        parents = random_trees(rng, 3, nodes, bias)
+        parents[2, nodes // 2:] = np.where(rng.random(nodes - nodes // 2) < 0.3, -1, parents[2, nodes // 2:])
+        expected = np.zeros((3, nodes, nodes), bool)
+        for b, i in itertools.product(range(3), range(nodes)):
+            j = i
+            while j >= 0:
+                expected[b, i, j] = True
+                j = parents[b, j]
+        np.testing.assert_array_equal(ancestor_mask(jnp.asarray(parents)), expected)
+        np.testing.assert_array_equal(tree_depths(ancestor_mask(jnp.asarray(parents))), expected.sum(-1) - 1)
+
+
+def reference_walk(drawn, tokens, parents, max_depth):
+    """The greedy tree walk one depth at a time (numpy): from the root, move to the first child
+    (index order) whose token is the current node's draw, up to max_depth times."""
+    batch, nodes = tokens.shape
+    num, nxt, path = np.zeros(batch, np.int32), np.zeros(batch, np.int32), np.zeros((batch, max_depth + 1), np.int32)
+    for b in range(batch):
+        cur = 0
+        for d in range(1, max_depth + 1):
+            child = next((i for i in range(1, nodes) if parents[b, i] == cur and tokens[b, i] == drawn[b, cur]), None)
+            if child is None:
+                break
+            cur, num[b], path[b, d] = child, d, child
+        nxt[b] = drawn[b, cur]
+    return num, nxt, path
+
+
+def test_greedy_tree_acceptance_equals_the_walk_on_random_trees():
+    """The all-nodes-at-once acceptance against the walk, on random trees with few token values
+    (siblings often share a token: lookup branches in front of a tree do), deep chains, and a
+    max_depth that cuts some paths."""
+    rng = np.random.default_rng(1)
+    deepest = []
+    for nodes, bias, values, max_depth in [(2, 1.0, 2, 1), (9, 0.5, 2, 3), (17, 0.8, 3, 16), (33, 0.3, 2, 15),
+                                           (33, 0.95, 2, 6), (33, 0.0, 4, 2)]:
+        parents = random_trees(rng, 8, nodes, bias)
+        tokens = rng.integers(0, values, (8, nodes)).astype(np.int32)
+        drawn = rng.integers(0, values, (8, nodes)).astype(np.int32)
+        node = nodes - 1  # row 0 draws what leads to its last node (an earlier sibling may divert it)
+        while node > 0:
+            drawn[0, parents[0, node]], node = tokens[0, node], parents[0, node]
+        probs = jax.nn.one_hot(drawn, values)  # greedy: each node's draw is its argmax
+        n, nxt, path = accept_tree(jax.random.key(0), probs, jnp.asarray(tokens), jnp.asarray(parents), max_depth)
+        ref_n, ref_nxt, ref_path = reference_walk(drawn, tokens, parents, max_depth)
+        np.testing.assert_array_equal(n, ref_n)
+        np.testing.assert_array_equal(nxt, ref_nxt)
+        np.testing.assert_array_equal(path, ref_path)
+        deepest.append(int(ref_n.max()))
+    assert max(deepest) >= 8 and deepest[-1] == 2, f"deep walks and cut ones were exercised: {deepest}"
+
+
 # ------------------------------------------------------------------ sampling end to end
 @pytest.mark.parametrize("drafter_kind,temperature,top_k,top_p", [
     # dflash_lookup: lookup branches where t1 recurs in the prompt, DFlash's best-first tree elsewhere
@@ -454,3 +526,46 @@ def test_tree_builders_keep_top_k_off_a_full_vocabulary_sort():
         hlo = jax.jit(build).lower(logprobs).compile().as_text()
         sorts = [line for line in hlo.splitlines() if " sort(" in line and str(vocab) in line]
         assert not sorts, sorts[0]
+
+
+def launched_ops(fn, *args) -> int:
+    """Operations fn's optimized (CPU) program launches: fusions, gathers, sorts... (a proxy for a
+    GPU's kernels), not the instructions that only name or pack buffers."""
+    import tree_step_ops
+
+    return tree_step_ops.launched(tree_step_ops.entry_computation(jax.jit(fn).lower(*args).compile().as_text()))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compiler regression guard")
+def test_a_trees_mask_and_walk_do_not_grow_a_round_per_node_or_depth():
+    """The ancestor mask takes log2(N) rounds and the greedy acceptance none per depth: a tree of
+    32 ran ~140 more small kernels a step than the chain on the H100 while they took a round per
+    node (the mask, the depths) and per depth (the walk) (RESULTS.md, issue 46)."""
+    def mask_ops(n):
+        return launched_ops(ancestor_mask, jnp.zeros((1, n), jnp.int32))
+
+    def walk_ops(n, depth):
+        return launched_ops(lambda p, t, par: accept_tree(jax.random.key(0), p, t, par, depth),
+                            jnp.zeros((1, n, 64)), jnp.zeros((1, n), jnp.int32), jnp.zeros((1, n), jnp.int32))
+
+    assert mask_ops(129) - mask_ops(33) <= 6, "two more doublings, not 96 more rounds"
+    assert walk_ops(33, 32) - walk_ops(33, 4) <= 2, "no round per depth"
+
+
+def test_tree_step_ops_counts_each_programs_launched_ops(tmp_path):
+    """benchmarks/tree_step_ops.py on random:tiny: each program's loop body counted by scope, and
+    the backend's own cache attention back afterwards."""
+    import tree_step_ops
+    from spec_jax.models import attention
+
+    chosen = dict(attention.LIVE_ATTENTION)
+    out = tmp_path / "ops.json"
+    assert tree_step_ops.main(["--trees", "0,8", "--block-size", "4", "--context", "16", "--new-tokens", "2",
+                               "--repeats", "1", "--json", str(out)]) == 0
+    assert attention.LIVE_ATTENTION == chosen
+    programs = json.loads(out.read_text())["programs"]
+    assert set(programs) == {"plain", "chain K=3", "tree 8"}
+    for label, row in programs.items():
+        assert row["launched"] == sum(row["by_scope"].values()) > 0 and "step_ms" in row
+        assert row["by_scope"].get("verify", 0) > 0, label
+    assert programs["tree 8"]["by_scope"].get("draft", 0) > 0 and programs["tree 8"]["by_scope"].get("accept", 0) > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from spec_jax.models.interface import ancestor_mask, tree_depths
 from spec_jax.sampling import sample, split_key, uniform
 
 
@@ -97,26 +98,32 @@ def _path_result(path: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
 
 
 def _walk_deterministic(key, target_probs, tokens, parents, max_depth):
-    """Deterministic candidates: one draw t_x ~ p_x per node, then walk down while a child of
-    the current node carries its draw."""
-    batch, nodes, _ = target_probs.shape
-    rows = jnp.arange(batch)
-    is_node = jnp.arange(nodes)[None, :] > 0
+    """Deterministic candidates: one draw t_x ~ p_x per node, then the path down from the root
+    that follows, at each node, its first child (in index order) carrying the node's draw.
+
+    All nodes at once, not one depth at a time: node y "matches" when its token is its parent's
+    draw, and is "first" when no earlier sibling matches; x is on the path when x and all its
+    ancestors are first (at most one node per depth is). A walk down max_depth levels ran about
+    five dependent small ops per level, each about a kernel on a GPU (RESULTS.md, issue 46)."""
+    nodes = target_probs.shape[1]
+    node_ids = jnp.arange(nodes)
+    is_node = node_ids[None, :] > 0
     # Step 1: one draw t_x ~ p_x per node (greedy: the argmax, whatever the key).
     drawn = sample(key, target_probs)  # [B, N+1]
-    cur = jnp.zeros((batch,), jnp.int32)
-    alive = jnp.ones((batch,), bool)
-    path = [cur]
-    # Step 2: walk down while some child of the current node carries its draw.
-    for _ in range(max_depth):
-        want = drawn[rows, cur]
-        match = is_node & (parents == cur[:, None]) & (tokens == want[:, None]) & alive[:, None]
-        found = jnp.any(match, axis=-1)
-        cur = jnp.where(found, jnp.argmax(match, axis=-1), cur).astype(jnp.int32)
-        alive &= found
-        path.append(jnp.where(found, cur, 0))
-    num_accepted, path = _path_result(path)
-    return num_accepted, drawn[rows, cur], path
+    parent = jnp.maximum(parents, 0)
+    matches = is_node & (tokens == jnp.take_along_axis(drawn, parent, axis=1))  # [B, N+1]
+    # Step 2: first matching child of its parent; on the path when every ancestor is too.
+    earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & (node_ids[None, :] < node_ids[:, None])
+    first = matches & ~jnp.any(earlier_sibling & matches[:, None, :], axis=-1)
+    mask = ancestor_mask(parents)  # [B, N+1, N+1]: node x sees x and its ancestors
+    depth = tree_depths(mask)
+    on_path = ~jnp.any(mask & ~(first | ~is_node)[:, None, :], axis=-1) & (depth <= max_depth)
+    # Step 3: the path's node at each depth (0 = none), its length and the deepest node's draw.
+    at_depth = on_path[:, :, None] & (depth[:, :, None] == jnp.arange(max_depth + 1))  # [B, N+1, D+1]
+    path = jnp.sum(jnp.where(at_depth, node_ids[None, :, None], 0), axis=1).astype(jnp.int32)
+    num_accepted = jnp.sum(on_path & is_node, axis=-1).astype(jnp.int32)
+    deepest = jnp.take_along_axis(path, num_accepted[:, None], axis=1)
+    return num_accepted, jnp.take_along_axis(drawn, deepest, axis=1)[:, 0], path
 
 
 def _walk_drawn(key, target_probs, tokens, parents, max_depth, draft_probs, mode):

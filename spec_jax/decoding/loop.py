@@ -17,8 +17,9 @@ from spec_jax.decoding.logprobs import TokenLogprobs
 from spec_jax.decoding.depth import AdaptiveDepth, draft_sources, drafter_at_depth
 from spec_jax.decoding.depth import choose as choose_depth, record as record_depth, record_shadow, shadow_due
 from spec_jax.drafters.base import Drafter
-from spec_jax.drafters.tree import node_depths, tree_budget as _tree_budget, with_root
-from spec_jax.models.interface import FINAL_HIDDEN, ForwardOutput, Target, TargetModel, ancestor_mask
+from spec_jax.drafters.tree import tree_budget as _tree_budget, with_root
+from spec_jax.models.interface import (FINAL_HIDDEN, ForwardOutput, Target, TargetModel, ancestor_mask,
+                                       tree_depths)
 from spec_jax.models.resolve import as_target_model
 from spec_jax.models.weights import abstract_from_specs
 from spec_jax.sampling import SamplingParams, sample, split_key, warp
@@ -436,11 +437,11 @@ def _tree_step(state, target, drafter, drafter_params, sampling, draft_key, acce
             state.lengths, draft_key, sampling,
         )
     verify_tokens, parents = with_root(tree, last)  # [B, N+1]
-    positions = start[:, None] + node_depths(tree.parents)
+    mask = ancestor_mask(parents)  # [B, N+1, N+1]
+    positions = start[:, None] + tree_depths(mask)
     with jax.named_scope("verify"):
         hidden, captured, cache = forward_capturing(
-            target, verify_tokens, positions, state.cache, drafter.capture_layers,
-            mask=ancestor_mask(parents),
+            target, verify_tokens, positions, state.cache, drafter.capture_layers, mask=mask,
         )
         logits = target.logits(hidden)  # [B, N+1, V] float32
     draft_probs = None

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from spec_jax.models.interface import ancestor_mask, tree_depths
+
 DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT = "deterministic", "with_replacement", "without_replacement"
 CANDIDATE_MODES = (DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT)
 
@@ -97,12 +99,8 @@ def tree_budget(tree: TreeSetting) -> int:
 
 def node_depths(parents: jax.Array) -> jax.Array:
     """parents [B, N] (in-pass indices, root excluded) -> depths [B, N + 1] (the root's is 0)."""
-    batch, n = parents.shape
-    depths = jnp.zeros((batch, n + 1), jnp.int32)
-    rows = jnp.arange(batch)
-    for i in range(n):  # parents precede children, so one pass in index order suffices
-        depths = depths.at[:, i + 1].set(depths[rows, parents[:, i]] + 1)
-    return depths
+    minus_one = jnp.full((parents.shape[0], 1), -1, jnp.int32)
+    return tree_depths(ancestor_mask(jnp.concatenate([minus_one, parents.astype(jnp.int32)], axis=1)))
 
 
 def with_root(tree: TreeDraft, root_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -184,23 +182,23 @@ def best_first_tree(logprobs: jax.Array, budget: int, width: int = 8) -> TreeDra
         raise ValueError(f"a best-first tree of {budget} nodes needs more candidates than {len(sizes)} depth(s) "
                          f"of {width} tokens give ({sum(sizes)}): lower the tree budget or raise the width")
     top_lp, top_tokens = top_k(logprobs.astype(jnp.float32), width)  # [B, D, W]
-    rows = jnp.arange(batch)[:, None]
-    # Level 1: the root's children. Each level's nodes are in (score desc, parent, rank) order.
-    scores, tokens = top_lp[:, 0, :sizes[0]], top_tokens[:, 0, :sizes[0]]
-    all_scores, all_tokens = [scores], [tokens]
-    all_parents = [jnp.full((batch, sizes[0]), -1, jnp.int32)]
-    offset = 0  # the previous level's first node in the node list
+    # Level 1: the root's children. Each level's nodes are in (score desc, parent, rank) order;
+    # a level only needs the previous one's scores, so tokens and parents are gathered once below.
+    scores = top_lp[:, 0, :sizes[0]]
+    all_scores, picks = [scores], [jnp.broadcast_to(jnp.arange(sizes[0], dtype=jnp.int32), (batch, sizes[0]))]
     for d in range(1, len(sizes)):
         children = (scores[:, :, None] + top_lp[:, d, None, :]).reshape(batch, -1)  # [B, n * W]
         scores, flat = jax.lax.top_k(children, sizes[d])  # ties: the earlier parent, then the lower rank
-        parent, rank = flat // width, flat % width
         all_scores.append(scores)
-        all_tokens.append(top_tokens[:, d][rows, rank])
-        all_parents.append((offset + parent).astype(jnp.int32))
-        offset += sizes[d - 1]
-    depths = jnp.concatenate([jnp.full((batch, n), d + 1, jnp.int32) for d, n in enumerate(sizes)], axis=1)
-    return select_best_nodes(jnp.concatenate(all_tokens, axis=1), jnp.concatenate(all_parents, axis=1),
-                             jnp.concatenate(all_scores, axis=1), depths, budget)
+        picks.append(flat.astype(jnp.int32))  # parent * W + rank
+    level = np.repeat(np.arange(len(sizes)), sizes)  # each node's depth - 1
+    first_of_level = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    pick = jnp.concatenate(picks, axis=1)  # [B, M]
+    parents = jnp.where(level == 0, -1, first_of_level[np.maximum(level - 1, 0)] + pick // width)
+    tokens = top_tokens[jnp.arange(batch)[:, None], level, jnp.where(level == 0, pick, pick % width)]
+    depths = jnp.broadcast_to(jnp.asarray(level + 1, jnp.int32), (batch, len(level)))
+    return select_best_nodes(tokens, parents.astype(jnp.int32), jnp.concatenate(all_scores, axis=1), depths,
+                             budget)
 
 
 def static_tree_arrays(paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

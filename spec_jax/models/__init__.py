@@ -12,6 +12,7 @@ from spec_jax.models.interface import (
     TargetModel,
     ancestor_mask,
     chain_mask,
+    tree_depths,
 )
 from spec_jax.models.resolve import as_target_model, resolve_target
 from spec_jax.models.weights import WeightSpec, model_weight_specs
@@ -37,4 +38,5 @@ __all__ = [
     "init_params",
     "model_weight_specs",
     "resolve_target",
+    "tree_depths",
 ]

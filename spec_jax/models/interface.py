@@ -203,14 +203,25 @@ def chain_mask(length: int) -> jax.Array:
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
-    """parents [B, N] (node i's parent index, < i; the root's is -1) -> [B, N, N] bool: node i
-    sees node j when j is i or one of its ancestors (the in-pass mask of a token tree)."""
+    """parents [B, N] (node i's parent index, < i; a root's is -1) -> [B, N, N] bool: node i
+    sees node j when j is i or one of its ancestors (the in-pass mask of a token tree).
+
+    By pointer doubling: after k rounds each row holds the ancestors fewer than 2^k generations
+    up, so ceil(log2 N) rounds cover the deepest path. A walk one generation per round took N - 1
+    rounds of small dependent ops, each about a kernel on a GPU (RESULTS.md, issue 46)."""
     batch, n = parents.shape
     nodes = jnp.arange(n)
-    mask = jnp.broadcast_to(nodes[:, None] == nodes[None, :], (batch, n, n))
-    ancestor = parents  # [B, N]: each node's ancestor one more generation up per iteration
-    for _ in range(n - 1):
-        mask = mask | ((ancestor[:, :, None] == nodes) & (ancestor[:, :, None] >= 0))
-        up = jnp.take_along_axis(parents, jnp.maximum(ancestor, 0), axis=1)
-        ancestor = jnp.where(ancestor >= 0, up, -1)
+    rows = jnp.arange(batch)[:, None]
+    mask = jnp.broadcast_to(nodes[:, None] == nodes[None, :], (batch, n, n))  # fewer than 1 generation up
+    jump = parents.astype(jnp.int32)  # the ancestor 2^k generations up, -1 where there is none
+    span = 1
+    while span < n:
+        mask = mask | (mask[rows, jnp.maximum(jump, 0)] & (jump >= 0)[:, :, None])
+        jump = jnp.where(jump >= 0, jump[rows, jnp.maximum(jump, 0)], -1)
+        span *= 2
     return mask
+
+
+def tree_depths(mask: jax.Array) -> jax.Array:
+    """An ancestor mask [B, N, N] -> each node's depth [B, N] (its ancestors; a root's is 0)."""
+    return jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1

@@ -1,0 +1,163 @@
+"""What a token tree adds to the loop's step, counted in the compiled program: the loop body's
+launched operations (fusions, gathers, custom calls: on a GPU about one kernel each) per named
+scope, the compile seconds and the step time, for plain decoding, a DFlash chain and DFlash trees.
+
+    python benchmarks/tree_step_ops.py [--target random:tiny] [--trees 0,16,32] [--json PATH]
+
+On the H100 a tree of 32 ran 142 more kernels a step than the chain at Qwen3-8B shapes (~0.7 ms,
+RESULTS.md, issue 46); most of what a tree adds does not depend on the model's size (the tree's
+build, its ancestor mask, the node depths, the accepted path's walk), so a small target shows it.
+The cache attention is the accelerators' ("buckets"), so the program is laid out as on a GPU;
+XLA:CPU fuses differently, so the counts are a proxy for the GPU's kernels, not a measure of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Instructions that launch nothing: they name, pack or reinterpret buffers.
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier"}
+# name = shape op(operands...): a shape may be a tuple with spaces; op names are lower case.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*?\b([a-z][a-z0-9\-]*)\(")
+_SCOPE = re.compile(r'op_name="[^"]*?/while/body/([^"]*)"')
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """An optimized HLO module's text -> computation name -> its instruction lines."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line.endswith("{") and " = " not in line:
+            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            out[current] = []
+        elif current is not None and _INSTRUCTION.match(line):
+            out[current].append(line)
+    return out
+
+
+def entry_computation(hlo: str) -> list[str]:
+    """The instructions of an optimized HLO module's entry computation (what a call launches, when
+    it has no loop)."""
+    name = next(line.split()[1].lstrip("%") for line in hlo.splitlines() if line.startswith("ENTRY"))
+    return computations(hlo)[name]
+
+
+def launched(lines: list[str]) -> int:
+    """How many of a computation's instructions launch work (a fusion counts once)."""
+    return sum(_INSTRUCTION.match(line).group(1) not in _FREE for line in lines)
+
+
+def loop_body(hlo: str) -> list[str]:
+    """The instructions of the generate loop's body: the body of the entry computation's largest
+    `while` (prefill and the loop's set-up run once, outside it)."""
+    comps = computations(hlo)
+    bodies = [m.group(1) for lines in comps.values() for line in lines
+              for m in [re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)] if m]
+    return max((comps[b] for b in bodies if b in comps), key=len, default=[])
+
+
+def launched_by_scope(body: list[str]) -> collections.Counter:
+    """Launched operations of the loop body (top level: a fusion counts once) by the scope the
+    step's code names (draft, verify, accept, ...; the rest 'loop')."""
+    counts: collections.Counter = collections.Counter()
+    for line in body:
+        op = _INSTRUCTION.match(line).group(1)
+        if op in _FREE:
+            continue
+        scope = _SCOPE.search(line)
+        name = "loop"
+        if scope:
+            parts = [p for p in scope.group(1).split("/") if not p.startswith(("jit(", "closed_call"))]
+            name = parts[0] if parts and parts[0] in ("draft", "verify", "accept", "dflash_context",
+                                                     "draw_keys") else "loop"
+        counts[name] += 1
+    return counts
+
+
+def measure(target: Any, drafter: Any, params: Any, prompts: list[list[int]], capacity: int,
+            new_tokens: int, repeats: int) -> dict[str, Any]:
+    from dflash_step import loop_step_seconds
+
+    import spec_jax.decoding.generate  # noqa: F401 - the module, which the package's `generate` hides
+
+    programs = sys.modules["spec_jax.decoding.generate"]._COMPILED
+    programs.clear()
+    start = time.perf_counter()
+    timing = loop_step_seconds(target, prompts, drafter, params, new_tokens=new_tokens, capacity=capacity,
+                               repeats=repeats)
+    wall = time.perf_counter() - start
+    body = loop_body(list(programs.values())[-1].as_text())
+    scopes = launched_by_scope(body)
+    return {"step_ms": 1e3 * timing["step_s"], "launched": sum(scopes.values()), "by_scope": dict(scopes),
+            "body_instructions": len(body), "first_run_s": wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="random:tiny")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--trees", default="0,16,32", help="DFlash trees to count (0 = the chain)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2, help="draft layers")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--impl", default="buckets", help="cache attention (the accelerators' by default)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import jax
+    import numpy as np
+    from dflash_step import shaped_drafter
+
+    from spec_jax.checkpoints import load_target
+    from spec_jax.decoding.generate import default_capacity
+    from spec_jax.models import attention
+
+    trees = tuple(int(t) for t in args.trees.split(","))
+    target = load_target(args.target, dtype=args.dtype)
+    chain, params = shaped_drafter(target.cfg, args.block_size, args.layers, args.dtype)
+    prompts = np.random.default_rng(0).integers(0, target.cfg.vocab_size, (1, args.context)).tolist()
+    capacity = default_capacity(args.context, args.new_tokens * args.block_size, max(trees + (args.block_size,)))
+    backend, chosen = jax.default_backend(), attention.LIVE_ATTENTION.copy()
+    attention.LIVE_ATTENTION[backend] = (args.impl, attention.ACCELERATOR_LIVE_ATTENTION[1])
+    try:  # the backend's own choice comes back after (a caller's process goes on)
+        rows = {"plain": measure(target, None, None, prompts, capacity, args.new_tokens, args.repeats)}
+        for tree in trees:
+            label = f"tree {tree}" if tree else f"chain K={chain.k}"
+            rows[label] = measure(target, dataclasses.replace(chain, tree=tree), params, prompts, capacity,
+                                  args.new_tokens, args.repeats)
+    finally:
+        attention.LIVE_ATTENTION.clear()
+        attention.LIVE_ATTENTION.update(chosen)
+    scopes = sorted({s for r in rows.values() for s in r["by_scope"]})
+    print(f"{args.target} {args.dtype} on {jax.devices()[0].device_kind}, {args.impl} attention, "
+          f"batch 1, context {args.context}")
+    print(f"{'program':>14} {'step ms':>8} {'launched':>9} " + " ".join(f"{s:>14}" for s in scopes)
+          + f" {'first run s':>12}")
+    for label, r in rows.items():
+        print(f"{label:>14} {r['step_ms']:8.2f} {r['launched']:9d} "
+              + " ".join(f"{r['by_scope'].get(s, 0):14d}" for s in scopes) + f" {r['first_run_s']:12.1f}")
+    if args.json is not None:
+        report = {"kind": "tree_step_ops", "target": args.target, "dtype": args.dtype, "impl": args.impl,
+                  "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+                  "context": args.context, "block_size": args.block_size, "draft_layers": args.layers,
+                  "programs": rows}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
