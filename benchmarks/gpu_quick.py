@@ -372,40 +372,28 @@ def newest_loop_hlo() -> str | None:
         return None
 
 
-_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
-_HLO_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-
-
 def hlo_of_kernels(hlo: str, names: list[str]) -> dict[str, dict[str, str]]:
     """Kernel names -> {"hlo": the instruction that launched it, "computes": the root of the
-    computation it calls, "operands": that computation's parameter shapes}, metadata dropped. XLA:GPU names a fusion's kernel after the fusion
-    instruction, '.' and '-' as '_' (`loop_transpose_fusion.761` -> `loop_transpose_fusion_761`);
-    library calls (cuBLAS, the top-k) have their own names and are not found."""
-    wanted, lines, roots, params, current = set(names), {}, {}, {}, None
-    for line in hlo.splitlines():
-        line = re.sub(r",? metadata=\{[^}]*\}", "", line).rstrip()
-        if line.endswith("{") and " = " not in line:  # a computation's header
-            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            continue
-        found = _HLO_INSTRUCTION.match(line)
-        if not found:
-            continue
-        if line.lstrip().startswith("ROOT ") and current is not None:
-            roots[current] = line.strip()
-        parameter = re.search(r" = (\S+) parameter\((\d+)\)", line)
-        if parameter and current is not None:
-            params.setdefault(current, {})[int(parameter.group(2))] = parameter.group(1)
-        kernel = re.sub(r"[.\-]", "_", found.group(1))
-        if kernel in wanted:
-            lines[kernel] = line.strip()
-    out = {}
-    for kernel, line in lines.items():
-        called = _HLO_CALLS.search(line)
-        out[kernel] = {"hlo": line[:400]}
-        if called and called.group(1) in roots:
-            out[kernel]["computes"] = roots[called.group(1)][:300]
-            shapes = params.get(called.group(1), {})
-            out[kernel]["operands"] = ", ".join(shapes[i] for i in sorted(shapes))[:300]
+    computation it calls, "operands": that computation's parameter shapes}, metadata dropped.
+    XLA:GPU names a fusion's kernel after the fusion instruction (`hlo_text.kernel_name`); library
+    calls (cuBLAS, the top-k) have their own names and are not found."""
+    from hlo_text import INSTRUCTION, computations, kernel_name
+
+    wanted, comps, out = set(names), computations(hlo), {}
+    for lines in comps.values():
+        for line in lines:
+            kernel = kernel_name(INSTRUCTION.match(line).group("name"))
+            if kernel not in wanted:
+                continue
+            out[kernel] = {"hlo": line.strip()[:400]}
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            body = comps.get(called.group(1), []) if called else []
+            root = next((b.strip() for b in body if b.lstrip().startswith("ROOT ")), None)
+            if root is not None:
+                params = {int(m.group(2)): m.group(1) for b in body
+                          for m in [re.search(r" = (\S+) parameter\((\d+)\)", b)] if m}
+                out[kernel]["computes"] = root[:300]
+                out[kernel]["operands"] = ", ".join(params[i] for i in sorted(params))[:300]
     return out
 
 

@@ -25,46 +25,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Instructions that launch nothing: they name, pack or reinterpret buffers.
-_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
-         "replica-id", "opt-barrier"}
-# name = shape op(operands...): a shape may be a tuple with spaces; op names are lower case.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*?\b([a-z][a-z0-9\-]*)\(")
+import hlo_text  # noqa: E402 - beside this script
+
 _SCOPE = re.compile(r'op_name="[^"]*?/while/body/([^"]*)"')
-
-
-def computations(hlo: str) -> dict[str, list[str]]:
-    """An optimized HLO module's text -> computation name -> its instruction lines."""
-    out: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        if line.endswith("{") and " = " not in line:
-            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            out[current] = []
-        elif current is not None and _INSTRUCTION.match(line):
-            out[current].append(line)
-    return out
-
-
-def entry_computation(hlo: str) -> list[str]:
-    """The instructions of an optimized HLO module's entry computation (what a call launches, when
-    it has no loop)."""
-    name = next(line.split()[1].lstrip("%") for line in hlo.splitlines() if line.startswith("ENTRY"))
-    return computations(hlo)[name]
-
-
-def launched(lines: list[str]) -> int:
-    """How many of a computation's instructions launch work (a fusion counts once)."""
-    return sum(_INSTRUCTION.match(line).group(1) not in _FREE for line in lines)
-
-
-def loop_body(hlo: str) -> list[str]:
-    """The instructions of the generate loop's body: the body of the entry computation's largest
-    `while` (prefill and the loop's set-up run once, outside it)."""
-    comps = computations(hlo)
-    bodies = [m.group(1) for lines in comps.values() for line in lines
-              for m in [re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)] if m]
-    return max((comps[b] for b in bodies if b in comps), key=len, default=[])
 
 
 def launched_by_scope(body: list[str]) -> collections.Counter:
@@ -72,8 +35,7 @@ def launched_by_scope(body: list[str]) -> collections.Counter:
     step's code names (draft, verify, accept, ...; the rest 'loop')."""
     counts: collections.Counter = collections.Counter()
     for line in body:
-        op = _INSTRUCTION.match(line).group(1)
-        if op in _FREE:
+        if hlo_text.INSTRUCTION.match(line).group("op") in hlo_text.FREE:
             continue
         scope = _SCOPE.search(line)
         name = "loop"
@@ -97,7 +59,7 @@ def measure(target: Any, drafter: Any, params: Any, prompts: list[list[int]], ca
     timing = loop_step_seconds(target, prompts, drafter, params, new_tokens=new_tokens, capacity=capacity,
                                repeats=repeats)
     wall = time.perf_counter() - start
-    body = loop_body(list(programs.values())[-1].as_text())
+    body = hlo_text.largest_loop_body(list(programs.values())[-1].as_text(), metadata=True)
     scopes = launched_by_scope(body)
     return {"step_ms": 1e3 * timing["step_s"], "launched": sum(scopes.values()), "by_scope": dict(scopes),
             "body_instructions": len(body), "first_run_s": wall}

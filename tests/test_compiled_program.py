@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -26,7 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # hlo_text
+
 import spec_jax
+from hlo_text import INSTRUCTION, while_body_computations  # noqa: F401 - test_live_attention imports it here
 from spec_jax.decoding.loop import abstract_inputs, generate_jit
 from spec_jax.sampling import SamplingParams
 from spec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_layers, dflash_weight_specs
@@ -63,44 +67,7 @@ def lower_loop(cfg: ModelConfig, drafter, drafter_specs, *, batch=1, prompt_len=
 
 
 # ----------------------------------------------------------------------------- HLO parsing
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\s*$", re.M)
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
-# `  [ROOT ]%name = TYPE opcode(operands), attributes`; TYPE may be a tuple "(s32[], f32[2]{0})".
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\([^)]*\)|\S+) ([\w\-]+)\((.*)$")
-
-
-def computations(hlo: str) -> dict[str, list[str]]:
-    """HLO module text -> {computation name: its instruction lines (metadata dropped)}."""
-    out: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        line = re.sub(r", metadata=\{[^}]*\}", "", line)
-        header = _COMPUTATION.match(line)
-        if header:
-            current = header.group(1)
-            out[current] = []
-        elif current is not None and line.strip() == "}":
-            current = None
-        elif current is not None:
-            out[current].append(line)
-    return out
-
-
-def while_body_computations(hlo: str) -> list[list[str]]:
-    """The instruction lines of every while body and of everything they call (fusions too)."""
-    comps = computations(hlo)
-    bodies = [m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", hlo)]
-    assert bodies, "the compiled program has no while loop"
-    seen, stack = set(), list(bodies)
-    while stack:
-        name = stack.pop()
-        if name in seen or name not in comps:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            for group in _CALLED.findall(line):
-                stack.extend(n.strip().lstrip("%") for n in group.split(",") if n.strip())
-    return [comps[name] for name in sorted(seen)]
+# benchmarks/hlo_text.py reads the program text: computations, the while bodies and what they call.
 
 
 def _elements(shape: str) -> int:
@@ -117,21 +84,21 @@ def weight_touches(bodies: list[list[str]], weight_shapes: set[str], num_layers:
     watched = weight_shapes | stacked
     bad = []
     for lines in bodies:
-        parsed = [m for m in map(_INSTRUCTION.match, lines) if m]
-        shape_of = {m.group(1): re.sub(r"\{[^}]*\}", "", m.group(2)) for m in parsed}
+        parsed = [m for m in map(INSTRUCTION.match, lines) if m]
+        shape_of = {m.group("name"): re.sub(r"\{[^}]*\}", "", m.group("type")) for m in parsed}
         for m in parsed:
-            op = m.group(3)
+            op = m.group("op")
             if op not in {"slice", "dynamic-slice", "copy", "transpose"}:
                 continue
-            operands = m.group(4).split(")", 1)[0]
+            operands = m.group("rest").split(")", 1)[0]
             hit = {shape_of.get(n) for n in re.findall(r"%([\w.\-]+)", operands)} & watched
             if not hit:
                 continue
             source = hit.pop()
             if op in ("slice", "dynamic-slice") and source not in stacked:
-                if _elements(m.group(2)) * 64 < _elements(source):
+                if _elements(m.group("type")) * 64 < _elements(source):
                     continue  # a few rows: a lookup, not a copy of the weight
-            bad.append(f"{op} of {source}: %{m.group(1)} = {m.group(2)}")
+            bad.append(f"{op} of {source}: %{m.group('name')} = {m.group('type')}")
     return bad
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # tree_step_ops
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # hlo_text, tree_step_ops
 
 from conftest import TINY_DFLASH, VOCAB, make_prompts
 from spec_jax.decoding import generate
@@ -531,9 +531,9 @@ def test_tree_builders_keep_top_k_off_a_full_vocabulary_sort():
 def launched_ops(fn, *args) -> int:
     """Operations fn's optimized (CPU) program launches: fusions, gathers, sorts... (a proxy for a
     GPU's kernels), not the instructions that only name or pack buffers."""
-    import tree_step_ops
+    from hlo_text import entry_computation, launched
 
-    return tree_step_ops.launched(tree_step_ops.entry_computation(jax.jit(fn).lower(*args).compile().as_text()))
+    return launched(entry_computation(jax.jit(fn).lower(*args).compile().as_text()))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compiler regression guard")
