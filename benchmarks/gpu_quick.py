@@ -354,10 +354,33 @@ def step_activity(short: dict[str, Any], long: dict[str, Any], steps: int, step_
             for n in names}
     top = sorted(diff.items(), key=lambda kv: -kv[1][1])[:20]
     sources = hlo_of_kernels(hlo, [n for n, _ in top]) if hlo else {}
-    return {"kernels_per_step": (long["events"] - short["events"]) / steps, "busy_ms_per_step": busy_ms,
-            "gap_ms_per_step": step_ms - busy_ms,
-            "top_kernels_per_step": [{"name": n, "count": c, "ms": ns / 1e6, **sources.get(n, {})}
-                                     for n, (c, ns) in top]}
+    out = {"kernels_per_step": (long["events"] - short["events"]) / steps, "busy_ms_per_step": busy_ms,
+           "gap_ms_per_step": step_ms - busy_ms,
+           "top_kernels_per_step": [{"name": n, "count": c, "ms": ns / 1e6, **sources.get(n, {})}
+                                    for n, (c, ns) in top]}
+    if hlo:
+        out.update(by_scope_per_step(diff, hlo))
+    return out
+
+
+LIBRARY_CALLS = "library calls (GEMMs, top-k: kernels not named in HLO)"
+
+
+def by_scope_per_step(per_step: dict[str, list[float]], hlo: str) -> dict[str, Any]:
+    """Kernels and busy ms per step by the loop step's scope (draft, verify, accept, loop...) of the
+    instruction that launched each kernel, and the loop body's launched instructions by scope
+    (`hlo_text`): where a program's small kernels come from, which kernel names alone do not say."""
+    from hlo_text import kernel_scopes, largest_loop_body, launched_by_scope
+
+    scope_of = kernel_scopes(hlo)
+    kernels: dict[str, float] = {}
+    busy: dict[str, float] = {}
+    for name, (count, ns) in per_step.items():
+        scope = scope_of.get(name, LIBRARY_CALLS)
+        kernels[scope] = kernels.get(scope, 0.0) + count
+        busy[scope] = busy.get(scope, 0.0) + ns / 1e6
+    return {"kernels_per_step_by_scope": kernels, "busy_ms_per_step_by_scope": busy,
+            "loop_body_launched_by_scope": launched_by_scope(largest_loop_body(hlo, metadata=True))}
 
 
 def newest_loop_hlo() -> str | None:

@@ -16,6 +16,10 @@ INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<type>\(.*?\)
                          r"(?P<rest>.*)$")
 CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
 METADATA = re.compile(r",? metadata=\{[^}]*\}")
+LOOP_OP_NAME = re.compile(r'op_name="[^"]*?/while/body/([^"]*)"')
+# The scopes spec_jax's loop step names (`jax.named_scope` in spec_jax/decoding/loop.py and the
+# drafters); the loop's other code is "loop".
+STEP_SCOPES = ("draft", "verify", "accept", "dflash_context", "draw_keys")
 # Instructions that launch nothing: they name, pack or reinterpret buffers.
 FREE = frozenset({"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
                    "replica-id", "opt-barrier"})
@@ -79,6 +83,36 @@ def launched(lines: list[str]) -> int:
     """How many of a computation's instructions launch work (a fusion counts once): about one
     kernel each on a GPU."""
     return sum(INSTRUCTION.match(line).group("op") not in FREE for line in lines)
+
+
+def loop_scope(line: str) -> str | None:
+    """The step scope an instruction line (metadata kept) came from: one of STEP_SCOPES, "loop"
+    for the loop's other code, None outside the loop (prefill, set-up) or without metadata."""
+    found = LOOP_OP_NAME.search(line)
+    if not found:
+        return None
+    parts = [p for p in found.group(1).split("/") if not p.startswith(("jit(", "closed_call"))]
+    return parts[0] if parts and parts[0] in STEP_SCOPES else "loop"
+
+
+def launched_by_scope(body: list[str]) -> dict[str, int]:
+    """`launched` by `loop_scope`, for a loop body's lines (metadata kept): an instruction XLA made
+    without a JAX op name (a copy, a layout change) counts as "loop"."""
+    counts: dict[str, int] = {}
+    for line in body:
+        if INSTRUCTION.match(line).group("op") not in FREE:
+            scope = loop_scope(line) or "loop"
+            counts[scope] = counts.get(scope, 0) + 1
+    return counts
+
+
+def kernel_scopes(hlo: str) -> dict[str, str]:
+    """Kernel name -> the loop step scope of the instruction that launches it, for every
+    instruction of the program inside the loop (library calls such as cuBLAS's GEMMs name their
+    kernels their own way and are not found)."""
+    return {kernel_name(INSTRUCTION.match(line).group("name")): scope
+            for lines in computations(hlo, metadata=True).values() for line in lines
+            for scope in [loop_scope(line)] if scope is not None}
 
 
 def kernel_name(instruction: str) -> str:

@@ -14,10 +14,8 @@ XLA:CPU fuses differently, so the counts are a proxy for the GPU's kernels, not 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -26,26 +24,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hlo_text  # noqa: E402 - beside this script
-
-_SCOPE = re.compile(r'op_name="[^"]*?/while/body/([^"]*)"')
-
-
-def launched_by_scope(body: list[str]) -> collections.Counter:
-    """Launched operations of the loop body (top level: a fusion counts once) by the scope the
-    step's code names (draft, verify, accept, ...; the rest 'loop')."""
-    counts: collections.Counter = collections.Counter()
-    for line in body:
-        if hlo_text.INSTRUCTION.match(line).group("op") in hlo_text.FREE:
-            continue
-        scope = _SCOPE.search(line)
-        name = "loop"
-        if scope:
-            parts = [p for p in scope.group(1).split("/") if not p.startswith(("jit(", "closed_call"))]
-            name = parts[0] if parts and parts[0] in ("draft", "verify", "accept", "dflash_context",
-                                                     "draw_keys") else "loop"
-        counts[name] += 1
-    return counts
-
 
 def measure(target: Any, drafter: Any, params: Any, prompts: list[list[int]], capacity: int,
             new_tokens: int, repeats: int) -> dict[str, Any]:
@@ -60,8 +38,8 @@ def measure(target: Any, drafter: Any, params: Any, prompts: list[list[int]], ca
                                repeats=repeats)
     wall = time.perf_counter() - start
     body = hlo_text.largest_loop_body(list(programs.values())[-1].as_text(), metadata=True)
-    scopes = launched_by_scope(body)
-    return {"step_ms": 1e3 * timing["step_s"], "launched": sum(scopes.values()), "by_scope": dict(scopes),
+    scopes = hlo_text.launched_by_scope(body)
+    return {"step_ms": 1e3 * timing["step_s"], "launched": sum(scopes.values()), "by_scope": scopes,
             "body_instructions": len(body), "first_run_s": wall}
 
 

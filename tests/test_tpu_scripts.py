@@ -243,6 +243,17 @@ def test_gpu_quick_profiles_name_what_each_kernel_computes():
     loop = newest_loop_hlo()
     assert loop is not None and "while" in loop
 
+    # Per step by the loop's scopes: a verify-pass fusion's kernel lands in "verify", a cuBLAS
+    # kernel (no HLO instruction of its name) among the library calls.
+    from gpu_quick import LIBRARY_CALLS, by_scope_per_step
+    from hlo_text import kernel_scopes
+
+    verify_kernel = next(k for k, scope in kernel_scopes(loop).items() if scope == "verify" and "fusion" in k)
+    got = by_scope_per_step({verify_kernel: [2.0, 3e6], "nvjet_tst_64x8": [1.0, 5e5]}, loop)
+    assert got["kernels_per_step_by_scope"] == {"verify": 2.0, LIBRARY_CALLS: 1.0}
+    assert got["busy_ms_per_step_by_scope"] == {"verify": 3.0, LIBRARY_CALLS: 0.5}
+    assert got["loop_body_launched_by_scope"]["verify"] > 0 and "draft" not in got["loop_body_launched_by_scope"]
+
 
 def test_gpu_quick_exactness_cases_exist():
     """The GPU suite names test cases by id (one per drafter kind): a renamed case would leave
