@@ -307,10 +307,14 @@ def step_dflash_profile(rec: Recorder, target: Any, s: Settings, args: argparse.
 
     from spec_jax.decoding.generate import default_capacity, generate
 
+    from tree_step_ops import top_k_costs
+
     trees = args.trees or (0, 32)
     capacity = default_capacity(s.context, s.new_tokens * s.block_size, max(trees + (s.block_size,)))
     prompts = random_prompts(target, 1, s.context)
     methods: dict[str, Any] = {}
+    if any(trees):  # the tree's top-k, XLA's against the two-stage one (a few seconds)
+        rec.update("tree top-k timed", tree_top_k=top_k_costs(s.block_size, target.cfg.vocab_size))
     # --draft-vocabs: the drafter's own head over the first N tokens instead of the target's LM head
     # (0), to price the chain's second LM-head read (1.24 GB at Qwen3-8B shapes, 0.41 ms on an H100).
     for vocab, tree in itertools.product(args.draft_vocabs or (0,), trees):

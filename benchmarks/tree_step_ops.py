@@ -25,6 +25,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hlo_text  # noqa: E402 - beside this script
 
+def top_k_costs(rows: int, vocab: int, k: int = 8, calls: int = 200) -> dict[str, Any]:
+    """Milliseconds per call of the best-first tree's top-k over [1, rows, vocab] float32 (a block
+    drafter's per-position log-probabilities): XLA's top-k (`jax.lax.top_k`, what the accelerators
+    run) against the two-stage one (`tree.chunked_top_k`, what the CPU runs), and whether they
+    agree. On the H100 the tree's top-k took 0.14 ms a step (RESULTS.md, issue 46); the two-stage
+    one reads the vocabulary once for the chunk maxima, then sorts only k chunks."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.drafters.tree import TOP_K_CHUNK, chunked_top_k
+
+    x = jax.random.normal(jax.random.key(0), (1, rows, vocab), jnp.float32)
+    variants = {"lax.top_k": jax.jit(lambda v: jax.lax.top_k(v, k))}
+    if vocab % TOP_K_CHUNK == 0 and vocab >= k * TOP_K_CHUNK:  # what chunked_top_k takes
+        variants["chunked_top_k"] = jax.jit(lambda v: chunked_top_k(v, k))
+    out: dict[str, Any] = {"rows": rows, "vocab": vocab, "k": k}
+    results = {}
+    for name, fn in variants.items():
+        results[name] = jax.block_until_ready(fn(x))  # compile and warm
+        start = time.perf_counter()
+        for _ in range(calls):
+            last = fn(x)
+        jax.block_until_ready(last)
+        out[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / calls
+    if len(results) == 2:
+        out["equal"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(*results.values()))
+    return out
+
+
 def measure(target: Any, drafter: Any, params: Any, prompts: list[list[int]], capacity: int,
             new_tokens: int, repeats: int) -> dict[str, Any]:
     from dflash_step import loop_step_seconds
@@ -89,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, r in rows.items():
         print(f"{label:>14} {r['step_ms']:8.2f} {r['launched']:9d} "
               + " ".join(f"{r['by_scope'].get(s, 0):14d}" for s in scopes) + f" {r['first_run_s']:12.1f}")
+    top = top_k_costs(args.block_size, target.cfg.vocab_size)
+    print("the tree's top-k over [1, {rows}, {vocab}]: ".format(**top)
+          + ", ".join(f"{name[:-3]} {ms:.3f} ms" for name, ms in top.items() if name.endswith("_ms")))
     if args.json is not None:
-        report = {"kind": "tree_step_ops", "target": args.target, "dtype": args.dtype, "impl": args.impl,
+        report = {"top_k": top, "kind": "tree_step_ops", "target": args.target, "dtype": args.dtype, "impl": args.impl,
                   "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
                   "context": args.context, "block_size": args.block_size, "draft_layers": args.layers,
                   "programs": rows}

@@ -569,3 +569,13 @@ def test_tree_step_ops_counts_each_programs_launched_ops(tmp_path):
         assert row["launched"] == sum(row["by_scope"].values()) > 0 and "step_ms" in row
         assert row["by_scope"].get("verify", 0) > 0, label
     assert programs["tree 8"]["by_scope"].get("draft", 0) > 0 and programs["tree 8"]["by_scope"].get("accept", 0) > 0
+
+
+def test_tree_top_k_costs_time_both_top_ks_and_check_they_agree():
+    """The GPU profile's top-k probe: XLA's top-k and the two-stage one over a vocabulary the
+    two-stage one takes (a multiple of its chunk, at least k chunks), timed and compared."""
+    from tree_step_ops import top_k_costs
+
+    got = top_k_costs(rows=3, vocab=2048, k=8, calls=2)
+    assert got["equal"] is True and {"lax.top_k_ms", "chunked_top_k_ms"} <= set(got)
+    assert "chunked_top_k_ms" not in top_k_costs(rows=3, vocab=1000, k=8, calls=1)  # not a multiple of 128
