@@ -31,7 +31,6 @@ from spec_jax.drafters.tree import (
     best_first_tree,
     branch_first,
     check_tree_setting,
-    node_depths,
     select_best_nodes,
     static_tree,
     tree_from_logprobs,
@@ -358,7 +357,9 @@ def test_tree_option_errors(models):
 
 
 def test_node_depths():
-    np.testing.assert_array_equal(node_depths(jnp.asarray([[0, 1, 0, 3, 2]])), [[0, 1, 2, 1, 2, 3]])
+    """A tree's depths are its ancestor mask's row sums less one (the root's is 0)."""
+    parents = jnp.asarray([[-1, 0, 1, 0, 3, 2]])
+    np.testing.assert_array_equal(tree_depths(ancestor_mask(parents)), [[0, 1, 2, 1, 2, 3]])
 
 
 def random_trees(rng, batch, nodes, chain_bias=0.0):

@@ -28,8 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax.models.interface import ancestor_mask, tree_depths
-
 DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT = "deterministic", "with_replacement", "without_replacement"
 CANDIDATE_MODES = (DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT)
 
@@ -95,12 +93,6 @@ def tree_budget(tree: TreeSetting) -> int:
     if isinstance(tree, (int, np.integer)):
         return int(tree)
     return len(tuple(tree))
-
-
-def node_depths(parents: jax.Array) -> jax.Array:
-    """parents [B, N] (in-pass indices, root excluded) -> depths [B, N + 1] (the root's is 0)."""
-    minus_one = jnp.full((parents.shape[0], 1), -1, jnp.int32)
-    return tree_depths(ancestor_mask(jnp.concatenate([minus_one, parents.astype(jnp.int32)], axis=1)))
 
 
 def with_root(tree: TreeDraft, root_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
