@@ -114,14 +114,16 @@ TOP_K_CHUNK = 128  # the two-stage top-k's chunk of the last axis
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k`, equal in values and indices (ties to the lower index), kept a top-k. On
-    CPU a wide last axis (a vocabulary) goes in two stages: XLA:CPU's top-k over 16 x 151936 took
-    4-9 ms where one max pass over it takes 0.4 (RESULTS.md, issue 46). Without the barrier
+    CPU and CUDA a wide last axis (a vocabulary) goes in two stages: over 16 x 151936, XLA:CPU's
+    top-k took 2.5-9 ms where the two stages take 0.2, and on an H100 0.143 ms against 0.051
+    (RESULTS.md, issue 46). TPUs keep XLA's, which nothing here has timed. Without the barrier
     XLA:CPU folds the gathers that later read (values, indices) into the sort that top_k expands
     to, which then sorts the whole last axis."""
     if x.shape[-1] % TOP_K_CHUNK or x.shape[-1] < 32 * TOP_K_CHUNK or k > 8 * TOP_K_CHUNK:
         return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
     return jax.lax.optimization_barrier(jax.lax.platform_dependent(
-        x, cpu=lambda x: chunked_top_k(x, k), default=lambda x: tuple(jax.lax.top_k(x, k))))
+        x, cpu=lambda x: chunked_top_k(x, k), cuda=lambda x: chunked_top_k(x, k),
+        default=lambda x: tuple(jax.lax.top_k(x, k))))
 
 
 def chunked_top_k(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
