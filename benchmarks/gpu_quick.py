@@ -372,17 +372,19 @@ LIBRARY_CALLS = "library calls (GEMMs, top-k: kernels not named in HLO)"
 
 def by_scope_per_step(per_step: dict[str, list[float]], hlo: str) -> dict[str, Any]:
     """Kernels and busy ms per step by the loop step's scope (draft, verify, accept, loop...) of the
-    instruction that launched each kernel, and the loop body's launched instructions by scope
-    (`hlo_text`): where a program's small kernels come from, which kernel names alone do not say."""
-    from hlo_text import kernel_scopes, largest_loop_body, launched_by_scope
+    instructions that launched each kernel (a kernel XLA reuses for twin fusions in several scopes
+    is shared out over them: `hlo_text.kernel_scope_shares`), and the loop body's launched
+    instructions by scope (`hlo_text`): where a program's small kernels come from, which kernel
+    names alone do not say."""
+    from hlo_text import kernel_scope_shares, largest_loop_body, launched_by_scope
 
-    scope_of = kernel_scopes(hlo)
+    shares = kernel_scope_shares(hlo)
     kernels: dict[str, float] = {}
     busy: dict[str, float] = {}
     for name, (count, ns) in per_step.items():
-        scope = scope_of.get(name, LIBRARY_CALLS)
-        kernels[scope] = kernels.get(scope, 0.0) + count
-        busy[scope] = busy.get(scope, 0.0) + ns / 1e6
+        for scope, share in shares.get(name, {LIBRARY_CALLS: 1.0}).items():
+            kernels[scope] = kernels.get(scope, 0.0) + share * count
+            busy[scope] = busy.get(scope, 0.0) + share * ns / 1e6
     return {"kernels_per_step_by_scope": kernels, "busy_ms_per_step_by_scope": busy,
             "loop_body_launched_by_scope": launched_by_scope(largest_loop_body(hlo, metadata=True))}
 

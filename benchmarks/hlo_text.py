@@ -106,13 +106,53 @@ def launched_by_scope(body: list[str]) -> dict[str, int]:
     return counts
 
 
-def kernel_scopes(hlo: str) -> dict[str, str]:
-    """Kernel name -> the loop step scope of the instruction that launches it, for every
-    instruction of the program inside the loop (library calls such as cuBLAS's GEMMs name their
-    kernels their own way and are not found)."""
-    return {kernel_name(INSTRUCTION.match(line).group("name")): scope
-            for lines in computations(hlo, metadata=True).values() for line in lines
-            for scope in [loop_scope(line)] if scope is not None}
+def kernel_scope_shares(hlo: str) -> dict[str, dict[str, float]]:
+    """Kernel name -> {loop step scope: its share of the kernel's launches}, for every kernel
+    launched by an instruction of the program inside the loop (library calls such as cuBLAS's
+    GEMMs name their kernels their own way and are not found).
+
+    XLA:GPU compiles one kernel for fusions with the same body and launch, and names it after the
+    first of them: in a DFlash chain the drafter's layers and the target's run the same GEMMs at
+    the block's width, so the target's kernels can carry a drafter fusion's name (the H100 profile
+    of session 34 put the chain's verify pass in "draft"). So a kernel's launches are shared out
+    over the scopes of all its twins (`fusion_key`), one share per twin inside the loop."""
+    comps = computations(hlo, metadata=True)
+    bare = {name: [METADATA.sub("", line) for line in lines] for name, lines in comps.items()}
+    fused = {called.group(1) for lines in comps.values() for line in lines
+             if INSTRUCTION.match(line).group("op") == "fusion"
+             for called in [re.search(r"calls=%?([\w.\-]+)", line)] if called}
+    twins: dict[str, list[tuple[str, str | None]]] = {}  # key -> [(kernel, scope)]
+    for name, lines in comps.items():
+        if name in fused:  # a fusion's body: its instructions are not launched one by one
+            continue
+        for line in lines:
+            instruction = INSTRUCTION.match(line)
+            if instruction.group("op") not in FREE:
+                twins.setdefault(fusion_key(METADATA.sub("", line), bare), []).append(
+                    (kernel_name(instruction.group("name")), loop_scope(line)))
+    shares: dict[str, dict[str, float]] = {}
+    for members in twins.values():
+        scopes = [scope for _, scope in members if scope is not None]
+        for kernel, _ in members:
+            if scopes:
+                shares[kernel] = {scope: scopes.count(scope) / len(scopes) for scope in dict.fromkeys(scopes)}
+    return shares
+
+
+NAME = re.compile(r"%[\w.\-]+")
+
+
+def fusion_key(line: str, bare: dict[str, list[str]]) -> str:
+    """What makes two instructions launch the same kernel: for a fusion, its line and its body's
+    lines with every name replaced by the order it first appears in (operands, the fused
+    computation, its parameters); anything else is its own (its name)."""
+    instruction = INSTRUCTION.match(line)
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    if instruction.group("op") != "fusion" or not called:
+        return instruction.group("name")
+    seen: dict[str, int] = {}
+    text = "\n".join([line.split(" = ", 1)[1], *bare.get(called.group(1), [])])
+    return NAME.sub(lambda m: f"%{seen.setdefault(m.group(0), len(seen))}", text)
 
 
 def kernel_name(instruction: str) -> str:

@@ -246,13 +246,63 @@ def test_gpu_quick_profiles_name_what_each_kernel_computes():
     # Per step by the loop's scopes: a verify-pass fusion's kernel lands in "verify", a cuBLAS
     # kernel (no HLO instruction of its name) among the library calls.
     from gpu_quick import LIBRARY_CALLS, by_scope_per_step
-    from hlo_text import kernel_scopes
+    from hlo_text import kernel_scope_shares
 
-    verify_kernel = next(k for k, scope in kernel_scopes(loop).items() if scope == "verify" and "fusion" in k)
+    verify_kernel = next(k for k, shares in kernel_scope_shares(loop).items()
+                         if shares == {"verify": 1.0} and "fusion" in k)
     got = by_scope_per_step({verify_kernel: [2.0, 3e6], "nvjet_tst_64x8": [1.0, 5e5]}, loop)
     assert got["kernels_per_step_by_scope"] == {"verify": 2.0, LIBRARY_CALLS: 1.0}
     assert got["busy_ms_per_step_by_scope"] == {"verify": 3.0, LIBRARY_CALLS: 0.5}
     assert got["loop_body_launched_by_scope"]["verify"] > 0 and "draft" not in got["loop_body_launched_by_scope"]
+
+
+TWIN_FUSIONS_HLO = """HloModule twins
+
+%fused_a (p0: f32[4], p1: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  ROOT %add.1 = f32[4]{0} add(%p0, %p1)
+}
+
+%fused_b (q0: f32[4], q1: f32[4]) -> f32[4] {
+  %q0 = f32[4]{0} parameter(0)
+  %q1 = f32[4]{0} parameter(1)
+  ROOT %add.7 = f32[4]{0} add(%q0, %q1)
+}
+
+%fused_c (r0: f32[4], r1: f32[4]) -> f32[4] {
+  %r0 = f32[4]{0} parameter(0)
+  %r1 = f32[4]{0} parameter(1)
+  ROOT %multiply.3 = f32[4]{0} multiply(%r0, %r1)
+}
+
+%body (s: (f32[4], f32[4])) -> (f32[4], f32[4]) {
+  %s = (f32[4]{0}, f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%s), index=0
+  %y = f32[4]{0} get-tuple-element(%s), index=1
+  %add_fusion.1 = f32[4]{0} fusion(%x, %y), kind=kLoop, calls=%fused_a, metadata={op_name="jit(generate)/while/body/draft/add"}
+  %add_fusion.2 = f32[4]{0} fusion(%y, %add_fusion.1), kind=kLoop, calls=%fused_b, metadata={op_name="jit(generate)/while/body/verify/add"}
+  %multiply_fusion = f32[4]{0} fusion(%add_fusion.2, %x), kind=kLoop, calls=%fused_c, metadata={op_name="jit(generate)/while/body/verify/mul"}
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%add_fusion.2, %multiply_fusion)
+}
+"""
+
+
+def test_profile_shares_a_reused_kernel_over_its_twins_scopes():
+    """XLA:GPU launches one kernel, named after the first, for fusions with the same body: the
+    profile's attribution by scope shares its launches over every twin's scope (the H100 profile
+    of session 34 put the DFlash chain's verify GEMMs in "draft" by the kernel's name alone)."""
+    sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
+    from gpu_quick import by_scope_per_step
+    from hlo_text import kernel_scope_shares
+
+    shares = kernel_scope_shares(TWIN_FUSIONS_HLO)
+    assert shares["add_fusion_1"] == shares["add_fusion_2"] == {"draft": 0.5, "verify": 0.5}
+    assert shares["multiply_fusion"] == {"verify": 1.0}  # same shapes, another body: no twin
+    # Both add fusions ran as the first's kernel: 2 launches a step, one in each scope.
+    got = by_scope_per_step({"add_fusion_1": [2.0, 4e6], "multiply_fusion": [1.0, 1e6]}, TWIN_FUSIONS_HLO)
+    assert got["kernels_per_step_by_scope"] == {"draft": 1.0, "verify": 2.0}
+    assert got["busy_ms_per_step_by_scope"] == {"draft": 2.0, "verify": 3.0}
 
 
 def test_gpu_quick_exactness_cases_exist():
