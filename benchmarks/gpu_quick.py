@@ -6,7 +6,7 @@ in its own process under a hard time budget, each result on disk the moment its 
     python benchmarks/gpu_quick.py --target random:tiny --dtype float32 --smoke --out /tmp/q   # CPU check
     tpu_scripts/gpu_host.sh --quick [--host USER@HOST]            # the same over ssh, results copied back
 
-The steps (the timed steps' budgets sum to 260 s, after a 210 s warm phase: 470 s, so the suite ends
+The steps (the timed steps' budgets sum to 180 s, after a 290 s warm phase: 470 s, so the suite ends
 inside 8 minutes, compiles included; a step may also spend what the phases before it left unspent):
  1. ar_floor      plain decoding (the real loop, batch 1) against the weight-bandwidth floor
                   (parameter bytes / measured copy bandwidth); Qwen3-8B shapes
@@ -25,14 +25,19 @@ budget on two compiles. `--preset`/`--target` puts every step on one target inst
 models of real shapes (`random:PRESET`), so nothing but the repository travels; with random
 weights a drafter accepts (almost) nothing, so the DFlash figures are step costs, not speedups.
 
-Before the steps, a warm phase (--warm-budget, default 210 s; 0 = none) runs every step but
-exactness, --warm-jobs (6) processes at a time in priority order, dflash_trees as one process per
-batch for its AR rows and one per (batch, tree), the engine one per concurrency, each measurement
-run once, so their programs compile side by side into the persistent cache; the timed steps then
-load them. Exactness runs beside it. A cold H100 run
-without it spent every budget compiling (30-70 s per 1B loop program alone); side by side, six at
-a time, ~15 programs compiled in 150 s. The seconds the warm phase and each step leave unspent go
-to the next step, which still ends where the budgets so far end: the steps after it keep theirs.
+Before the steps, a warm phase (--warm-budget, default 290 s; 0 = none) runs every step but
+exactness, --warm-jobs (6) processes at a time, one program a process where the step allows
+(dflash_trees one per batch for its AR rows and one per (batch, tree), capacity one per (attention,
+capacity), the engine one per concurrency), each step's first process, then each one's second, and
+so on, so a cut phase costs every step its last rows and none all of them; each measurement runs
+once, so the programs compile side by side into the persistent cache and the timed steps load
+them. Exactness runs beside it. A 1B loop program takes 70-75 s to compile alone on an H100
+(session 34), where six at a time finish one every ~18 s. The seconds the warm phase and each step
+leave unspent go to the next step, which still ends where the budgets so far end: the steps after
+it keep theirs. Each process's CPU seconds (`process_cpu_s`, `cores_busy`: whether more at once
+would compile more) and XLA's own compile-phase timers (`compile_phases`: HLO passes with
+autotuning, LLVM, ptxas; TF_CPP_VMODULE=COMPILE_TIMERS unless set) are recorded
+for the warm phase and every step.
 --fast-compile-flags gives the small-target steps extra XLA flags (none by default: Triton GEMMs
 off, tried in session 24, ran the 1B step 1.77x slower on an H100 and compiled no faster).
 Every step's log has a line per measurement with the seconds since the step began and its
@@ -90,7 +95,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
 MIN_START_S = 5.0  # a step is not started with less time than this left in --total
-WARM_BUDGET_S = 210.0  # the warm phase; side by side the H100 compiled ~15 programs in 150 s, one alone 30-70 s
+WARM_BUDGET_S = 290.0  # the warm phase: 6 side by side compile ~4x as many programs a second as one alone
 DEFAULT_TOTAL_S = 470.0  # with a warm phase: the whole suite inside 8 minutes
 # XLA flags for the small-target steps only (--fast-compile-flags), none by default. Session 24 set
 # Triton GEMMs off here to compile faster; the H100 lease of session 32 measured the opposite: every
@@ -98,6 +103,13 @@ DEFAULT_TOTAL_S = 470.0  # with a warm phase: the whole suite inside 8 minutes
 # loop program still took 29-106 s to compile (67 s alone for batch 8's chain).
 FAST_COMPILE_FLAGS = ""
 WARM_JOBS = 6  # warm-phase processes at once, started in priority order
+# XLA's scoped timers for each compile's phases (HLO passes with autotuning, LLVM, ptxas), printed
+# at INFO into every step's log and summed there (`compile_phases`): session 34's H100 run took
+# 73-169 s per 1B `generate` program and the suite did not say where.
+COMPILE_TIMERS = "gpu_compiler=1,nvptx_compiler=1,cpu_compiler=1"  # cpu_compiler: the CPU check's
+XLA_TIMER = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ (?P<file>[\w.]+):\d+\] (?P<label>.*?) time: "
+                       r"(?P<value>[\d.]+) (?P<unit>us|ms|s|min|h)\b")
+SECONDS_PER = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
 NEEDED_MODULES = ("jax", "flax", "optax", "orbax", "numpy", "tqdm")
 
 
@@ -150,18 +162,20 @@ class Step:
     fast_compile: bool = False  # compiled with --fast-compile-flags (the small-target steps)
 
 
-# Budgets from the H100 run of session 32 (2026-11-27), programs from the warm cache: ar_floor took
-# 13 s, verify_cost 9, capacity 22, dflash_trees ~45 and engine ~30 (the rerun: 62 with one program
-# compiled). A step may also spend what the steps before it left unspent (run_suite), so short
-# budgets cost nothing where a step finishes early and the warm phase gets the time compiles need.
+# Budgets from the H100 runs of session 32 (2026-11-27), programs from the warm cache: ar_floor took
+# 12-13 s, verify_cost 8-9, capacity 22, dflash_trees ~45 and engine ~40. A program not in the
+# cache takes a step 70-75 s alone (session 34), where the warm phase's 6 at a time finish one
+# every ~18 s; so the warm phase has the time (290 s), and the steps what they need warm (180 s).
+# A step may also spend what the steps before it left unspent (run_suite), so short budgets cost
+# nothing where a step finishes early.
 STEPS = (  # priority order: the suite runs them in this order
-    Step("ar_floor", 30, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
-    Step("dflash_trees", 100, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8", True),
-    Step("verify_cost", 20, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1", True),
+    Step("ar_floor", 18, "qwen3-8b", "plain decoding vs the weight-bandwidth floor, batch 1"),
+    Step("dflash_trees", 60, "llama-3.2-1b", "DFlash step: chain, trees 16 and 32, batch 1 then 8", True),
+    Step("verify_cost", 15, "llama-3.2-1b", "verify pass of T = 1..64 tokens vs T = 1", True),
     Step("capacity", 30, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention", True),
-    Step("engine", 80, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash", True),
+    Step("engine", 57, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash", True),
     # Times nothing, so it runs during the warm phase when there is one (its budget: the phase's).
-    Step("exactness", 150, None, "pytest: live attention, greedy speculative == AR (float32), trees", True),
+    Step("exactness", 240, None, "pytest: live attention, greedy speculative == AR (float32), trees", True),
 )
 IN_WARM_PHASE = "exactness"
 # Opt-in steps (named in --steps, never in the default run): issue 46 part 3's probes of where
@@ -527,11 +541,15 @@ def step_capacity(rec: Recorder, target: Any, s: Settings, args: argparse.Namesp
 
     rows: list[dict[str, Any]] = []
     drafters = [("AR", None, None, "plain decoding")]
+    impls, capacities = s.impls, s.capacities
+    if args.part is not None:  # a warm-phase child: one program, "IMPL-CAPACITY"
+        impl, _, capacity = args.part.partition("-")
+        impls, capacities = (impl,), (int(capacity),)
     try:
-        for impl in s.impls:
+        for impl in impls:
             capacity_scaling.use_attention(impl)
             points = [{"impl": impl, "batch": 1, "drafter": "AR", "capacity": c, "prompt_tokens": s.context,
-                       "prompts": random_prompts(target, 1, s.context)} for c in s.capacities]
+                       "prompts": random_prompts(target, 1, s.context)} for c in capacities]
             capacity_scaling.sweep(target, points, drafters, s.new_tokens, s.repeats, tqdm(disable=True))
             for point in points:
                 del point["prompts"]
@@ -672,25 +690,31 @@ def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] 
 
 def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """The warm phase's processes: every selected step but `exactness` (pytest compiles its own
-    programs; it runs beside them as itself). dflash_trees is split into one process per batch for
-    its AR rows and one per (batch, tree), the engine into one per concurrency, so no process holds
-    a queue of compiles: on the H100 (session 32) the killed ones were those with two or more in a
-    row (batch 8's AR then chain; the engine's 12 programs). Each program is compiled once."""
+    programs; it runs beside them as itself), one program a process where the step allows: on the
+    H100 (session 32) the killed ones were those with two or more compiles in a row. dflash_trees
+    runs one per batch for its AR rows and one per (batch, tree), capacity one per (attention,
+    capacity), the engine one per concurrency. The order takes each step's first process, then
+    each one's second, and so on: session 34's warm phase, in step order, ended with `capacity`
+    not compiled at all, so that step recorded nothing; a cut now costs each step its last rows."""
     sizes = SMOKE if args.smoke else FULL
-    commands = []
+    queues = []
     for step in selected:
         if step.name == "exactness":
             continue
         if step.name == "dflash_trees":
-            for batch in args.batches or sizes.batches:
-                commands += [(f"{step.name}-b{batch}-{part}", step_command(step, args, (batch,), warm=True, part=part))
-                             for part in ["ar", *(f"t{tree}" for tree in args.trees or sizes.trees)]]
+            queue = [(f"{step.name}-b{batch}-{part}", step_command(step, args, (batch,), warm=True, part=part))
+                     for batch in args.batches or sizes.batches
+                     for part in ["ar", *(f"t{tree}" for tree in args.trees or sizes.trees)]]
+        elif step.name == "capacity":
+            queue = [(f"{step.name}-{part}", step_command(step, args, warm=True, part=part))
+                     for impl in sizes.impls for part in [f"{impl}-{c}" for c in sizes.capacities]]
         elif step.name == "engine":
-            commands += [(f"{step.name}-c{n}", step_command(step, args, warm=True, concurrency=(n,)))
-                         for n in args.concurrency or sizes.concurrency]
+            queue = [(f"{step.name}-c{n}", step_command(step, args, warm=True, concurrency=(n,)))
+                     for n in args.concurrency or sizes.concurrency]
         else:
-            commands.append((step.name, step_command(step, args, warm=True)))
-    return commands
+            queue = [(step.name, step_command(step, args, warm=True))]
+        queues.append(queue)
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
 
 
 def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
@@ -707,7 +731,7 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
     # Exactness times nothing: it runs now as itself, beside the compiles, not after the timed steps.
     beside = start_step(BY_NAME[IN_WARM_PHASE], args, env) if any(s.name == IN_WARM_PHASE for s in selected) else None
     commands = warm_commands(selected, args)
-    waiting, statuses, seconds = list(commands), {}, {}
+    waiting, statuses, seconds, cpu = list(commands), {}, {}, {}
     # At most --warm-jobs at once, in priority order: a process killed at the budget loses its
     # unfinished compiles, so fewer finishing beats many half done (10 at once: 3 finished).
     while waiting or running:
@@ -720,6 +744,8 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
         if time.monotonic() - t0 >= budget:
             break
         time.sleep(0.2)
+        for name, _, _, proc in running:  # before the poll reaps it: a finished process's stat holds its totals
+            cpu[name] = cpu_seconds(proc.pid, cpu.get(name))
         for item in [r for r in running if r[3].poll() is not None]:
             name, log, started, proc = item
             statuses[name] = "ok" if proc.returncode == 0 else "failed"
@@ -732,9 +758,17 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
         statuses[name], seconds[name] = "timed out", round(time.monotonic() - started, 1)
         log.close()
     statuses = {name: statuses.get(name, "not started") for name, _ in commands}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     record = finish_step(beside, args, min(step_budgets(args)[IN_WARM_PHASE], budget)) if beside else None
-    return {"seconds": round(time.monotonic() - t0, 1), "budget_s": round(budget, 1), "processes": statuses,
-            "process_seconds": seconds, "jobs": args.warm_jobs, "beside": record}
+    phase_s = time.monotonic() - t0
+    cpu = {name: round(c, 1) for name, c in cpu.items() if c is not None}
+    return {"seconds": round(phase_s, 1), "budget_s": round(budget, 1), "processes": statuses,
+            "process_seconds": seconds, "jobs": args.warm_jobs, "beside": record,
+            # Whether more processes at once would compile more: the cores the compiles kept busy.
+            "process_cpu_s": cpu, "cores_busy": round(sum(cpu.values()) / phase_s, 2) if cpu else None,
+            "host_cpus": os.cpu_count(), "load_1m_at_end": load,
+            "compile_phases": {name: compile_phases(folder / f"{name}.log") for name, _ in commands
+                               if (folder / f"{name}.log").exists()}}
 
 
 def step_budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -749,6 +783,8 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"  # the log shows each line as it happens
     env["XLA_FLAGS"] = xla_flags(args, None)
+    if "TF_CPP_VMODULE" not in env:  # XLA's compile-phase timers into the logs (INFO level)
+        env.update(TF_CPP_VMODULE=COMPILE_TIMERS, TF_CPP_MIN_LOG_LEVEL="0")
     if args.compile_cache == "off":
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
     else:
@@ -816,23 +852,53 @@ def finish_step(started: Started, args: argparse.Namespace, budget: float) -> di
     """Wait for a started step until `budget` seconds after its start (then kill its group); its
     record, with status and time."""
     step, proc = started.step, started.proc
-    try:
-        left = max(budget - (time.monotonic() - started.t0), 0.01)
-        status = "ok" if proc.wait(timeout=left) == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        status = "timed out"
+    cpu = None
+    while True:
+        cpu = cpu_seconds(proc.pid, cpu)  # before the poll reaps it: a finished process's stat holds its totals
+        if proc.poll() is not None:
+            status = "ok" if proc.returncode == 0 else "failed"
+            break
+        if time.monotonic() - started.t0 >= budget:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = "timed out"
+            break
+        time.sleep(0.1)
     json_path, log_path = args.out / f"{step.name}.json", args.out / f"{step.name}.log"
     record = read_json(json_path) or {"step": step.name, "target": step_target(step, args), "headline": "",
                                       "result": {}}
     record.update(status=status, seconds=round(time.monotonic() - started.t0, 1), budget_s=round(budget, 1),
                   returncode=proc.returncode, command=shlex.join(started.cmd), commit=args.commit_id,
-                  xla_flags=xla_flags(args, step))
+                  xla_flags=xla_flags(args, step), cpu_s=None if cpu is None else round(cpu, 1),
+                  compile_phases=compile_phases(log_path))
     if status != "ok":
         record["log_tail"] = log_path.read_text(errors="replace").splitlines()[-15:]
     write_json(json_path, record)
     return record
+
+
+def cpu_seconds(pid: int, last: float | None = None) -> float | None:
+    """User + system CPU seconds of a process and its waited-for children (ptxas) from /proc, or
+    `last` where that cannot be read (gone, or not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return last
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
+def compile_phases(log: Path, top: int = 12) -> dict[str, float]:
+    """XLA's timers in a step's log (COMPILE_TIMERS): seconds per compile phase, summed over the
+    programs the step compiled, costliest first (phases nest: RunHloPasses holds autotuning)."""
+    totals: dict[str, float] = {}
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for line in text.splitlines():
+        timer = XLA_TIMER.match(line)
+        if timer:  # one program's phase: the module's name dropped, so programs add up
+            label = re.sub(r"\[[^\]]*\]|\b(?:p?jit_|module_)[\w.\-]*", "*", timer.group("label")).strip()
+            key = f"{timer.group('file').removesuffix('.cc')}: {label}"
+            totals[key] = totals.get(key, 0.0) + float(timer.group("value")) * SECONDS_PER[timer.group("unit")]
+    return {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def run_step(step: Step, args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
@@ -857,7 +923,9 @@ def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], start
     lines = [f"# Quick GPU suite: {device}, commit {args.commit_id}",
              "", f"Started {started}; {wall_s:.0f} s so far; {args.dtype}"
              + (f"; XLA_FLAGS += {args.xla_flags}" if args.xla_flags else "")
-             + (f"; warm phase {args.warm_record['seconds']:.0f} s" if getattr(args, "warm_record", None) else "")
+             + (f"; warm phase {args.warm_record['seconds']:.0f} s, {args.warm_record['cores_busy']} of "
+                f"{args.warm_record['host_cpus']} cores busy on average"
+                if getattr(args, "warm_record", None) else "")
              + (" (--smoke sizes)" if args.smoke else "") + ". Each step's JSON and log sit beside this file.",
              "", "| # | step | target | status | s / budget | compiled (from cache) | result |",
              "|---|---|---|---|---|---|---|"]

@@ -80,10 +80,19 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     assert all(f"| {name} |" in table for name in STEPS)
 
     warm = json.loads((out / "summary.json").read_text())["warm"]
-    assert set(warm["processes"].values()) == {"ok"} and len(warm["processes"]) == 6, warm
-    assert {"dflash_trees-b1-ar", "dflash_trees-b1-t16", "engine-c2"} <= set(warm["processes"]), warm
+    assert set(warm["processes"].values()) == {"ok"} and len(warm["processes"]) == 7, warm
+    # Each step's first process, then each one's second: a cut phase leaves no step without rows.
+    assert list(warm["processes"]) == ["ar_floor", "dflash_trees-b1-ar", "verify_cost", "capacity-live-256",
+                                       "engine-c2", "dflash_trees-b1-t16", "capacity-dense-256"], warm
     # One warm process at a time (--warm-jobs 1): each started after the one before ended.
     assert warm["jobs"] == 1 and sum(warm["process_seconds"].values()) <= warm["seconds"] + 1, warm
+    # What each compile cost: CPU seconds per process (at most the cores there are), XLA's timers.
+    assert set(warm["process_cpu_s"]) == set(warm["processes"]) and all(v > 0 for v in warm["process_cpu_s"].values())
+    assert 0 < warm["cores_busy"] <= warm["host_cpus"] + 0.5, warm
+    phases = warm["compile_phases"]  # a process whose programs all came from the cache has none
+    assert set(phases) == set(warm["processes"]) and sum(
+        v for p in phases.values() for k, v in p.items() if k.startswith("cpu_compiler: Compiling")) > 0, phases
+    assert summary["dflash_trees"]["cpu_s"] > 0 and "compile_phases" in summary["dflash_trees"]
     # Every timed step loads what the warm phase compiled, dflash_trees' and the engine's split
     # children too (the same programs: capacity from every tree, not the child's part).
     for name in ["ar_floor", "dflash_trees", "capacity", "engine"]:
@@ -100,6 +109,29 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
         names = set(tar.getnames())
     assert {"quick/summary.md", "quick/summary.json", "quick/capacity.log", "quick/warm/ar_floor.log"} <= names
     assert not any("cache" in n for n in names), names
+
+
+def test_compile_phases_sum_xlas_timers_over_programs(tmp_path):
+    """XLA's scoped timers (TF_CPP_VMODULE) in a step's log: one phase's seconds over every
+    program, the module names dropped, units read; other lines ignored."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_quick import compile_phases
+
+    log = tmp_path / "step.log"
+    log.write_text(
+        "  12.0 s  b1: AR 2.10 ms [1 programs, 0 from the cache, 81.7 s]\n"
+        "I1127 19:30:01.000001   4242 gpu_compiler.cc:2321] GpuCompiler::RunHloPasses for jit_generate time: "
+        "41.5 s (cumulative: 41.5 s, max: 41.5 s, #called: 1)\n"
+        "I1127 19:30:40.000001   4242 gpu_compiler.cc:2321] GpuCompiler::RunHloPasses for jit__prefill time: "
+        "500 ms (cumulative: 42 s, max: 41.5 s, #called: 2)\n"
+        "I1127 19:31:40.000001   4242 nvptx_compiler.cc:610] NVPTXCompiler::CompileTargetBinary - CompileToPtx "
+        "for jit_generate time: 1.5 min (cumulative: 1.5 min, max: 1.5 min, #called: 1)\n"
+        "W1127 19:31:41.000001   4242 cpu_compiler.cc:1269] Running HLO passes on [jit_generate] for CPU time: "
+        "30 us (30 us) (cumulative: 30 us, max: 30 us, #called: 1)\n")
+    assert compile_phases(log) == {"nvptx_compiler: NVPTXCompiler::CompileTargetBinary - CompileToPtx for *": 90.0,
+                                   "gpu_compiler: GpuCompiler::RunHloPasses for *": 42.0,
+                                   "cpu_compiler: Running HLO passes on * for CPU": 0.0}
+    assert compile_phases(tmp_path / "none.log") == {}
 
 
 def test_a_step_over_its_budget_is_recorded_and_the_suite_goes_on(tmp_path):

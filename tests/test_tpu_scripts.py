@@ -151,8 +151,8 @@ def test_gpu_quick_dry_run_lists_every_step_with_its_budget_in_priority_order(tm
     budgets = {name: int(seconds) for _, name, seconds in plan}
     # The whole suite inside 8 minutes on a lent GPU: the warm phase, with exactness run beside
     # its compiles (it times nothing), then the timed steps.
-    assert re.search(r"^ 6\. exactness +150 s .*\(during the warm phase\)$", out.stdout, re.M)
-    assert 210 + sum(b for name, b in budgets.items() if name != "exactness") <= 470
+    assert re.search(r"^ 6\. exactness +240 s .*\(during the warm phase\)$", out.stdout, re.M)
+    assert 290 + sum(b for name, b in budgets.items() if name != "exactness") <= 470
     commands = [line.strip() for line in out.stdout.splitlines() if "--run-step" in line and "--warm" not in line]
     assert [c.split("--run-step ")[1].split()[0] for c in commands] == QUICK_STEPS
     assert "--target random:qwen3-8b" in commands[0]
@@ -161,15 +161,20 @@ def test_gpu_quick_dry_run_lists_every_step_with_its_budget_in_priority_order(tm
     assert not (tmp_path / "q").exists()  # ran nothing
 
     # The warm phase first: every step but exactness; dflash_trees one process per batch for its AR
-    # rows and one per (batch, tree), the engine one per concurrency: no process holds a long queue.
+    # rows and one per (batch, tree), capacity one per (attention, capacity), the engine one per
+    # concurrency: no process holds a long queue. Each step's first, then each one's second...
     warm = [line.strip() for line in out.stdout.splitlines() if line.strip().endswith("--warm")]
-    assert len(warm) == 1 + 2 * 4 + 2 + 3 and re.search(r"^ 0\. warm phase +210 s ", out.stdout, re.M)
+    assert len(warm) == 1 + 2 * 4 + 1 + 4 + 3 and re.search(r"^ 0\. warm phase +290 s ", out.stdout, re.M)
+    assert [c.split("--run-step ")[1].split()[0] for c in warm[:6]] == [
+        "ar_floor", "dflash_trees", "verify_cost", "capacity", "engine", "dflash_trees"]
+    assert [c.split("--part ")[1].split()[0] for c in warm if "--run-step capacity" in c] == [
+        "live-512", "live-32768", "dense-512", "dense-32768"]
     parts = [c.split("--batches ")[1].split(" --warm")[0] for c in warm if "--run-step dflash_trees" in c]
     assert parts == [f"{b} --part {p}" for b in (1, 8) for p in ("ar", "t0", "t16", "t32")], parts
     assert [c.split("--concurrency ")[1] for c in warm if "--run-step engine" in c] == ["1 --warm", "8 --warm",
                                                                                       "32 --warm"]
     assert "at most 470 s in all" in out.stdout  # warm phase + steps, inside the 8-minute lease
-    assert "14 processes, 6 at a time in this order" in out.stdout
+    assert "17 processes, 6 at a time in this order" in out.stdout
     # Every step keeps XLA's defaults; --fast-compile-flags reaches the small-target steps only.
     assert "XLA_FLAGS +=" not in out.stdout
     fast = run_quick("--dry-run", "--fast-compile-flags=--xla_gpu_enable_triton_gemm=false")
