@@ -68,6 +68,22 @@ def test_live_paths_match_the_dense_reference(impl, dtype):
                                    atol=tol, err_msg=f"tree={tree} window={window} lengths={lengths}")
 
 
+def test_buckets_read_from_slot_zero_under_a_static_window_as_wide_as_the_cache():
+    """A decoder's window is a Python int: when it spans the capacity (every global layer), each
+    bucket starts at slot 0, a static slice (XLA:GPU copies a dynamic one out of the cache before
+    the GEMM); same values as the dense reference. A narrower window keeps the dynamic start."""
+    for window, tree, lengths in itertools.product((GLOBAL_WINDOW, 100), (False, True), LENGTHS):
+        args = case(3, 100, lengths, jnp.float32, tree, window)
+        live = jax.jit(functools.partial(attend_cache_and_pass, impl="buckets", block=BLOCK), static_argnums=5)
+        want = jax.jit(functools.partial(attend_cache_and_pass, impl="dense"), static_argnums=5)(*args)
+        np.testing.assert_allclose(np.asarray(live(*args)), np.asarray(want), rtol=3e-6, atol=3e-6,
+                                   err_msg=f"window={window} tree={tree} lengths={lengths}")
+    for window, dynamic in ((GLOBAL_WINDOW, False), (100, False), (99, True), (20, True)):
+        text = jax.jit(functools.partial(attend_cache_and_pass, impl="buckets", block=BLOCK),
+                       static_argnums=5).lower(*case(0, 100, LENGTHS[0], jnp.float32, False, window)).as_text()
+        assert ("stablehlo.dynamic_slice" in text) == dynamic, window
+
+
 @pytest.mark.parametrize("impl", ["blocks", "buckets"])
 def test_slots_outside_the_live_span_are_never_read(impl):
     """NaN in every slot the path should skip (past the longest row's block or bucket, and before

@@ -273,14 +273,22 @@ def _attend_live_buckets(
     lo, hi = live_span(cache_lengths, q_positions, window)
     index = jnp.sum(hi - lo > jnp.asarray(widths[:-1], jnp.int32))  # the first width >= hi - lo
     own = (k_pass, v_pass, pass_mask)
+    # A window at least the capacity reaches back to slot 0 from any query (slot s holds position
+    # s < capacity), so every window starts there: a static slice, which XLA:GPU reads inside the
+    # attention's GEMM. A dynamic one it copies out first (the H100 profile of session 34: 80
+    # window copies a DFlash step at Qwen3-8B shapes, 0.19 ms).
+    from_zero = isinstance(window, int) and window >= capacity
 
     def dense_over(width):
         def branch(k_cache, v_cache):
             if width == 0:
                 return attend(q, [own], sinks)
-            start = jnp.minimum(lo, capacity - width)
-            k = jax.lax.dynamic_slice_in_dim(k_cache, start, width, axis=2)  # [B, Kv, W, D]
-            v = jax.lax.dynamic_slice_in_dim(v_cache, start, width, axis=2)
+            if from_zero:
+                start, k, v = 0, k_cache[:, :, :width], v_cache[:, :, :width]  # [B, Kv, W, D]
+            else:
+                start = jnp.minimum(lo, capacity - width)
+                k = jax.lax.dynamic_slice_in_dim(k_cache, start, width, axis=2)
+                v = jax.lax.dynamic_slice_in_dim(v_cache, start, width, axis=2)
             slots = start + jnp.arange(width, dtype=jnp.int32)
             visible = cache_visibility(cache_lengths, q_positions, slots, window)
             return attend(q, [(k, v, visible), own], sinks)
