@@ -767,6 +767,8 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
             # Whether more processes at once would compile more: the cores the compiles kept busy.
             "process_cpu_s": cpu, "cores_busy": round(sum(cpu.values()) / phase_s, 2) if cpu else None,
             "host_cpus": os.cpu_count(), "load_1m_at_end": load,
+            # Fusions XLA:GPU autotuned and kept (one file each): what later programs need not tune.
+            "autotune_cache_files": sum(1 for p in (args.out / "autotune_cache").rglob("*") if p.is_file()),
             "compile_phases": {name: compile_phases(folder / f"{name}.log") for name, _ in commands
                                if (folder / f"{name}.log").exists()}}
 
