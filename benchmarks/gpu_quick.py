@@ -28,10 +28,11 @@ weights a drafter accepts (almost) nothing, so the DFlash figures are step costs
 Before the steps, a warm phase (--warm-budget, default 290 s; 0 = none) runs every step but
 exactness, --warm-jobs (6) processes at a time, one program a process where the step allows
 (dflash_trees one per batch for its AR rows and one per (batch, tree), capacity one per (attention,
-capacity), the engine one per concurrency), each step's first process, then each one's second, and
-so on, so a cut phase costs every step its last rows and none all of them; each measurement runs
-once, so the programs compile side by side into the persistent cache and the timed steps load
-them. Exactness runs beside it. A 1B loop program takes 70-75 s to compile alone on an H100
+capacity), the engine one per concurrency). A family (one target at one prefill batch) starts with
+its seed alone, its first process, whose autotuning (kept in OUT/autotune_cache) then serves the
+rest of the family; the rest follow each step's first process, then each one's second, and so on,
+so a cut phase costs every step its last rows and none all of them. Each measurement runs once,
+so the programs compile side by side into the persistent cache and the timed steps load them. Exactness runs beside it. A 1B loop program takes 70-75 s to compile alone on an H100
 (session 34), where six at a time finish one every ~18 s. The seconds the warm phase and each step
 leave unspent go to the next step, which still ends where the budgets so far end: the steps after
 it keep theirs. Each process's CPU seconds (`process_cpu_s`, `cores_busy`: whether more at once
@@ -688,33 +689,53 @@ def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] 
     return cmd + (["--smoke"] if args.smoke else []) + (["--warm"] if warm else [])
 
 
-def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+@dataclasses.dataclass(frozen=True)
+class WarmJob:
+    """A warm-phase process: its name (its log's and JSON's), command, and family: the target and
+    the batch its prompts are prefilled at, which set most of the GEMMs its programs autotune."""
+
+    name: str
+    cmd: list[str]
+    family: str
+
+
+def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[WarmJob]:
     """The warm phase's processes: every selected step but `exactness` (pytest compiles its own
     programs; it runs beside them as itself), one program a process where the step allows: on the
     H100 (session 32) the killed ones were those with two or more compiles in a row. dflash_trees
     runs one per batch for its AR rows and one per (batch, tree), capacity one per (attention,
-    capacity), the engine one per concurrency. The order takes each step's first process, then
-    each one's second, and so on: session 34's warm phase, in step order, ended with `capacity`
-    not compiled at all, so that step recorded nothing; a cut now costs each step its last rows."""
+    capacity), the engine one per concurrency (its prompts are prefilled one at a time).
+
+    Each family's first process in step order is its seed and comes first (`warm_caches` starts
+    the rest of a family once its seed has ended). The others follow each step's first, then each
+    one's second, and so on: session 34's warm phase, in step order, ended with `capacity` not
+    compiled at all, so that step recorded nothing; a cut now costs each step its last rows."""
     sizes = SMOKE if args.smoke else FULL
     queues = []
     for step in selected:
+        target = step_target(step, args)
         if step.name == "exactness":
             continue
         if step.name == "dflash_trees":
-            queue = [(f"{step.name}-b{batch}-{part}", step_command(step, args, (batch,), warm=True, part=part))
+            queue = [WarmJob(f"{step.name}-b{batch}-{part}", step_command(step, args, (batch,), warm=True, part=part),
+                             f"{target} b{batch}")
                      for batch in args.batches or sizes.batches
                      for part in ["ar", *(f"t{tree}" for tree in args.trees or sizes.trees)]]
         elif step.name == "capacity":
-            queue = [(f"{step.name}-{part}", step_command(step, args, warm=True, part=part))
+            queue = [WarmJob(f"{step.name}-{part}", step_command(step, args, warm=True, part=part), f"{target} b1")
                      for impl in sizes.impls for part in [f"{impl}-{c}" for c in sizes.capacities]]
         elif step.name == "engine":
-            queue = [(f"{step.name}-c{n}", step_command(step, args, warm=True, concurrency=(n,)))
+            queue = [WarmJob(f"{step.name}-c{n}", step_command(step, args, warm=True, concurrency=(n,)), f"{target} b1")
                      for n in args.concurrency or sizes.concurrency]
         else:
-            queue = [(step.name, step_command(step, args, warm=True))]
+            queue = [WarmJob(step.name, step_command(step, args, warm=True), f"{target} b1")]
         queues.append(queue)
-    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+    ordered = [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+    first: dict[str, WarmJob] = {}
+    for job in (job for queue in queues for job in queue):
+        first.setdefault(job.family, job)
+    seeds = list(first.values())
+    return seeds + [job for job in ordered if job not in seeds]
 
 
 def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
@@ -731,16 +752,26 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
     # Exactness times nothing: it runs now as itself, beside the compiles, not after the timed steps.
     beside = start_step(BY_NAME[IN_WARM_PHASE], args, env) if any(s.name == IN_WARM_PHASE for s in selected) else None
     commands = warm_commands(selected, args)
-    waiting, statuses, seconds, cpu = list(commands), {}, {}, {}
-    # At most --warm-jobs at once, in priority order: a process killed at the budget loses its
+    waiting, statuses, seconds, cpu, started_at = list(commands), {}, {}, {}, {}
+    # A family's seed alone first: its fusions' autotuning, kept in the autotune cache, then serves
+    # the rest of the family. On the H100 (session 34) programs of one family compiled side by side,
+    # each tuning the same GEMMs, in 82-169 s; the engine's AR pair, started after its family's
+    # first programs had ended, compiled in 20 s beside five others.
+    seed_of = {job.family: job.name for job in reversed(commands)}
+    seeded: set[str] = set()  # families whose seed has ended
+    # At most --warm-jobs at once, in this order: a process killed at the budget loses its
     # unfinished compiles, so fewer finishing beats many half done (10 at once: 3 finished).
     while waiting or running:
-        while waiting and len(running) < args.warm_jobs:
-            name, cmd = waiting.pop(0)
-            log = open(folder / f"{name}.log", "w")
-            proc_env = dict(env, XLA_FLAGS=xla_flags(args, BY_NAME[name.partition("-")[0]]))
-            running.append((name, log, time.monotonic(), subprocess.Popen(
-                cmd, cwd=REPO, env=proc_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)))
+        while len(running) < args.warm_jobs:
+            job = next((j for j in waiting if j.family in seeded or seed_of[j.family] == j.name), None)
+            if job is None:
+                break
+            waiting.remove(job)
+            log = open(folder / f"{job.name}.log", "w")
+            proc_env = dict(env, XLA_FLAGS=xla_flags(args, BY_NAME[job.name.partition("-")[0]]))
+            started_at[job.name] = round(time.monotonic() - t0, 1)
+            running.append((job.name, log, time.monotonic(), subprocess.Popen(
+                job.cmd, cwd=REPO, env=proc_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)))
         if time.monotonic() - t0 >= budget:
             break
         time.sleep(0.2)
@@ -750,6 +781,7 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
             name, log, started, proc = item
             statuses[name] = "ok" if proc.returncode == 0 else "failed"
             seconds[name] = round(time.monotonic() - started, 1)
+            seeded.update(family for family, seed in seed_of.items() if seed == name)
             log.close()
             running.remove(item)
     for name, log, started, proc in running:
@@ -757,20 +789,21 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
         proc.wait()
         statuses[name], seconds[name] = "timed out", round(time.monotonic() - started, 1)
         log.close()
-    statuses = {name: statuses.get(name, "not started") for name, _ in commands}
+    statuses = {job.name: statuses.get(job.name, "not started") for job in commands}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     record = finish_step(beside, args, min(step_budgets(args)[IN_WARM_PHASE], budget)) if beside else None
     phase_s = time.monotonic() - t0
     cpu = {name: round(c, 1) for name, c in cpu.items() if c is not None}
     return {"seconds": round(phase_s, 1), "budget_s": round(budget, 1), "processes": statuses,
-            "process_seconds": seconds, "jobs": args.warm_jobs, "beside": record,
+            "process_seconds": seconds, "process_started_s": started_at, "jobs": args.warm_jobs, "beside": record,
             # Whether more processes at once would compile more: the cores the compiles kept busy.
             "process_cpu_s": cpu, "cores_busy": round(sum(cpu.values()) / phase_s, 2) if cpu else None,
             "host_cpus": os.cpu_count(), "load_1m_at_end": load,
             # Fusions XLA:GPU autotuned and kept (one file each): what later programs need not tune.
             "autotune_cache_files": sum(1 for p in (args.out / "autotune_cache").rglob("*") if p.is_file()),
-            "compile_phases": {name: compile_phases(folder / f"{name}.log") for name, _ in commands
-                               if (folder / f"{name}.log").exists()}}
+            "seeds": list(seed_of.values()),
+            "compile_phases": {job.name: compile_phases(folder / f"{job.name}.log") for job in commands
+                               if (folder / f"{job.name}.log").exists()}}
 
 
 def step_budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -968,9 +1001,12 @@ def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str
     if warm:
         commands = warm_commands(selected, args)
         print(f" 0. warm phase  {args.warm_budget:5.0f} s  {len(commands)} processes, {args.warm_jobs} at a time in "
-              "this order, compile every step's programs into the cache (each measurement run once)")
-        for name, cmd in commands:
-            print(f"    {shlex.join(cmd)}")
+              "this order (a family's others after its seed), compile every step's programs into the cache "
+              "(each measurement run once)")
+        seeds = {job.family: job.name for job in reversed(commands)}
+        for job in commands:
+            role = f"seed of {job.family}" if seeds[job.family] == job.name else job.family
+            print(f"    [{role}] {shlex.join(job.cmd)}")
     for i, step in enumerate(selected, 1):
         during = " (during the warm phase)" if warm and step.name == IN_WARM_PHASE else ""
         print(f"{i:2d}. {step.name:<13} {budgets[step.name]:5.0f} s  {step.what}{during}")

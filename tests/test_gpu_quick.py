@@ -111,6 +111,19 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     assert not any("cache" in n for n in names), names
 
 
+def test_a_familys_processes_wait_for_its_seed(tmp_path):
+    """Two warm-phase slots, two processes of one family (random:tiny at batch 1): the second
+    starts only when the seed has ended, so it finds the seed's autotuning in the cache."""
+    out = tmp_path / "quick"
+    run = run_quick(out, "--steps", "ar_floor,verify_cost", "--warm-budget", "600", "--warm-jobs", "2",
+                    "--compile-cache", str(tmp_path / "cache"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    warm = json.loads((out / "summary.json").read_text())["warm"]
+    assert warm["seeds"] == ["ar_floor"] and set(warm["processes"].values()) == {"ok"}, warm
+    started, took = warm["process_started_s"], warm["process_seconds"]
+    assert started["verify_cost"] >= started["ar_floor"] + took["ar_floor"] - 0.5, warm
+
+
 def test_compile_phases_sum_xlas_timers_over_programs(tmp_path):
     """XLA's scoped timers (TF_CPP_VMODULE) in a step's log: one phase's seconds over every
     program, the module names dropped, units read; other lines ignored."""

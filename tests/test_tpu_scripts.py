@@ -165,12 +165,16 @@ def test_gpu_quick_dry_run_lists_every_step_with_its_budget_in_priority_order(tm
     # concurrency: no process holds a long queue. Each step's first, then each one's second...
     warm = [line.strip() for line in out.stdout.splitlines() if line.strip().endswith("--warm")]
     assert len(warm) == 1 + 2 * 4 + 1 + 4 + 3 and re.search(r"^ 0\. warm phase +290 s ", out.stdout, re.M)
-    assert [c.split("--run-step ")[1].split()[0] for c in warm[:6]] == [
-        "ar_floor", "dflash_trees", "verify_cost", "capacity", "engine", "dflash_trees"]
+    # Each family's seed first (its autotuning then serves the family): the 8B target at batch
+    # 1, the 1B target at batch 1 and at batch 8.
+    assert [w.split("] ")[0] for w in warm[:4]] == ["[seed of random:qwen3-8b b1", "[seed of random:llama-3.2-1b b1",
+                                                     "[seed of random:llama-3.2-1b b8", "[random:llama-3.2-1b b1"]
+    assert [c.split("--run-step ")[1].split()[0] for c in warm[:7]] == [
+        "ar_floor", "dflash_trees", "dflash_trees", "verify_cost", "capacity", "engine", "dflash_trees"]
     assert [c.split("--part ")[1].split()[0] for c in warm if "--run-step capacity" in c] == [
         "live-512", "live-32768", "dense-512", "dense-32768"]
     parts = [c.split("--batches ")[1].split(" --warm")[0] for c in warm if "--run-step dflash_trees" in c]
-    assert parts == [f"{b} --part {p}" for b in (1, 8) for p in ("ar", "t0", "t16", "t32")], parts
+    assert sorted(parts) == [f"{b} --part {p}" for b in (1, 8) for p in ("ar", "t0", "t16", "t32")], parts
     assert [c.split("--concurrency ")[1] for c in warm if "--run-step engine" in c] == ["1 --warm", "8 --warm",
                                                                                       "32 --warm"]
     assert "at most 470 s in all" in out.stdout  # warm phase + steps, inside the 8-minute lease
