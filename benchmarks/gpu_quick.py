@@ -111,6 +111,7 @@ COMPILE_TIMERS = "gpu_compiler=1,nvptx_compiler=1,cpu_compiler=1"  # cpu_compile
 XLA_TIMER = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ (?P<file>[\w.]+):\d+\] (?P<label>.*?) time: "
                        r"(?P<value>[\d.]+) (?P<unit>us|ms|s|min|h)\b")
 SECONDS_PER = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+XLA_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
 NEEDED_MODULES = ("jax", "flax", "optax", "orbax", "numpy", "tqdm")
 
 
@@ -907,7 +908,8 @@ def finish_step(started: Started, args: argparse.Namespace, budget: float) -> di
                   xla_flags=xla_flags(args, step), cpu_s=None if cpu is None else round(cpu, 1),
                   compile_phases=compile_phases(log_path))
     if status != "ok":
-        record["log_tail"] = log_path.read_text(errors="replace").splitlines()[-15:]
+        lines = log_path.read_text(errors="replace").splitlines()  # XLA's INFO lines (the timers) aside
+        record["log_tail"] = [line for line in lines if not XLA_LOG_LINE.match(line)][-15:]
     write_json(json_path, record)
     return record
 

@@ -274,9 +274,9 @@ def _attend_live_buckets(
     index = jnp.sum(hi - lo > jnp.asarray(widths[:-1], jnp.int32))  # the first width >= hi - lo
     own = (k_pass, v_pass, pass_mask)
     # A window at least the capacity reaches back to slot 0 from any query (slot s holds position
-    # s < capacity), so every window starts there: a static slice, which XLA:GPU reads inside the
-    # attention's GEMM. A dynamic one it copies out first (the H100 profile of session 34: 80
-    # window copies a DFlash step at Qwen3-8B shapes, 0.19 ms).
+    # s < capacity), so every bucket starts there: a static slice. A dynamically placed one
+    # XLA:GPU copied out of the cache before the attention's GEMM (the H100 profile of session
+    # 34: 80 window copies a DFlash step at Qwen3-8B shapes, 0.19 ms).
     from_zero = isinstance(window, int) and window >= capacity
 
     def dense_over(width):
