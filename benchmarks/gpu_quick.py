@@ -32,13 +32,14 @@ capacity), the engine one per concurrency). A family (one target at one prefill 
 its seed alone, its first process, whose autotuning (kept in OUT/autotune_cache) then serves the
 rest of the family; the rest follow each step's first process, then each one's second, and so on,
 so a cut phase costs every step its last rows and none all of them. Each measurement runs once,
-so the programs compile side by side into the persistent cache and the timed steps load them. Exactness runs beside it. A 1B loop program takes 70-75 s to compile alone on an H100
-(session 34), where six at a time finish one every ~18 s. The seconds the warm phase and each step
-leave unspent go to the next step, which still ends where the budgets so far end: the steps after
-it keep theirs. Each process's CPU seconds (`process_cpu_s`, `cores_busy`: whether more at once
+so the programs compile side by side into the persistent cache and the timed steps load them.
+Exactness runs beside it. A 1B loop program takes 70-75 s to compile alone on an H100 (session
+34), where six at a time finish one every ~18 s. The seconds the warm phase and each step leave
+unspent go to the next step, which still ends where the budgets so far end: the steps after it
+keep theirs. Each process's CPU seconds (`process_cpu_s`, `cores_busy`: whether more at once
 would compile more) and XLA's own compile-phase timers (`compile_phases`: HLO passes with
-autotuning, LLVM, ptxas; TF_CPP_VMODULE=COMPILE_TIMERS unless set) are recorded
-for the warm phase and every step.
+autotuning, LLVM, ptxas; TF_CPP_VMODULE=COMPILE_TIMERS unless set) are recorded for the warm
+phase and every step.
 --fast-compile-flags gives the small-target steps extra XLA flags (none by default: Triton GEMMs
 off, tried in session 24, ran the 1B step 1.77x slower on an H100 and compiled no faster).
 Every step's log has a line per measurement with the seconds since the step began and its
@@ -739,6 +740,11 @@ def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[WarmJo
     return seeds + [job for job in ordered if job not in seeds]
 
 
+def seeds_of(commands: list[WarmJob]) -> dict[str, str]:
+    """Family -> the name of its seed, the family's first process."""
+    return {job.family: job.name for job in reversed(commands)}
+
+
 def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
     """Compile every step's programs at once, each group in its own process, into the persistent
     cache, so the timed steps after it load programs instead of compiling them one after another.
@@ -758,7 +764,7 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
     # the rest of the family. On the H100 (session 34) programs of one family compiled side by side,
     # each tuning the same GEMMs, in 82-169 s; the engine's AR pair, started after its family's
     # first programs had ended, compiled in 20 s beside five others.
-    seed_of = {job.family: job.name for job in reversed(commands)}
+    seed_of = seeds_of(commands)
     seeded: set[str] = set()  # families whose seed has ended
     # At most --warm-jobs at once, in this order: a process killed at the budget loses its
     # unfinished compiles, so fewer finishing beats many half done (10 at once: 3 finished).
@@ -1005,7 +1011,7 @@ def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str
         print(f" 0. warm phase  {args.warm_budget:5.0f} s  {len(commands)} processes, {args.warm_jobs} at a time in "
               "this order (a family's others after its seed), compile every step's programs into the cache "
               "(each measurement run once)")
-        seeds = {job.family: job.name for job in reversed(commands)}
+        seeds = seeds_of(commands)
         for job in commands:
             role = f"seed of {job.family}" if seeds[job.family] == job.name else job.family
             print(f"    [{role}] {shlex.join(job.cmd)}")
