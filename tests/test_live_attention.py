@@ -84,6 +84,41 @@ def test_buckets_read_from_slot_zero_under_a_static_window_as_wide_as_the_cache(
         assert ("stablehlo.dynamic_slice" in text) == dynamic, window
 
 
+@pytest.mark.parametrize("impl", ["blocks", "buckets", "dense"])
+def test_a_pass_into_an_empty_cache_reads_none_of_it(impl):
+    """cache_empty (a prefill): the pass attends over its own keys only, equal to every path over
+    a cache of zero lengths, and the program holds no cache path (no switch, no loop)."""
+    for tree, window in CASES:
+        args = case(1, 100, [0, 0, 0, 0], jnp.float32, tree, window)
+        empty = jax.jit(functools.partial(attend_cache_and_pass, impl=impl, block=BLOCK, cache_empty=True),
+                        static_argnums=5)
+        want = jax.jit(functools.partial(attend_cache_and_pass, impl=impl, block=BLOCK), static_argnums=5)(*args)
+        np.testing.assert_allclose(np.asarray(empty(*args)), np.asarray(want), rtol=3e-6, atol=3e-6,
+                                   err_msg=f"tree={tree} window={window}")
+        text = empty.lower(*args).as_text()
+        assert "stablehlo.case" not in text and "stablehlo.while" not in text
+
+
+def test_prefill_traces_its_layers_apart_from_the_passes_over_a_filled_cache():
+    """The decoder hands its layers cache_empty under `into_empty_cache` as a static argument: a
+    layer traced for a prefill is not reused (JAX caches a jitted layer by its arguments' shapes)
+    for a later pass of the same shapes over a filled cache, which must read the cache: prompt in
+    two halves == prompt in one pass."""
+    from spec_jax.checkpoints import load_target
+    from spec_jax.models.attention import into_empty_cache
+
+    target = load_target("random:tiny", dtype="float32")
+    model, params = target.model, target.params
+    tokens = jnp.asarray([[5, 9, 2, 7, 11, 3, 8, 1]], jnp.int32)
+    positions = jnp.arange(8, dtype=jnp.int32)[None]
+    whole, _, _ = model.forward(params, tokens, positions, model.init_cache(1, 16))
+    with into_empty_cache():
+        first, _, written = model.forward(params, tokens[:, :4], positions[:, :4], model.init_cache(1, 16))
+    second, _, _ = model.forward(params, tokens[:, 4:], positions[:, 4:], model.commit(written, jnp.asarray([4])))
+    np.testing.assert_allclose(np.asarray(first), np.asarray(whole[:, :4]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(second), np.asarray(whole[:, 4:]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("impl", ["blocks", "buckets"])
 def test_slots_outside_the_live_span_are_never_read(impl):
     """NaN in every slot the path should skip (past the longest row's block or bucket, and before

@@ -18,6 +18,7 @@ from spec_jax.decoding.depth import AdaptiveDepth, draft_sources, drafter_at_dep
 from spec_jax.decoding.depth import choose as choose_depth, record as record_depth, record_shadow, shadow_due
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.tree import tree_budget as _tree_budget, with_root
+from spec_jax.models.attention import into_empty_cache
 from spec_jax.models.interface import (FINAL_HIDDEN, ForwardOutput, Target, TargetModel, ancestor_mask,
                                        tree_depths)
 from spec_jax.models.resolve import as_target_model
@@ -229,7 +230,8 @@ def prefill(
         # and constant-fold the prefill's fully masked cache attention on the host, element by
         # element ([B, N, T, S]: 50 s of a 60 s compile at batch 2048, prompt 16, capacity 32).
         empty = jax.lax.optimization_barrier(model.init_cache(batch, capacity)) if empty_cache is None else empty_cache
-        hidden, captured, cache = forward_capturing(target, prompt_tokens, positions, empty, capture)
+        with into_empty_cache():  # the prompt's attention reads its own keys only
+            hidden, captured, cache = forward_capturing(target, prompt_tokens, positions, empty, capture)
         # The LM head at each row's last prompt position only: [B, P, V] logits would cost P times
         # the head's FLOPs and, at batch 512 x 512 positions, tens of GB.
         last_hidden = hidden[rows, prompt_lengths - 1]  # [B, H]

@@ -15,9 +15,11 @@ without the sink's column). None (every other family) leaves the computation as 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -308,6 +310,28 @@ LIVE_ATTENTION = {"cpu": ("blocks", 128)}
 ACCELERATOR_LIVE_ATTENTION = ("buckets", 256)
 
 
+_INTO_EMPTY_CACHE = contextvars.ContextVar("spec_jax_into_empty_cache", default=False)
+
+
+@contextlib.contextmanager
+def into_empty_cache() -> Iterator[None]:
+    """Trace-time: the target passes traced inside write into a cache that holds nothing yet (a
+    prefill into a fresh cache, or into a request's empty pages). The decoder reads it once per
+    pass (`writing_into_empty_cache`) and hands its layers `cache_empty=True`, a static argument,
+    so a layer traced here is never reused for a pass over a filled cache. A context variable, so
+    threads tracing side by side (`Engine.warmup`) do not see each other's."""
+    token = _INTO_EMPTY_CACHE.set(True)
+    try:
+        yield
+    finally:
+        _INTO_EMPTY_CACHE.reset(token)
+
+
+def writing_into_empty_cache() -> bool:
+    """Whether the pass being traced writes into an empty cache (`into_empty_cache`)."""
+    return _INTO_EMPTY_CACHE.get()
+
+
 def attend_cache_and_pass(
     q: jax.Array,
     k_cache: jax.Array,
@@ -323,6 +347,7 @@ def attend_cache_and_pass(
     block: int | None = None,
     sinks: jax.Array | None = None,
     page_table: jax.Array | None = None,
+    cache_empty: bool = False,
 ) -> jax.Array:
     """Attention of a pass's queries over the committed cache and the pass's own keys.
 
@@ -349,7 +374,14 @@ def attend_cache_and_pass(
     k_cache/v_cache page pools [P, Kv, page, D] (`spec_jax.models.paged`): the live pages are
     read through the table one page per step (flash decoding over pages, whatever `impl` says
     but "dense", which gathers every page: the reference).
+
+    cache_empty (static): every row's cache is known to be empty (`into_empty_cache`: a prefill),
+    so only the pass's own keys are read, exactly as every path would over zero lengths, and no
+    cache path is compiled: without it each prefill layer also holds the buckets' `lax.switch`, a
+    pair of attention GEMMs per window width at the prompt's width, each autotuned on a GPU.
     """
+    if cache_empty:
+        return attend(q, [(k_pass, v_pass, pass_mask)], sinks)
     if page_table is not None:
         if impl == "dense":
             dense = (paged.gather_rows(k_cache, page_table), paged.gather_rows(v_cache, page_table))

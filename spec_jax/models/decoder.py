@@ -29,6 +29,7 @@ from spec_jax.models.attention import (  # noqa: F401  (the pieces are public fr
     einsum,
     float32_precision,
     window_mask,
+    writing_into_empty_cache,
 )
 from spec_jax.models.config import (
     FULL_ATTENTION,
@@ -430,16 +431,18 @@ def layer_pass(
     window: int,
     style: LayerStyle,
     keep_pass_kv: bool = False,
+    cache_empty: bool = False,
 ) -> tuple[jax.Array, ...]:
     """One target layer of `forward_hidden`: (x, this layer's written k cache, v cache), and with
-    `keep_pass_kv` the pass's own keys/values [B, Kv, T, D] too (for the layers that share them)."""
+    `keep_pass_kv` the pass's own keys/values [B, Kv, T, D] too (for the layers that share them).
+    cache_empty: the cache holds nothing yet (`attend_cache_and_pass`)."""
 
     # Write this pass's keys/values first, then attend: the attention reads the written buffer
     # (its committed slots only), so XLA updates the cache in place (no copy per layer).
     def write_then_attend(q, k, v):
         k_written, v_written = write_kv(k_cache, k, slots, page_table), write_kv(v_cache, v, slots, page_table)
         out = attend_cache_and_pass(q, k_written, v_written, lengths, positions, window, k, v, pass_mask,
-                                    sinks=lp.get("sinks"), page_table=page_table)
+                                    sinks=lp.get("sinks"), page_table=page_table, cache_empty=cache_empty)
         return out, (k_written, v_written, k, v)
 
     x, (k_written, v_written, k, v) = decoder_layer(
@@ -462,6 +465,7 @@ def shared_kv_layer_pass(
     eps: float,
     window: int,
     style: LayerStyle,
+    cache_empty: bool = False,
 ) -> jax.Array:
     """A Gemma 4 KV-shared layer: its queries attend to another layer's written cache and pass
     keys/values `shared_kv` = (k cache, v cache, k pass, v pass); it writes nothing. -> x."""
@@ -469,7 +473,7 @@ def shared_kv_layer_pass(
     def attend_shared(q, _k, _v):
         k_cache, v_cache, k_pass, v_pass = shared_kv
         return attend_cache_and_pass(q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, pass_mask,
-                                     page_table=page_table), None
+                                     page_table=page_table, cache_empty=cache_empty), None
 
     x, _ = decoder_layer(lp, x, positions, inv_freq, eps, attend_shared, style=style, per_layer_input=per_layer_input)
     return x
@@ -480,7 +484,7 @@ def shared_kv_layer_pass(
 # the persistent compilation cache cannot skip, went 7.3 s -> 5.2 s for the default model's loop
 # under load on the 2-core CPU, 2026-11-26).
 # XLA inlines the call, so the compiled program (and the in-place cache write) is unchanged.
-cached_layer_pass = jax.jit(layer_pass, static_argnames=("eps", "window", "style", "keep_pass_kv"))
+cached_layer_pass = jax.jit(layer_pass, static_argnames=("eps", "window", "style", "keep_pass_kv", "cache_empty"))
 
 
 def delta_net_layer_pass(lp: Params, x: jax.Array, conv_state: jax.Array, state: jax.Array,
@@ -501,7 +505,8 @@ def delta_net_layer_pass(lp: Params, x: jax.Array, conv_state: jax.Array, state:
 
 
 cached_delta_net_layer_pass = jax.jit(delta_net_layer_pass, static_argnames=("eps", "style", "dims"))
-cached_shared_kv_layer_pass = jax.jit(shared_kv_layer_pass, static_argnames=("eps", "window", "style"))
+cached_shared_kv_layer_pass = jax.jit(shared_kv_layer_pass, static_argnames=("eps", "window", "style",
+                                                                           "cache_empty"))
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -608,6 +613,7 @@ def forward_hidden(
     # Attention layer i's index into cache.k / cache.v (Gated DeltaNet layers keep none).
     kv_slot = {i: i - sum(map(cfg.is_linear_attention, range(i))) for i in range(cfg.num_layers)}
     records: list[dict] = []  # the Gated DeltaNet layers' pass records
+    cache_empty = writing_into_empty_cache()  # a prefill: the layers read no cache (a static argument)
     for i, lp in enumerate(params["layers"]):
         window = cfg.layer_windows[i]
         if window not in pass_masks:
@@ -615,7 +621,7 @@ def forward_hidden(
         extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, i]}
         if cache.page_table is not None:
             extra["page_table"] = cache.page_table
-        static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]])
+        static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]], cache_empty=cache_empty)
         inv_freq = inv_freqs[layer_ropes[i]]
         with jax.named_scope(f"layer_{i}"):
             if cfg.is_linear_attention(i):  # Gated DeltaNet: a recurrent state, no keys/values
