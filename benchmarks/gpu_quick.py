@@ -79,6 +79,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import io
 import itertools
 import json
 import os
@@ -986,15 +987,32 @@ def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], start
         write_archive(args.out, args.archive)
 
 
+ARCHIVED_LOG_BYTES = 1 << 20  # per log: a lease's tool brings back files of 16 MiB at most
+
+
 def write_archive(out: Path, archive: Path) -> None:
     """The results so far (JSON, logs, summaries; the warm phase's too), not the caches, in one
-    .tar.gz: a lease's tool may bring back only a few files. Rewritten after every step."""
+    .tar.gz: a lease's tool may bring back only a few files. Rewritten after every step. A log
+    goes in without XLA's INFO lines but its timers (`compile_phases` reads those), and at most
+    ARCHIVED_LOG_BYTES of it (its head and tail), so no log can push the archive past the limit."""
     archive.parent.mkdir(parents=True, exist_ok=True)
     partial = archive.with_name(archive.name + ".partial")
     with tarfile.open(partial, "w:gz") as tar:
         for path in sorted([*out.glob("*.*"), *out.glob("warm/*.*")]):
-            if path.suffix in (".json", ".md", ".log") and path.is_file():
-                tar.add(path, arcname=str(path.relative_to(out.parent)))
+            if path.suffix not in (".json", ".md", ".log") or not path.is_file():
+                continue
+            name = str(path.relative_to(out.parent))
+            if path.suffix != ".log":
+                tar.add(path, arcname=name)
+                continue
+            lines = path.read_text(errors="replace").splitlines(keepends=True)
+            data = "".join(line for line in lines if not XLA_LOG_LINE.match(line) or XLA_TIMER.match(line)).encode()
+            if len(data) > ARCHIVED_LOG_BYTES:
+                half = ARCHIVED_LOG_BYTES // 2
+                data = data[:half] + b"\n[... cut: the whole log is on the GPU machine ...]\n" + data[-half:]
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), int(path.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
     partial.replace(archive)
 
 

@@ -107,8 +107,12 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     # --archive: every result file, the warm phase's logs too, none of the caches.
     with tarfile.open(tmp_path / "r.tgz") as tar:
         names = set(tar.getnames())
+        archived_log = tar.extractfile("quick/warm/ar_floor.log").read().decode()
     assert {"quick/summary.md", "quick/summary.json", "quick/capacity.log", "quick/warm/ar_floor.log"} <= names
     assert not any("cache" in n for n in names), names
+    # A log travels without XLA's INFO lines but its timers, so it cannot outgrow the lease's limit.
+    full_log = (out / "warm" / "ar_floor.log").read_text()
+    assert "loading random:tiny" in archived_log and " time: " in archived_log and len(archived_log) < len(full_log)
 
 
 def test_a_familys_processes_wait_for_its_seed(tmp_path):
@@ -122,6 +126,25 @@ def test_a_familys_processes_wait_for_its_seed(tmp_path):
     assert warm["seeds"] == ["ar_floor"] and set(warm["processes"].values()) == {"ok"}, warm
     started, took = warm["process_started_s"], warm["process_seconds"]
     assert started["verify_cost"] >= started["ar_floor"] + took["ar_floor"] - 0.5, warm
+
+
+def test_the_archive_keeps_a_huge_log_under_its_cap(tmp_path):
+    """A step whose log grew huge (XLA's INFO lines, a runaway print) goes into the archive as its
+    head and tail, so the archive stays inside what a lease brings back."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_quick import ARCHIVED_LOG_BYTES, write_archive
+
+    out = tmp_path / "quick"
+    out.mkdir()
+    (out / "engine.log").write_text("  1.0 s  first line\n" + "x" * 99 + "\n" * 1 + ("y" * 99 + "\n") * 40000
+                                    + "  99.0 s  last line\n")
+    (out / "summary.md").write_text("# table\n")
+    write_archive(out, tmp_path / "r.tgz")
+    with tarfile.open(tmp_path / "r.tgz") as tar:
+        log = tar.extractfile("quick/engine.log").read().decode()
+        assert tar.extractfile("quick/summary.md").read() == b"# table\n"
+    assert len(log) < ARCHIVED_LOG_BYTES + 100 and log.startswith("  1.0 s  first line")
+    assert log.rstrip().endswith("99.0 s  last line") and "[... cut" in log
 
 
 def test_compile_phases_sum_xlas_timers_over_programs(tmp_path):
