@@ -552,13 +552,13 @@ def step_capacity(rec: Recorder, target: Any, s: Settings, args: argparse.Namesp
     try:
         for impl in impls:
             capacity_scaling.use_attention(impl)
-            points = [{"impl": impl, "batch": 1, "drafter": "AR", "capacity": c, "prompt_tokens": s.context,
-                       "prompts": random_prompts(target, 1, s.context)} for c in capacities]
-            capacity_scaling.sweep(target, points, drafters, s.new_tokens, s.repeats, tqdm(disable=True))
-            for point in points:
+            for c in capacities:  # each row recorded as it is measured: a cut step keeps the ones done
+                point = {"impl": impl, "batch": 1, "drafter": "AR", "capacity": c, "prompt_tokens": s.context,
+                         "prompts": random_prompts(target, 1, s.context)}
+                capacity_scaling.sweep(target, [point], drafters, s.new_tokens, s.repeats, tqdm(disable=True))
                 del point["prompts"]
                 rows.append(point)
-            rec.update(capacity_headline(rows), rows=rows, new_tokens=s.new_tokens)
+                rec.update(capacity_headline(rows), rows=rows, new_tokens=s.new_tokens)
     finally:
         capacity_scaling.use_attention("live")
 
