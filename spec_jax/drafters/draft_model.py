@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.sampling import SamplingParams, sample, split_key, warp
+from spec_jax.models.attention import into_empty_cache
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.decoder import Decoder
 from spec_jax.drafters.tree import (
@@ -159,7 +160,8 @@ class DraftModelDrafter:
         # Behind a barrier, as the target's in the loop's prefill: constant zero lengths would let
         # XLA fold the fully masked cache attention on the host, slowly, at large batches.
         cache = jax.lax.optimization_barrier(self.model.init_cache(batch, capacity))
-        cache = self.model.forward(params, prompt_tokens, positions, cache).cache
+        with into_empty_cache():  # the prompt's attention reads its own keys only (no cache path compiled)
+            cache = self.model.forward(params, prompt_tokens, positions, cache).cache
         return self.model.commit(cache, prompt_lengths)
 
     def propose(self, params, target: Target, state, tokens, lengths, key, sampling):
