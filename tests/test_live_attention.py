@@ -84,6 +84,36 @@ def test_buckets_read_from_slot_zero_under_a_static_window_as_wide_as_the_cache(
         assert ("stablehlo.dynamic_slice" in text) == dynamic, window
 
 
+def test_buckets_read_the_pass_from_the_cache_when_it_holds_it():
+    """pass_in_cache: the cache holds row b's pass key i at slot lengths[b] + i (the decoder writes
+    them before attending); under a window that spans the capacity the buckets path reads them
+    from there, as one part with the committed slots: equal to the dense reference, chains and
+    trees, ragged and empty rows, one bucket or several (the pass crossing a bucket's end);
+    narrower windows take the two-part path, equal as well."""
+    capacity = 100
+
+    def holding_the_pass(args):
+        q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, mask = args
+        slots = lengths[:, None] + jnp.arange(T)  # [B, T]
+        rows = jnp.arange(BATCH)[:, None]
+        k_cache = k_cache.at[rows, :, slots].set(jnp.swapaxes(k_pass, 1, 2))
+        v_cache = v_cache.at[rows, :, slots].set(jnp.swapaxes(v_pass, 1, 2))
+        return q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, mask
+
+    live = jax.jit(functools.partial(attend_cache_and_pass, impl="buckets", block=BLOCK, pass_in_cache=True),
+                   static_argnums=5)
+    dense = jax.jit(functools.partial(attend_cache_and_pass, impl="dense"), static_argnums=5)
+    lengths_cases = [[0, 37, 95, 5], [0, 0, 0, 0], [3, 16, 9, 1], [12, 11, 60, 13]]  # 11 + 5 crosses 16
+    for seed, ((tree, window), lengths) in enumerate(itertools.product(
+            [(False, GLOBAL_WINDOW), (True, GLOBAL_WINDOW), (True, capacity), (False, 7), (True, 20)], lengths_cases)):
+        args = holding_the_pass(case(seed, capacity, lengths, jnp.float32, tree, window))
+        np.testing.assert_allclose(np.asarray(live(*args)), np.asarray(dense(*args)), rtol=3e-6, atol=3e-6,
+                                   err_msg=f"tree={tree} window={window} lengths={lengths}")
+    # One part: a single softmax over the window, no concatenation of two parts' scores.
+    text = live.lower(*holding_the_pass(case(0, capacity, lengths_cases[0], jnp.float32, True, GLOBAL_WINDOW))).as_text()
+    assert "stablehlo.concatenate" not in text
+
+
 @pytest.mark.parametrize("impl", ["blocks", "buckets", "dense"])
 def test_a_pass_into_an_empty_cache_reads_none_of_it(impl):
     """cache_empty (a prefill): the pass attends over its own keys only, equal to every path over
@@ -191,6 +221,43 @@ def test_generate_does_not_depend_on_the_capacity(models, kind):
     copies = [line for lines in while_body_computations(compiled.as_text()) for line in lines
               if " copy(" in line and any(f"= {shape}" in line for shape in shapes)]
     assert copies == [], "\n".join(copies[:4])
+
+
+@pytest.mark.parametrize("tree", [0, 8])
+def test_generate_on_the_accelerators_buckets_path_equals_the_dense_one(models, tree):
+    """The accelerators' cache attention ("buckets", here with 16-slot buckets so that 96 slots
+    hold several) run end to end on this CPU: plain decoding and a DFlash chain or tree of 8 give
+    the tokens of the dense path. The decoder's layers read the pass's keys from the cache on this
+    path (pass_in_cache), so its every step checks that reading; prompts of 3, 16 and 9 tokens
+    cross buckets' ends as they grow."""
+    import dataclasses
+    import sys
+
+    from spec_jax.models import attention
+
+    compiled = sys.modules["spec_jax.decoding.generate"]._COMPILED
+    drafter = dataclasses.replace(DFlashDrafter(TINY_DFLASH, 4), tree=tree)
+    params = init_dflash_params(TINY_DFLASH, jax.random.key(3), 3.0)
+    prompts = make_prompts([3, 16, 9], seed=2)
+    chosen = dict(attention.LIVE_ATTENTION)
+    outs = {}
+    try:
+        for impl in ("buckets", "dense"):
+            attention.LIVE_ATTENTION["cpu"] = (impl, 16)
+            jax.clear_caches()  # the jitted layers are cached by shapes, not by the table
+            compiled.clear()
+            outs[impl] = [generate(models.target, prompts, d, p, max_new_tokens=30, capacity=96).generated_ids
+                          for d, p in ((None, None), (drafter, params))]
+    finally:
+        attention.LIVE_ATTENTION.clear()
+        attention.LIVE_ATTENTION.update(chosen)
+        jax.clear_caches()
+        compiled.clear()
+    for got, want in zip(outs["buckets"], outs["dense"]):
+        for prompt, a, b in zip(prompts, got, want):
+            if a != b:  # only an exact tie may differ: the paths sum attention in another order
+                first = next(i for i in range(min(len(a), len(b))) if a[i] != b[i])
+                assert top2_gap(models, prompt + a[:first]) < TIE, f"token {first} differs"
 
 
 TIE = 1e-4  # logit gap below which float summation order may pick either token

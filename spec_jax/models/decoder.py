@@ -438,11 +438,13 @@ def layer_pass(
     cache_empty: the cache holds nothing yet (`attend_cache_and_pass`)."""
 
     # Write this pass's keys/values first, then attend: the attention reads the written buffer
-    # (its committed slots only), so XLA updates the cache in place (no copy per layer).
+    # (its committed slots, and on the accelerators' buckets path the pass's own slots too), so
+    # XLA updates the cache in place (no copy per layer).
     def write_then_attend(q, k, v):
         k_written, v_written = write_kv(k_cache, k, slots, page_table), write_kv(v_cache, v, slots, page_table)
         out = attend_cache_and_pass(q, k_written, v_written, lengths, positions, window, k, v, pass_mask,
-                                    sinks=lp.get("sinks"), page_table=page_table, cache_empty=cache_empty)
+                                    sinks=lp.get("sinks"), page_table=page_table, cache_empty=cache_empty,
+                                    pass_in_cache=True)
         return out, (k_written, v_written, k, v)
 
     x, (k_written, v_written, k, v) = decoder_layer(
@@ -473,7 +475,7 @@ def shared_kv_layer_pass(
     def attend_shared(q, _k, _v):
         k_cache, v_cache, k_pass, v_pass = shared_kv
         return attend_cache_and_pass(q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, pass_mask,
-                                     page_table=page_table, cache_empty=cache_empty), None
+                                     page_table=page_table, cache_empty=cache_empty, pass_in_cache=True), None
 
     x, _ = decoder_layer(lp, x, positions, inv_freq, eps, attend_shared, style=style, per_layer_input=per_layer_input)
     return x
