@@ -84,12 +84,12 @@ def test_buckets_read_from_slot_zero_under_a_static_window_as_wide_as_the_cache(
         assert ("stablehlo.dynamic_slice" in text) == dynamic, window
 
 
-def test_buckets_read_the_pass_from_the_cache_when_it_holds_it():
-    """pass_in_cache: the cache holds row b's pass key i at slot lengths[b] + i (the decoder writes
-    them before attending); under a window that spans the capacity the buckets path reads them
-    from there, as one part with the committed slots: equal to the dense reference, chains and
-    trees, ragged and empty rows, one bucket or several (the pass crossing a bucket's end);
-    narrower windows take the two-part path, equal as well."""
+def test_buckets_read_a_chains_pass_from_the_cache_when_it_holds_it():
+    """causal_pass_in_cache: the cache holds row b's pass key i at slot lengths[b] + i (the decoder
+    writes them before attending) and the pass is a chain; under a window that spans the capacity
+    the buckets path reads the keys from there, as one part with the committed slots: equal to the
+    dense reference for ragged and empty rows, one bucket or several (the pass crossing a bucket's
+    end), with attention sinks too; narrower windows take the two-part path, equal as well."""
     capacity = 100
 
     def holding_the_pass(args):
@@ -100,17 +100,16 @@ def test_buckets_read_the_pass_from_the_cache_when_it_holds_it():
         v_cache = v_cache.at[rows, :, slots].set(jnp.swapaxes(v_pass, 1, 2))
         return q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, mask
 
-    live = jax.jit(functools.partial(attend_cache_and_pass, impl="buckets", block=BLOCK, pass_in_cache=True),
+    live = jax.jit(functools.partial(attend_cache_and_pass, impl="buckets", block=BLOCK, causal_pass_in_cache=True),
                    static_argnums=5)
     dense = jax.jit(functools.partial(attend_cache_and_pass, impl="dense"), static_argnums=5)
     lengths_cases = [[0, 37, 95, 5], [0, 0, 0, 0], [3, 16, 9, 1], [12, 11, 60, 13]]  # 11 + 5 crosses 16
-    for seed, ((tree, window), lengths) in enumerate(itertools.product(
-            [(False, GLOBAL_WINDOW), (True, GLOBAL_WINDOW), (True, capacity), (False, 7), (True, 20)], lengths_cases)):
-        args = holding_the_pass(case(seed, capacity, lengths, jnp.float32, tree, window))
+    for seed, (window, lengths) in enumerate(itertools.product([GLOBAL_WINDOW, capacity, 7, 20], lengths_cases)):
+        args = holding_the_pass(case(seed, capacity, lengths, jnp.float32, False, window))
         np.testing.assert_allclose(np.asarray(live(*args)), np.asarray(dense(*args)), rtol=3e-6, atol=3e-6,
-                                   err_msg=f"tree={tree} window={window} lengths={lengths}")
+                                   err_msg=f"window={window} lengths={lengths}")
     # One part: a single softmax over the window, no concatenation of two parts' scores.
-    args = holding_the_pass(case(0, capacity, lengths_cases[0], jnp.float32, True, GLOBAL_WINDOW))
+    args = holding_the_pass(case(0, capacity, lengths_cases[0], jnp.float32, False, GLOBAL_WINDOW))
     assert "stablehlo.concatenate" not in live.lower(*args).as_text()
     # With attention sinks (gpt-oss): the sink's column joins the one softmax.
     sinks = jnp.asarray(np.random.RandomState(5).randn(HEADS), jnp.float32)
@@ -231,9 +230,9 @@ def test_generate_does_not_depend_on_the_capacity(models, kind):
 def test_generate_on_the_accelerators_buckets_path_equals_the_dense_one(models, tree):
     """The accelerators' cache attention ("buckets", here with 16-slot buckets so that 96 slots
     hold several) run end to end on this CPU: plain decoding and a DFlash chain or tree of 8 give
-    the tokens of the dense path. The decoder's layers read the pass's keys from the cache on this
-    path (pass_in_cache), so its every step checks that reading; prompts of 3, 16 and 9 tokens
-    cross buckets' ends as they grow."""
+    the tokens of the dense path. The decoder's layers read a chain pass's keys from the cache on
+    this path (causal_pass_in_cache), so every plain and chain step checks that reading (a tree's
+    verify keeps two parts); prompts of 3, 16 and 9 tokens cross buckets' ends as they grow."""
     import dataclasses
     import sys
 

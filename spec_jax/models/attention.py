@@ -265,7 +265,7 @@ def bucket_widths(capacity: int, smallest: int) -> tuple[int, ...]:
 
 def _attend_live_buckets(
     q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, smallest,
-    sinks=None, pass_in_cache=False,
+    sinks=None, causal_pass_in_cache=False,
 ):
     """Dense attention over the smallest static window of the cache (0, smallest, 2 * smallest,
     ..., capacity slots) that covers [lo, hi), picked on device by `lax.switch`: the same
@@ -279,9 +279,9 @@ def _attend_live_buckets(
     # XLA:GPU copied out of the cache before the attention's GEMM (the H100 profile of session
     # 34: 80 window copies a DFlash step at Qwen3-8B shapes, 0.19 ms).
     from_zero = isinstance(window, int) and window >= capacity
-    if from_zero and pass_in_cache:
-        return _attend_buckets_with_pass(q, k_cache, v_cache, cache_lengths, q_positions, window, pass_mask,
-                                         widths[1:], hi, sinks)
+    if from_zero and causal_pass_in_cache:
+        return _attend_buckets_with_pass(q, k_cache, v_cache, cache_lengths, q_positions, window, widths[1:], hi,
+                                         sinks)
     index = jnp.sum(hi - lo > jnp.asarray(widths[:-1], jnp.int32))  # the first width >= hi - lo
 
     def dense_over(width):
@@ -303,29 +303,24 @@ def _attend_live_buckets(
     return jax.lax.switch(index, [dense_over(w) for w in widths], k_cache, v_cache)
 
 
-def _attend_buckets_with_pass(q, k_cache, v_cache, cache_lengths, q_positions, window, pass_mask, widths, hi,
-                              sinks):
-    """The buckets path for a pass whose keys/values the cache already holds (row b's pass key i
-    at slot cache_lengths[b] + i, as the decoder writes them before attending) under a window
-    that reaches slot 0: one part, the window [0, W) with W >= hi + T, each slot visible as a
-    committed slot or as the pass key its in-pass mask allows. The same softmax as the two-part
-    form over fewer kernels: no scores of the pass's own keys apart, no concatenation of the two
-    parts' scores, no sum of two value products (~4 kernels a layer on a GPU)."""
-    batch, t = q.shape[0], pass_mask.shape[-1]
+def _attend_buckets_with_pass(q, k_cache, v_cache, cache_lengths, q_positions, window, widths, hi, sinks):
+    """The buckets path for a chain pass whose keys/values the cache already holds (row b's pass
+    key i at slot cache_lengths[b] + i, as the decoder writes them before attending) under a window
+    that reaches slot 0: one part, the window [0, W) with W >= hi + T, where query i sees the
+    committed slots and the pass's keys 0..i. The same softmax as the two-part form over fewer
+    kernels: no scores of the pass's own keys apart, no concatenation of the two parts' scores,
+    no sum of two value products. The visibility is arithmetic on slot indices (no lookup of the
+    in-pass mask), so it fuses into the scores' masking at any capacity."""
+    t = q.shape[1]
     index = jnp.sum(hi + t > jnp.asarray(widths[:-1], jnp.int32))  # the first width >= hi + T
-    in_pass_mask = jnp.broadcast_to(pass_mask, (batch, q.shape[1], t))
 
     def over(width):
         def branch(k_cache, v_cache):
             slots = jnp.arange(width, dtype=jnp.int32)
             committed = cache_visibility(cache_lengths, q_positions, slots, window)  # [B, T, W]
-            key = slots[None, :] - cache_lengths[:, None]  # [B, W]: the pass key a slot holds
-            in_pass = (key >= 0) & (key < t)
-            allowed = jnp.take_along_axis(
-                in_pass_mask, jnp.broadcast_to(jnp.clip(key, 0, t - 1)[:, None, :], (batch, q.shape[1], width)),
-                axis=2)
-            visible = committed | (in_pass[:, None, :] & allowed)
-            return attend(q, [(k_cache[:, :, :width], v_cache[:, :, :width], visible)], sinks)
+            key = slots[None, None, :] - cache_lengths[:, None, None]  # [B, 1, W]: the pass key a slot holds
+            own = (key >= 0) & (key <= jnp.arange(t, dtype=jnp.int32)[None, :, None])  # [B, T, W]: causal
+            return attend(q, [(k_cache[:, :, :width], v_cache[:, :, :width], committed | own)], sinks)
 
         return branch
 
@@ -380,7 +375,7 @@ def attend_cache_and_pass(
     sinks: jax.Array | None = None,
     page_table: jax.Array | None = None,
     cache_empty: bool = False,
-    pass_in_cache: bool = False,
+    causal_pass_in_cache: bool = False,
 ) -> jax.Array:
     """Attention of a pass's queries over the committed cache and the pass's own keys.
 
@@ -413,9 +408,11 @@ def attend_cache_and_pass(
     cache path is compiled: without it each prefill layer also holds the buckets' `lax.switch`, a
     pair of attention GEMMs per window width at the prompt's width, each autotuned on a GPU.
 
-    pass_in_cache (static): the cache already holds the pass's keys/values, row b's key i at slot
-    cache_lengths[b] + i (the decoder writes them first). The "buckets" path then reads them from
-    there with the committed slots, as one part, where the layer's window spans the capacity.
+    causal_pass_in_cache (static): the cache already holds the pass's keys/values, row b's key i
+    at slot cache_lengths[b] + i (the decoder writes them first), and the pass is a chain (query i
+    sees keys 0..i: pass_mask causal). The "buckets" path then reads them from there with the
+    committed slots, as one part, where the layer's window spans the capacity; pass_mask is not
+    read. A tree's pass keeps the two parts.
     """
     if cache_empty:
         return attend(q, [(k_pass, v_pass, pass_mask)], sinks)
@@ -434,4 +431,4 @@ def attend_cache_and_pass(
         return _attend_dense(*args, sinks)
     if impl == "blocks":
         return _attend_live_blocks(*args, block, sinks)
-    return _attend_live_buckets(*args, block, sinks, pass_in_cache)
+    return _attend_live_buckets(*args, block, sinks, causal_pass_in_cache)

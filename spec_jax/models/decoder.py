@@ -432,10 +432,12 @@ def layer_pass(
     style: LayerStyle,
     keep_pass_kv: bool = False,
     cache_empty: bool = False,
+    chain: bool = False,
 ) -> tuple[jax.Array, ...]:
     """One target layer of `forward_hidden`: (x, this layer's written k cache, v cache), and with
     `keep_pass_kv` the pass's own keys/values [B, Kv, T, D] too (for the layers that share them).
-    cache_empty: the cache holds nothing yet (`attend_cache_and_pass`)."""
+    cache_empty: the cache holds nothing yet; chain: the pass is causal (no tree mask), so the
+    attention may read its keys from the cache it writes them to (`attend_cache_and_pass`)."""
 
     # Write this pass's keys/values first, then attend: the attention reads the written buffer
     # (its committed slots, and on the accelerators' buckets path the pass's own slots too), so
@@ -444,7 +446,7 @@ def layer_pass(
         k_written, v_written = write_kv(k_cache, k, slots, page_table), write_kv(v_cache, v, slots, page_table)
         out = attend_cache_and_pass(q, k_written, v_written, lengths, positions, window, k, v, pass_mask,
                                     sinks=lp.get("sinks"), page_table=page_table, cache_empty=cache_empty,
-                                    pass_in_cache=True)
+                                    causal_pass_in_cache=chain)
         return out, (k_written, v_written, k, v)
 
     x, (k_written, v_written, k, v) = decoder_layer(
@@ -468,6 +470,7 @@ def shared_kv_layer_pass(
     window: int,
     style: LayerStyle,
     cache_empty: bool = False,
+    chain: bool = False,
 ) -> jax.Array:
     """A Gemma 4 KV-shared layer: its queries attend to another layer's written cache and pass
     keys/values `shared_kv` = (k cache, v cache, k pass, v pass); it writes nothing. -> x."""
@@ -475,7 +478,7 @@ def shared_kv_layer_pass(
     def attend_shared(q, _k, _v):
         k_cache, v_cache, k_pass, v_pass = shared_kv
         return attend_cache_and_pass(q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, pass_mask,
-                                     page_table=page_table, cache_empty=cache_empty, pass_in_cache=True), None
+                                     page_table=page_table, cache_empty=cache_empty, causal_pass_in_cache=chain), None
 
     x, _ = decoder_layer(lp, x, positions, inv_freq, eps, attend_shared, style=style, per_layer_input=per_layer_input)
     return x
@@ -486,7 +489,8 @@ def shared_kv_layer_pass(
 # the persistent compilation cache cannot skip, went 7.3 s -> 5.2 s for the default model's loop
 # under load on the 2-core CPU, 2026-11-26).
 # XLA inlines the call, so the compiled program (and the in-place cache write) is unchanged.
-cached_layer_pass = jax.jit(layer_pass, static_argnames=("eps", "window", "style", "keep_pass_kv", "cache_empty"))
+cached_layer_pass = jax.jit(layer_pass, static_argnames=("eps", "window", "style", "keep_pass_kv", "cache_empty",
+                                                        "chain"))
 
 
 def delta_net_layer_pass(lp: Params, x: jax.Array, conv_state: jax.Array, state: jax.Array,
@@ -508,7 +512,7 @@ def delta_net_layer_pass(lp: Params, x: jax.Array, conv_state: jax.Array, state:
 
 cached_delta_net_layer_pass = jax.jit(delta_net_layer_pass, static_argnames=("eps", "style", "dims"))
 cached_shared_kv_layer_pass = jax.jit(shared_kv_layer_pass, static_argnames=("eps", "window", "style",
-                                                                           "cache_empty"))
+                                                                           "cache_empty", "chain"))
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -623,7 +627,8 @@ def forward_hidden(
         extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, i]}
         if cache.page_table is not None:
             extra["page_table"] = cache.page_table
-        static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]], cache_empty=cache_empty)
+        static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]], cache_empty=cache_empty,
+                      chain=mask is None)
         inv_freq = inv_freqs[layer_ropes[i]]
         with jax.named_scope(f"layer_{i}"):
             if cfg.is_linear_attention(i):  # Gated DeltaNet: a recurrent state, no keys/values
