@@ -619,7 +619,7 @@ def forward_hidden(
     # Attention layer i's index into cache.k / cache.v (Gated DeltaNet layers keep none).
     kv_slot = {i: i - sum(map(cfg.is_linear_attention, range(i))) for i in range(cfg.num_layers)}
     records: list[dict] = []  # the Gated DeltaNet layers' pass records
-    cache_empty = writing_into_empty_cache()  # a prefill: the layers read no cache (a static argument)
+    pass_kind = dict(cache_empty=writing_into_empty_cache(), chain=mask is None)  # the layers' static flags
     for i, lp in enumerate(params["layers"]):
         window = cfg.layer_windows[i]
         if window not in pass_masks:
@@ -627,8 +627,7 @@ def forward_hidden(
         extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, i]}
         if cache.page_table is not None:
             extra["page_table"] = cache.page_table
-        static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]], cache_empty=cache_empty,
-                      chain=mask is None)
+        static = dict(eps=cfg.rms_norm_eps, window=window, style=styles[head_dims[i]], **pass_kind)
         inv_freq = inv_freqs[layer_ropes[i]]
         with jax.named_scope(f"layer_{i}"):
             if cfg.is_linear_attention(i):  # Gated DeltaNet: a recurrent state, no keys/values
