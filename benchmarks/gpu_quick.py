@@ -29,7 +29,7 @@ Before the steps, a warm phase (--warm-budget, default 290 s; 0 = none) runs eve
 exactness, --warm-jobs (6) processes at a time, one program a process where the step allows
 (dflash_trees one per batch for its AR rows and one per (batch, tree), capacity one per (attention,
 capacity), the engine one per concurrency). A family (one target at one prefill batch) starts with
-its seed alone, its first process, whose autotuning (kept in OUT/autotune_cache) then serves the
+its seed alone, its first process, whose autotuning (kept in the cache) then serves the
 rest of the family; the rest follow each step's first process, then each one's second, and so on,
 so a cut phase costs every step its last rows and none all of them. Each measurement runs once,
 so the programs compile side by side into the persistent cache and the timed steps load them.
@@ -51,8 +51,14 @@ measured (steps rewrite their JSON after every measurement), and the suite goes 
 --out as each step ends: NAME.json (status, seconds, budget, command, device, commit, results),
 NAME.log (the step's output), and summary.md / summary.json (one row per step so far).
 Compiled programs go to JAX's persistent compilation cache (--compile-cache, default
-OUT/jax_cache), and XLA:GPU's autotuning results to OUT/autotune_cache: a second run with the same
---out compiles almost nothing.
+OUT/jax_cache), XLA:GPU's autotuning results inside it (JAX's xla_gpu_per_fusion_autotune_cache_dir
+folder): a second run with the same --out compiles almost nothing. The autotuning also travels
+between leases: --archive packs it (small text files, one a fusion) as gpu_autotune/XLA_BUILD/;
+copied into benchmarks/gpu_autotune/, the next lease's suite starts its cache from it
+(--autotune-from, default that folder; `none` for a cold run), so a fusion tuned on one lease is
+not tuned again on the next (XLA keys each result by card and fusion; the folder by XLA build,
+jaxlib's and its GPU plugin's versions, which XLA leaves to the user). Each record says what was
+carried in (`autotune_carried`) and counts the autotune cache's misses and hits (`autotune_lookups`).
 
 Opt-in probes (issue 46 part 3; never in the default run): `--steps ar_profile` times the AR step
 and traces it with jax.profiler, reporting kernels per step, their busy time and the gaps between
@@ -85,6 +91,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,11 +116,23 @@ WARM_JOBS = 6  # warm-phase processes at once, started in priority order
 # XLA's scoped timers for each compile's phases (HLO passes with autotuning, LLVM, ptxas), printed
 # at INFO into every step's log and summed there (`compile_phases`): session 34's H100 run took
 # 73-169 s per 1B `generate` program and the suite did not say where.
-COMPILE_TIMERS = "gpu_compiler=1,nvptx_compiler=1,cpu_compiler=1"  # cpu_compiler: the CPU check's
+# autotuner_cache / autotuner_util (where XLA's version keeps it): one line per fusion looked up in
+# the autotune cache, a miss (tuned now) or a hit (`autotune_lookups`).
+COMPILE_TIMERS = "gpu_compiler=1,nvptx_compiler=1,cpu_compiler=1,autotuner_cache=1,autotuner_util=1"
 XLA_TIMER = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ (?P<file>[\w.]+):\d+\] (?P<label>.*?) time: "
                        r"(?P<value>[\d.]+) (?P<unit>us|ms|s|min|h)\b")
 SECONDS_PER = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
 XLA_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
+AUTOTUNE_LOOKUP = re.compile(r"\] (?P<kind>Autotune cache miss|In-memory autotune cache hit|"
+                             r"File-based autotune cache hit)")
+# Where JAX keeps XLA:GPU's per-fusion autotuning: inside its persistent cache, a folder it names
+# itself (and sets over any XLA_FLAGS one; `jax_persistent_cache_enable_xla_caches`).
+AUTOTUNE_SUBDIR = "xla_gpu_per_fusion_autotune_cache_dir"
+# Autotuning a lease brought back (`--archive`), one folder per XLA build (`xla_build`), for the
+# next lease to start from (`--autotune-from`): XLA keys each result by the card and the fusion,
+# and leaves telling XLA builds apart to the user.
+CARRIED_AUTOTUNE = REPO / "benchmarks" / "gpu_autotune"
+ARCHIVED_AUTOTUNE_BYTES = 4 << 20
 NEEDED_MODULES = ("jax", "flax", "optax", "orbax", "numpy", "tqdm")
 
 
@@ -808,10 +827,17 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
             "process_cpu_s": cpu, "cores_busy": round(sum(cpu.values()) / phase_s, 2) if cpu else None,
             "host_cpus": os.cpu_count(), "load_1m_at_end": load,
             # Fusions XLA:GPU autotuned and kept (one file each): what later programs need not tune.
-            "autotune_cache_files": sum(1 for p in (args.out / "autotune_cache").rglob("*") if p.is_file()),
+            "autotune_cache_files": autotune_files(args),
             "seeds": list(seed_of.values()),
             "compile_phases": {job.name: compile_phases(folder / f"{job.name}.log") for job in commands
-                               if (folder / f"{job.name}.log").exists()}}
+                               if (folder / f"{job.name}.log").exists()},
+            "autotune_lookups": {job.name: autotune_lookups(folder / f"{job.name}.log") for job in commands
+                                 if (folder / f"{job.name}.log").exists()}}
+
+
+def autotune_files(args: argparse.Namespace) -> int:
+    folder = autotune_dir(args)
+    return sum(1 for _ in folder.glob("*.textproto")) if folder is not None and folder.is_dir() else 0
 
 
 def step_budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -828,23 +854,81 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     env["XLA_FLAGS"] = xla_flags(args, None)
     if "TF_CPP_VMODULE" not in env:  # XLA's compile-phase timers into the logs (INFO level)
         env.update(TF_CPP_VMODULE=COMPILE_TIMERS, TF_CPP_MIN_LOG_LEVEL="0")
-    if args.compile_cache == "off":
+    cache = compile_cache_dir(args)
+    if cache is None:
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
     else:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(Path(args.compile_cache or args.out / "jax_cache").resolve())
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+        # XLA:GPU's autotuning kept beside the programs (`autotune_dir`), whatever JAX's default:
+        # what one program tuned serves every later one with the same fusions.
+        env.setdefault("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES", AUTOTUNE_SUBDIR)
     return env
 
 
+def compile_cache_dir(args: argparse.Namespace) -> Path | None:
+    """The steps' JAX persistent compilation cache, or None (--compile-cache off)."""
+    return None if args.compile_cache == "off" else Path(args.compile_cache or args.out / "jax_cache").resolve()
+
+
+def autotune_dir(args: argparse.Namespace) -> Path | None:
+    """Where XLA:GPU keeps what it autotuned, one file a fusion: JAX points XLA inside its
+    persistent cache, over any --xla_gpu_per_fusion_autotune_cache_dir in XLA_FLAGS (JAX 0.10.2
+    here: `jax._src.compiler.get_compile_options`), so the suite sets none; the OUT/autotune_cache
+    it set from session 24 on went unused wherever JAX did the same."""
+    cache = compile_cache_dir(args)
+    return None if cache is None else cache / AUTOTUNE_SUBDIR
+
+
+def xla_build() -> str:
+    """The XLA build the steps compile with, as a folder name: jaxlib's version and its GPU
+    plugins' (XLA:GPU lives in the plugin), read without importing JAX."""
+    from importlib import metadata
+
+    parts = []
+    for dist in metadata.distributions():
+        name = re.sub(r"[-_.]+", "-", dist.metadata.get("Name") or "").lower()
+        if name == "jaxlib" or (name.startswith(("jax-cuda", "jax-rocm")) and name.endswith(("-plugin", "-pjrt"))):
+            parts.append(f"{name}-{dist.version}")
+    return "+".join(sorted(set(parts), key=lambda p: (not p.startswith("jaxlib"), p))) or "unknown-xla"
+
+
+def carry_autotune_in(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Start the autotune cache from what an earlier lease brought back for this XLA build
+    (`--autotune-from`, default benchmarks/gpu_autotune/BUILD/): XLA's documented way to skip
+    autotuning fusions it has seen ("persisted autotuning"); a result for another card never
+    matches a lookup. None where nothing is carried (--autotune-from none, or no cache)."""
+    dest = autotune_dir(args)
+    if dest is None or args.autotune_from is None:
+        return None
+    source = args.autotune_from / xla_build()
+    files = sorted(source.glob("*.textproto")) if source.is_dir() else []
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    for path in files:
+        if not (dest / path.name).exists():
+            shutil.copyfile(path, dest / path.name)
+            copied += 1
+    return {"from": str(source), "files": len(files), "copied": copied}
+
+
+def autotune_lookups(log: Path) -> dict[str, int]:
+    """XLA's autotune-cache lookups in a step's log (COMPILE_TIMERS' autotuner modules): misses
+    (fusions tuned in this process) and hits, from memory or from the cache folder."""
+    counts = {"miss": 0, "memory_hit": 0, "file_hit": 0}
+    names = {"Autotune cache miss": "miss", "In-memory autotune cache hit": "memory_hit",
+             "File-based autotune cache hit": "file_hit"}
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for match in AUTOTUNE_LOOKUP.finditer(text):
+        counts[names[match.group("kind")]] += 1
+    return counts
+
+
 def xla_flags(args: argparse.Namespace, step: Step | None) -> str:
-    """A step's XLA_FLAGS: the caller's environment, the autotune cache, --fast-compile-flags for
-    the steps that take them, then --xla-flags (XLA takes the last of a repeated flag)."""
+    """A step's XLA_FLAGS: the caller's environment, --fast-compile-flags for the steps that take
+    them, then --xla-flags (XLA takes the last of a repeated flag)."""
     flags = [os.environ.get("XLA_FLAGS", "")]
-    if args.compile_cache != "off" and "autotune_cache_dir" not in " ".join(flags + [args.xla_flags]):
-        # XLA:GPU autotunes each program's fusions; the H100 lease of 2026-11-26 spent ~27 s on each
-        # 1B loop compile. Kept on disk, what one program measured serves the next (same shapes).
-        flags.append(f"--xla_gpu_per_fusion_autotune_cache_dir={Path(args.out / 'autotune_cache').resolve()}")
     if step is not None and step.fast_compile:
         flags.append(args.fast_compile_flags)
     flags.append(args.xla_flags)
@@ -913,7 +997,7 @@ def finish_step(started: Started, args: argparse.Namespace, budget: float) -> di
     record.update(status=status, seconds=round(time.monotonic() - started.t0, 1), budget_s=round(budget, 1),
                   returncode=proc.returncode, command=shlex.join(started.cmd), commit=args.commit_id,
                   xla_flags=xla_flags(args, step), cpu_s=None if cpu is None else round(cpu, 1),
-                  compile_phases=compile_phases(log_path))
+                  compile_phases=compile_phases(log_path), autotune_lookups=autotune_lookups(log_path))
     if status != "ok":
         lines = log_path.read_text(errors="replace").splitlines()  # XLA's INFO lines (the timers) aside
         record["log_tail"] = [line for line in lines if not XLA_LOG_LINE.match(line)][-15:]
@@ -961,6 +1045,8 @@ def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], start
     device = next((r["device"] for r in records if r.get("device")), "unknown")
     summary = {"device": device, "commit": args.commit_id, "xla_flags": args.xla_flags,
                "warm": getattr(args, "warm_record", None),
+               "autotune_carried": getattr(args, "autotune_carried", None), "xla_build": xla_build(),
+               "autotune_cache_files": autotune_files(args),
                "started": started, "wall_s": round(wall_s, 1),
                "budget_scale": args.budget, "smoke": args.smoke, "dtype": args.dtype, "steps": records}
     write_json(args.out / "summary.json", summary)
@@ -970,6 +1056,7 @@ def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], start
              + (f"; warm phase {args.warm_record['seconds']:.0f} s, {args.warm_record['cores_busy']} of "
                 f"{args.warm_record['host_cpus']} cores busy on average"
                 if getattr(args, "warm_record", None) else "")
+             + f"; {carried_text(getattr(args, 'autotune_carried', None))}"
              + (" (--smoke sizes)" if args.smoke else "") + ". Each step's JSON and log sit beside this file.",
              "", "| # | step | target | status | s / budget | compiled (from cache) | result |",
              "|---|---|---|---|---|---|---|"]
@@ -984,20 +1071,37 @@ def write_summary(args: argparse.Namespace, records: list[dict[str, Any]], start
                      f"{r['seconds']:.0f} / {budget} | {compiled} | {headline} |")
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     if args.archive:
-        write_archive(args.out, args.archive)
+        write_archive(args.out, args.archive, autotune_dir(args))
+
+
+def carried_text(carried: dict[str, Any] | None) -> str:
+    """How cold the run's compiles were, for the summary's first line."""
+    if carried is None:
+        return "no autotuning carried in"
+    if not carried["files"]:
+        return f"no autotuning carried in (none saved for this XLA build in {carried['from']})"
+    return f"autotuning carried in: {carried['files']} fusions' results from {carried['from']}"
 
 
 ARCHIVED_LOG_BYTES = 1 << 20  # per log: a lease's tool brings back files of 16 MiB at most
 
 
-def write_archive(out: Path, archive: Path) -> None:
-    """The results so far (JSON, logs, summaries; the warm phase's too), not the caches, in one
-    .tar.gz: a lease's tool may bring back only a few files. Rewritten after every step. A log
-    goes in without XLA's INFO lines but its timers (`compile_phases` reads those), and at most
-    ARCHIVED_LOG_BYTES of it (its head and tail), so no log can push the archive past the limit."""
+def write_archive(out: Path, archive: Path, autotuned: Path | None = None) -> None:
+    """The results so far (JSON, logs, summaries; the warm phase's too) in one .tar.gz: a lease's
+    tool may bring back only a few files. Rewritten after every step. A log goes in without XLA's
+    INFO lines but its timers (`compile_phases` reads those), and at most ARCHIVED_LOG_BYTES of it
+    (its head and tail), so no log can push the archive past the limit. Of the caches, only the
+    autotuning (`autotuned`, small text files) goes in, as gpu_autotune/XLA_BUILD/, up to
+    ARCHIVED_AUTOTUNE_BYTES: copied into benchmarks/ it lets the next lease skip that autotuning."""
     archive.parent.mkdir(parents=True, exist_ok=True)
     partial = archive.with_name(archive.name + ".partial")
     with tarfile.open(partial, "w:gz") as tar:
+        room, build = ARCHIVED_AUTOTUNE_BYTES, xla_build()
+        for path in sorted(autotuned.glob("*.textproto")) if autotuned is not None and autotuned.is_dir() else []:
+            room -= path.stat().st_size
+            if room < 0:
+                break
+            tar.add(path, arcname=f"{CARRIED_AUTOTUNE.name}/{build}/{path.name}")
         for path in sorted([*out.glob("*.*"), *out.glob("warm/*.*")]):
             if path.suffix not in (".json", ".md", ".log") or not path.is_file():
                 continue
@@ -1024,6 +1128,10 @@ def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str
           f"in all; results in {args.out}")
     print("env: " + " ".join(f"{k}={shlex.quote(env[k])}" for k in sorted(env)
                              if k in ("PYTHONPATH", "XLA_FLAGS") or k.startswith("JAX_")))
+    source = args.autotune_from / xla_build() if args.autotune_from is not None else None
+    have = len(list(source.glob("*.textproto"))) if source is not None and source.is_dir() else 0
+    print(f"autotuning carried in: {have} fusions' results from {source}" if source is not None
+          else "autotuning carried in: none (--autotune-from none)")
     if warm:
         commands = warm_commands(selected, args)
         print(f" 0. warm phase  {args.warm_budget:5.0f} s  {len(commands)} processes, {args.warm_jobs} at a time in "
@@ -1053,6 +1161,10 @@ def run_suite(args: argparse.Namespace, selected: list[Step]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env, records = child_env(args), []
     started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.monotonic()
+    args.autotune_carried = carry_autotune_in(args)
+    if args.autotune_carried:
+        print(f"autotune cache: {args.autotune_carried['copied']} results carried in from "
+              f"{args.autotune_carried['from']}", flush=True)
     if args.warm_budget > 0 and args.compile_cache != "off":
         args.warm_record = warm_caches(selected, args, env, min(args.warm_budget, args.total - MIN_START_S))
         done = sum(v == "ok" for v in args.warm_record["processes"].values())
@@ -1105,6 +1217,10 @@ def parse_step_budget(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"--step-budget wants STEP=SECONDS (SECONDS > 0, STEP one of "
                                          f"{', '.join(BY_NAME)}), got {text!r}")
     return name, value
+
+
+def autotune_source(text: str) -> Path | None:
+    return None if text == "none" else Path(text)
 
 
 def positive_float(text: str) -> float:
@@ -1180,6 +1296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--archive", type=Path, default=None, metavar="FILE.tar.gz",
                    help="also write the results (JSON, logs, summaries, not the caches) to this archive after "
                         "every step (for a lease whose tool brings back only a few files)")
+    p.add_argument("--autotune-from", type=autotune_source, default=CARRIED_AUTOTUNE, metavar="DIR|none",
+                   help="start XLA:GPU's autotune cache from DIR/XLA_BUILD/ (what an earlier lease's --archive "
+                        "brought back, copied into the repository; default: benchmarks/gpu_autotune); "
+                        "none: a cold run")
     p.add_argument("--commit", default=None, help="commit recorded with every result (default: git rev-parse HEAD)")
     p.add_argument("--dry-run", action="store_true", help="print every step's command and budget; run nothing")
     p.add_argument("--run-step", choices=list(BY_NAME), default=None,

@@ -54,8 +54,18 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     order; dflash_trees' split per batch and tree is checked in the --dry-run test) compiles into
     its own empty cache, so every hit below is its doing; then every step under its budget."""
     out = tmp_path / "quick"
+    # Autotuning an earlier lease brought back, for this XLA build and another: only this one's is
+    # carried into the cache's autotune folder (a CPU tunes nothing, so none is looked up here).
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_quick import AUTOTUNE_SUBDIR, xla_build
+
+    carried = tmp_path / "carried"
+    for build, name in [(xla_build(), "ours"), ("jaxlib-0.0.1", "other")]:
+        (carried / build).mkdir(parents=True)
+        (carried / build / f"{name}.textproto").write_text(f"# {name}\n")
     run = run_quick(out, "--budget", "1.5", "--warm-budget", "600", "--warm-jobs", "1",
-                    "--compile-cache", str(tmp_path / "cache"), "--archive", str(tmp_path / "r.tgz"))
+                    "--compile-cache", str(tmp_path / "cache"), "--archive", str(tmp_path / "r.tgz"),
+                    "--autotune-from", str(carried))
     assert run.returncode == 0, run.stdout + run.stderr
     summary = records(out)
     assert list(summary) == STEPS
@@ -74,8 +84,14 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     assert engine["drafter"] == "DFlash K=7" and engine["tokens"] == engine["requests"] * 8
     assert result["exactness"]["counts"] == {"passed": 1} and result["exactness"]["failed"] == []
     # Each step records its XLA flags: XLA's defaults (no --fast-compile-flags unless asked).
-    assert all("autotune_cache_dir" in summary[name]["xla_flags"] for name in STEPS)
     assert not any("triton_gemm" in summary[name]["xla_flags"] for name in STEPS)
+    assert all(summary[name]["autotune_lookups"] == {"miss": 0, "memory_hit": 0, "file_hit": 0} for name in STEPS)
+    whole = json.loads((out / "summary.json").read_text())
+    assert whole["autotune_carried"] == {"from": str(carried / xla_build()), "files": 1, "copied": 1}, whole
+    assert (tmp_path / "cache" / AUTOTUNE_SUBDIR / "ours.textproto").exists()
+    assert not (tmp_path / "cache" / AUTOTUNE_SUBDIR / "other.textproto").exists()
+    assert whole["autotune_cache_files"] == 1 and whole["xla_build"] == xla_build()
+    assert "autotuning carried in: 1 fusions' results from" in (out / "summary.md").read_text()
     table = (out / "summary.md").read_text()
     assert all(f"| {name} |" in table for name in STEPS)
 
@@ -109,7 +125,9 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
         names = set(tar.getnames())
         archived_log = tar.extractfile("quick/warm/ar_floor.log").read().decode()
     assert {"quick/summary.md", "quick/summary.json", "quick/capacity.log", "quick/warm/ar_floor.log"} <= names
+    # Of the caches, the autotuning alone, laid out as benchmarks/gpu_autotune wants it.
     assert not any("cache" in n for n in names), names
+    assert f"gpu_autotune/{xla_build()}/ours.textproto" in names
     # A log travels without XLA's INFO lines but its timers, so it cannot outgrow the lease's limit.
     full_log = (out / "warm" / "ar_floor.log").read_text()
     assert "loading random:tiny" in archived_log and " time: " in archived_log and len(archived_log) < len(full_log)
@@ -145,6 +163,43 @@ def test_the_archive_keeps_a_huge_log_under_its_cap(tmp_path):
         assert tar.extractfile("quick/summary.md").read() == b"# table\n"
     assert len(log) < ARCHIVED_LOG_BYTES + 100 and log.startswith("  1.0 s  first line")
     assert log.rstrip().endswith("99.0 s  last line") and "[... cut" in log
+
+
+def test_the_archive_carries_autotuning_up_to_its_cap(tmp_path, monkeypatch):
+    """The autotune folder's files go into the archive as gpu_autotune/XLA_BUILD/NAME, sorted, as
+    many as ARCHIVED_AUTOTUNE_BYTES holds (any subset is a valid cache: a missing one is tuned)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_quick
+
+    out, tuned = tmp_path / "quick", tmp_path / "tuned"
+    out.mkdir()
+    tuned.mkdir()
+    for name in "abc":
+        (tuned / f"{name}.textproto").write_text(name * 100)
+    (tuned / "tmp").mkdir()  # XLA's folder for half-written results: never archived
+    monkeypatch.setattr(gpu_quick, "ARCHIVED_AUTOTUNE_BYTES", 250)
+    gpu_quick.write_archive(out, tmp_path / "r.tgz", tuned)
+    with tarfile.open(tmp_path / "r.tgz") as tar:
+        names = tar.getnames()
+        first = tar.extractfile(names[0]).read()
+    build = gpu_quick.xla_build()
+    assert names == [f"gpu_autotune/{build}/a.textproto", f"gpu_autotune/{build}/b.textproto"], names
+    assert first == b"a" * 100
+
+
+def test_autotune_lookups_count_xlas_cache_lines(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_quick import autotune_lookups
+
+    log = tmp_path / "step.log"
+    log.write_text(
+        "I1127 19:30:01.000001   4242 autotuner_util.cc:410] Autotune cache miss\n"
+        "I1127 19:30:01.000002   4242 autotuner_util.cc:410] Autotune cache miss: key = {hlo...}\n"
+        "I1127 19:30:02.000001   4242 autotuner_cache.cc:301] In-memory autotune cache hit\n"
+        "I1127 19:30:03.000001   4242 autotuner_cache.cc:304] File-based autotune cache hit\n"
+        "  12.0 s  b1: AR 2.10 ms [1 programs, 0 from the cache, 81.7 s]\n")
+    assert autotune_lookups(log) == {"miss": 2, "memory_hit": 1, "file_hit": 1}
+    assert autotune_lookups(tmp_path / "none.log") == {"miss": 0, "memory_hit": 0, "file_hit": 0}
 
 
 def test_compile_phases_sum_xlas_timers_over_programs(tmp_path):

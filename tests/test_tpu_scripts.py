@@ -203,10 +203,12 @@ def test_gpu_quick_opt_in_probes_and_xla_flags(tmp_path):
     assert out.returncode == 0, out.stderr
     assert [name for _, name, _ in re.findall(r"^ *(\d+)\. (\S+) +(\d+) s ", out.stdout, re.M)] == [
         "dflash_trees", "ar_profile"]
-    # After the caller's own XLA_FLAGS (the suite's cheap CPU codegen here): XLA takes the last.
-    flags = f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'q' / 'autotune_cache'} " \
-            "--xla_gpu_graph_min_graph_size=1'"
-    assert "XLA_FLAGS=" in out.stdout and flags in out.stdout
+    # After the caller's own XLA_FLAGS: XLA takes the last. No autotune folder among them: JAX
+    # sets its own inside the persistent cache, over any XLA_FLAGS one.
+    assert "XLA_FLAGS=" in out.stdout and "--xla_gpu_graph_min_graph_size=1'" in out.stdout
+    assert "autotune_cache_dir=" not in out.stdout
+    assert "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=xla_gpu_per_fusion_autotune_cache_dir" in out.stdout
+    assert "autotuning carried in: 0 fusions' results from" in out.stdout
     assert "--batches 1 --trees 0,32" in out.stdout and "--draft-vocabs" not in out.stdout
     vocab = run_quick("--dry-run", "--steps", "dflash_profile", "--draft-vocabs", "0,32768")
     assert "--run-step dflash_profile" in vocab.stdout and "--draft-vocabs 0,32768" in vocab.stdout
