@@ -300,6 +300,31 @@ def test_default_drafter_spec_follows_the_table(monkeypatch):
     assert (served.kind, served.k, served.adaptive) == ("ngram", 2, False) and "engine up to 8" in served.reason
 
 
+def test_the_log_line_gives_a_defaults_reason_in_brief():
+    """The shipped table's reasons carry their figures and RESULTS.md citations (1,800 characters
+    for the default model's default): the log line gets each reason's first clause without them,
+    `--json` the whole (`drafter_reason`)."""
+    from spec_jax.app.inputs import default_drafter_spec, in_brief
+
+    assert in_brief("measured fastest at batch 1 (RESULTS.md, session 28: 1.01x (chat); 1.3x), greedy; "
+                    "then more. And more") == "measured fastest at batch 1, greedy"
+    assert in_brief("a chain: trees lose (RESULTS.md). The verify pass (T = 33) costs more") == \
+        "a chain: trees lose"
+    for batch, temperature, engine in [(1, 0.0, False), (8, 0.0, False), (1, 0.7, False), (64, 0.0, False),
+                                       (8, 0.0, True)]:
+        spec = default_drafter_spec(None, None, batch, temperature, engine=engine)
+        assert spec.brief and len(spec.brief) < len(spec.reason) and len(spec.brief) < 400, spec.brief
+        assert "(" not in spec.brief and "RESULTS.md" not in spec.brief
+        assert spec.brief.startswith("default for the default model: ")
+        # One clause per reason: the drafter's, the tree's, the depth's where adaptive.
+        parts = 1 if spec.kind == "none" else 2 + spec.adaptive
+        assert len(spec.brief.split("; ")) == parts, spec.brief
+    pinned = default_drafter_spec(None, 4, 1, 0.0)
+    assert len(pinned.brief.split("; ")) == 2 and not pinned.adaptive
+    other = default_drafter_spec("some/model", None)
+    assert other.brief == other.reason == "no drafter named and none shipped for this target"
+
+
 def test_the_shipped_measured_table_is_well_formed():
     """Every backend and mode of assets/measured_defaults.json (and its unmeasured fallback) ends
     with an entry for any batch, names registered drafters, and gives each choice its reason."""

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
     depth = f"adaptive, at most {inputs.drafter_k(drafter)}" if spec.adaptive else inputs.drafter_k(drafter)
     log(f"generating: {len(prompt_ids)} prompt(s), drafter {spec.kind}, K={depth}"
-        + (f" ({spec.reason})" if spec.reason else ""))
+        + (f" ({spec.brief or spec.reason}; the measurements: --json)" if spec.reason else ""))
     if spec.adaptive:  # each step picks its depth, the drafter's K the largest
         sampling = dict(sampling, k=spec.generate_k)
     if args.stream:

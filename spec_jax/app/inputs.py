@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -159,6 +160,7 @@ class DrafterSpec:
     path: str | None = None
     k: int | None = None
     reason: str = dataclasses.field(default="", compare=False)  # why it was chosen, when by default
+    brief: str = dataclasses.field(default="", compare=False)  # the reason's gist, for a log line
     tree: int | None = None  # draft nodes per step for a tree (0 = a chain; None = the drafter's)
     adaptive: bool = False  # --k adaptive: each step picks its depth, K (the drafter's) the largest
 
@@ -227,12 +229,31 @@ def default_drafter_spec(
     pinned = k is not None
     kind, k, reason = default_drafter_choice(target_arg is None, k, batch, temperature, engine=engine)
     if kind == "none":
-        return DrafterSpec(kind, None, k, reason=reason)
+        return DrafterSpec(kind, None, k, reason=reason, brief=in_brief(reason))
     tree, why = default_tree_choice(batch, temperature)
     depth, depth_why = default_depth_choice(batch, temperature)
     adaptive = depth == "adaptive" and not pinned  # --k N pins K
-    reason = f"{reason}; {why}" + (f"; {depth_why}" if adaptive else "")
-    return DrafterSpec(kind, None, k, reason=reason, tree=tree or None, adaptive=adaptive)
+    parts = [reason, why, *([depth_why] if adaptive else [])]
+    return DrafterSpec(kind, None, k, reason="; ".join(parts), brief="; ".join(map(in_brief, parts)),
+                       tree=tree or None, adaptive=adaptive)
+
+
+def in_brief(why: str) -> str:
+    """A measured default's reason cut to its gist for a log line: its first clause, without the
+    parenthesised figures and citations. Whole, the three reasons of the default model's default
+    ran to 1,800 characters on every `generate`; `--json` keeps them whole (`drafter_reason`)."""
+    kept, depth = [], 0
+    for ch in why:
+        if ch == "(":
+            depth += 1
+        elif ch == ")" and depth:
+            depth -= 1
+        elif depth == 0:
+            kept.append(ch)
+    text = re.sub(r" ([,:;.])", r"\1", " ".join("".join(kept).split()))  # no gap where a figure was
+    for end in ("; ", ". "):
+        text = text.split(end, 1)[0]
+    return text.rstrip(" .")
 
 
 def drafter_k(drafter: Any) -> int:

@@ -184,7 +184,7 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     pages = "" if engine.pages is None else f", KV pool of {engine.pages.num_pages} pages of {engine.pages.page_size}"
     log(f"engine: {args.slots} slots{pages}, max model length {engine.max_model_len}, drafter {label} "
         f"K={'adaptive ' + str(list(engine.depth.depths)) if engine.depth else engine.k}"
-        f"{' (' + spec.reason + ')' if spec.reason else ''}; "
+        f"{' (' + (spec.brief or spec.reason) + '; the measurements: benchmarks/RESULTS.md)' if spec.reason else ''}; "
         + (f"warm-up {warm.summary()}" if warm is not None else "no warm-up: programs compile on first use"))
     name = args.served_model_name or (target.source if args.target is None else args.target)
     return ServerState(engine, target.tokenizer, target.chat_template, name, label, max_body_bytes=args.max_body_bytes,
