@@ -900,10 +900,9 @@ def carry_autotune_in(args: argparse.Namespace) -> dict[str, Any] | None:
     autotuning fusions it has seen ("persisted autotuning"); a result for another card never
     matches a lookup. None where nothing is carried (--autotune-from none, or no cache)."""
     dest = autotune_dir(args)
-    if dest is None or args.autotune_from is None:
+    source, files = carried_autotune(args)
+    if dest is None or source is None:
         return None
-    source = args.autotune_from / xla_build()
-    files = sorted(source.glob("*.textproto")) if source.is_dir() else []
     dest.mkdir(parents=True, exist_ok=True)
     copied = 0
     for path in files:
@@ -911,6 +910,14 @@ def carry_autotune_in(args: argparse.Namespace) -> dict[str, Any] | None:
             shutil.copyfile(path, dest / path.name)
             copied += 1
     return {"from": str(source), "files": len(files), "copied": copied}
+
+
+def carried_autotune(args: argparse.Namespace) -> tuple[Path | None, list[Path]]:
+    """(--autotune-from's folder for this XLA build, its results), or (None, []) with `none`."""
+    if args.autotune_from is None:
+        return None, []
+    source = args.autotune_from / xla_build()
+    return source, sorted(source.glob("*.textproto")) if source.is_dir() else []
 
 
 def autotune_lookups(log: Path) -> dict[str, int]:
@@ -1128,9 +1135,8 @@ def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str
           f"in all; results in {args.out}")
     print("env: " + " ".join(f"{k}={shlex.quote(env[k])}" for k in sorted(env)
                              if k in ("PYTHONPATH", "XLA_FLAGS") or k.startswith("JAX_")))
-    source = args.autotune_from / xla_build() if args.autotune_from is not None else None
-    have = len(list(source.glob("*.textproto"))) if source is not None and source.is_dir() else 0
-    print(f"autotuning carried in: {have} fusions' results from {source}" if source is not None
+    source, files = carried_autotune(args)
+    print(f"autotuning carried in: {len(files)} fusions' results from {source}" if source is not None
           else "autotuning carried in: none (--autotune-from none)")
     if warm:
         commands = warm_commands(selected, args)
@@ -1294,8 +1300,9 @@ def build_parser() -> argparse.ArgumentParser:
     # A warm-phase child's share of dflash_trees: "ar" (the AR rows) or "tN" (tree N, 0 = the chain).
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--archive", type=Path, default=None, metavar="FILE.tar.gz",
-                   help="also write the results (JSON, logs, summaries, not the caches) to this archive after "
-                        "every step (for a lease whose tool brings back only a few files)")
+                   help="also write the results (JSON, logs, summaries; of the caches, the autotuning only, "
+                        "as gpu_autotune/XLA_BUILD/) to this archive after every step (for a lease whose tool "
+                        "brings back only a few files)")
     p.add_argument("--autotune-from", type=autotune_source, default=CARRIED_AUTOTUNE, metavar="DIR|none",
                    help="start XLA:GPU's autotune cache from DIR/XLA_BUILD/ (what an earlier lease's --archive "
                         "brought back, copied into the repository; default: benchmarks/gpu_autotune); "
