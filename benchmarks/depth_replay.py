@@ -26,7 +26,6 @@ What it leaves out, on purpose: the loop's own per-step overhead (measured end t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spec_jax.checkpoints import random_target
 from spec_jax.models.decoder import (

@@ -19,7 +19,6 @@ from scipy import stats as scipy_stats
 
 from dflash_testlib import (
     MASK_ID,
-    VOCAB,
     context_features,
     fit_drafter,
     greedy_choices,

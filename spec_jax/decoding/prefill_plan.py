@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from spec_jax.decoding import validation
-from spec_jax.decoding.generate import MIN_PROMPT_BUCKET, prompt_bucket
+from spec_jax.decoding.generate import MIN_PROMPT_BUCKET
 from spec_jax.decoding.slots import RequestParams
 
 DEFAULT_PREFILL_ROWS = 4  # prompts that prefill together in one pass (at most; the budget may allow fewer)

@@ -166,8 +166,6 @@ class DraftModelDrafter:
 
     def propose(self, params, target: Target, state, tokens, lengths, key, sampling):
         model = self.model
-        batch = tokens.shape[0]
-        rows = jnp.arange(batch)
         vocab = target.vocab_size
         keys = split_key(key, self.k)
         # Draft step 1: re-feed the committed tokens the draft model has not all seen.

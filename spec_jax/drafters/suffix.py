@@ -42,7 +42,7 @@ from flax import struct
 
 from spec_jax.drafters.lookup import LookupFirstDrafter
 from spec_jax.drafters.ngram import continuations_trie
-from spec_jax.drafters.tree import TreeDraft, check_tree_setting, top_k, tree_budget
+from spec_jax.drafters.tree import check_tree_setting, top_k, tree_budget
 from spec_jax.models.interface import TargetModel
 from spec_jax.models.weights import WeightSpec
 

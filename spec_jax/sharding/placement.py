@@ -10,7 +10,6 @@ import logging
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spec_jax.sharding.rules import ShardingRules, logical_to_partition_spec
