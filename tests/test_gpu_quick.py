@@ -111,7 +111,7 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     assert summary["dflash_trees"]["cpu_s"] > 0 and "compile_phases" in summary["dflash_trees"]
     # Every timed step loads what the warm phase compiled, dflash_trees' and the engine's split
     # children too (the same programs: capacity from every tree, not the child's part).
-    for name in ["ar_floor", "dflash_trees", "capacity", "engine"]:
+    for name in ["ar_floor", "dflash_trees", "verify_cost", "capacity", "engine"]:
         tally = summary[name]["compilation"]
         assert tally["programs"] >= 1 and tally["cache_hits"] == tally["programs"], (name, tally)
         # Each measurement's line in the step's log: seconds since the step began, the compile tally.

@@ -71,6 +71,18 @@ def test_unknown_preset_names_the_known_ones():
         load_target("random:llama-9000")
 
 
+def test_verify_costs_count_their_compiles():
+    """Each T's verify pass is a program of its own, counted in spec_jax's compile tally (the quick
+    GPU suite's verify_cost step reports from it how many compiled and how many the cache served)."""
+    from spec_jax.decoding.programs import compile_tally
+
+    target = load_target("random:tiny")
+    before = compile_tally().programs
+    seconds = roofline.verify_costs(target, batch=1, context=8, capacity=32, verify_tokens=[1, 3], repeats=1)
+    assert set(seconds) == {1, 3} and all(s > 0 for s in seconds.values())
+    assert compile_tally().programs == before + 2
+
+
 def test_roofline_report_is_consistent(tmp_path):
     target = load_target("random:tiny")
     report = roofline.run_roofline(

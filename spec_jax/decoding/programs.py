@@ -127,6 +127,16 @@ def _compile_counted(lower: Callable[[], Any], mesh: Any,
     return exe, CompileTally(1, seconds, int(hit), int(missed), traced - lowering)
 
 
+def compile_counted(lower: Callable[[], Any], mesh: Any = None) -> Any:
+    """`lower().compile()` with spec_jax's compiler options, added to `compile_tally()` (its
+    seconds, and whether the persistent cache served it): for a one-off program no `ProgramCache`
+    keeps, such as the roofline's verify pass, so a run's tally counts every program it compiled."""
+    exe, this = _compile_counted(lower, mesh, None)
+    with _TOTAL_LOCK:
+        _TOTAL.add(this)
+    return exe
+
+
 class ProgramCache:
     """Compiled executables by key, most recently used last, at most `max_size` of them: each entry
     holds an executable (and, through its static drafter, configs), so a long-lived process that
