@@ -922,7 +922,9 @@ def carried_autotune(args: argparse.Namespace) -> tuple[Path | None, list[Path]]
 
 def autotune_lookups(log: Path) -> dict[str, int]:
     """XLA's autotune-cache lookups in a step's log (COMPILE_TIMERS' autotuner modules): misses
-    (fusions tuned in this process) and hits, from memory or from the cache folder."""
+    (fusions tuned in this process) and hits, from memory or from the cache folder. All zero on a
+    CPU (nothing is tuned); all zero on a GPU that compiled something means this XLA build logs
+    its lookups from another file than the two named, not that nothing was tuned."""
     counts = {"miss": 0, "memory_hit": 0, "file_hit": 0}
     names = {"Autotune cache miss": "miss", "In-memory autotune cache hit": "memory_hit",
              "File-based autotune cache hit": "file_hit"}
