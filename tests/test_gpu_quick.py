@@ -14,6 +14,8 @@ import tarfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_quick.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import gpu_quick  # noqa: E402 - the orchestrator imports only the standard library
 STEPS = ["ar_floor", "dflash_trees", "verify_cost", "capacity", "engine", "exactness"]
 TINY = ["--target", "random:tiny", "--dtype", "float32", "--smoke"]
 
@@ -56,7 +58,6 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     out = tmp_path / "quick"
     # Autotuning an earlier lease brought back, for this XLA build and another: only this one's is
     # carried into the cache's autotune folder (a CPU tunes nothing, so none is looked up here).
-    sys.path.insert(0, str(SCRIPT.parent))
     from gpu_quick import AUTOTUNE_SUBDIR, xla_build
 
     carried = tmp_path / "carried"
@@ -149,7 +150,6 @@ def test_a_familys_processes_wait_for_its_seed(tmp_path):
 def test_the_archive_keeps_a_huge_log_under_its_cap(tmp_path):
     """A step whose log grew huge (XLA's INFO lines, a runaway print) goes into the archive as its
     head and tail, so the archive stays inside what a lease brings back."""
-    sys.path.insert(0, str(SCRIPT.parent))
     from gpu_quick import ARCHIVED_LOG_BYTES, write_archive
 
     out = tmp_path / "quick"
@@ -168,9 +168,6 @@ def test_the_archive_keeps_a_huge_log_under_its_cap(tmp_path):
 def test_the_archive_carries_autotuning_up_to_its_cap(tmp_path, monkeypatch):
     """The autotune folder's files go into the archive as gpu_autotune/XLA_BUILD/NAME, sorted, as
     many as ARCHIVED_AUTOTUNE_BYTES holds (any subset is a valid cache: a missing one is tuned)."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    import gpu_quick
-
     out, tuned = tmp_path / "quick", tmp_path / "tuned"
     out.mkdir()
     tuned.mkdir()
@@ -188,9 +185,6 @@ def test_the_archive_carries_autotuning_up_to_its_cap(tmp_path, monkeypatch):
 
 
 def test_autotune_lookups_count_xlas_cache_lines(tmp_path):
-    sys.path.insert(0, str(SCRIPT.parent))
-    from gpu_quick import autotune_lookups
-
     log = tmp_path / "step.log"
     log.write_text(
         "I1127 19:30:01.000001   4242 autotuner_util.cc:410] Autotune cache miss\n"
@@ -198,14 +192,13 @@ def test_autotune_lookups_count_xlas_cache_lines(tmp_path):
         "I1127 19:30:02.000001   4242 autotuner_cache.cc:301] In-memory autotune cache hit\n"
         "I1127 19:30:03.000001   4242 autotuner_cache.cc:304] File-based autotune cache hit\n"
         "  12.0 s  b1: AR 2.10 ms [1 programs, 0 from the cache, 81.7 s]\n")
-    assert autotune_lookups(log) == {"miss": 2, "memory_hit": 1, "file_hit": 1}
-    assert autotune_lookups(tmp_path / "none.log") == {"miss": 0, "memory_hit": 0, "file_hit": 0}
+    assert gpu_quick.autotune_lookups(log) == {"miss": 2, "memory_hit": 1, "file_hit": 1}
+    assert gpu_quick.autotune_lookups(tmp_path / "none.log") == {"miss": 0, "memory_hit": 0, "file_hit": 0}
 
 
 def test_compile_phases_sum_xlas_timers_over_programs(tmp_path):
     """XLA's scoped timers (TF_CPP_VMODULE) in a step's log: one phase's seconds over every
     program, the module names dropped, units read; other lines ignored."""
-    sys.path.insert(0, str(SCRIPT.parent))
     from gpu_quick import compile_phases
 
     log = tmp_path / "step.log"
