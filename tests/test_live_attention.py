@@ -89,12 +89,14 @@ def test_buckets_read_from_slot_zero_under_a_static_window_as_wide_as_the_cache(
         assert ("stablehlo.dynamic_slice" in text) == dynamic, window
 
 
-def test_buckets_read_a_chains_pass_from_the_cache_when_it_holds_it():
-    """causal_pass_in_cache: the cache holds row b's pass key i at slot lengths[b] + i (the decoder
-    writes them before attending) and the pass is a chain; under a window that spans the capacity
-    the buckets path reads the keys from there, as one part with the committed slots: equal to the
-    dense reference for ragged and empty rows, one bucket or several (the pass crossing a bucket's
-    end), with attention sinks too; narrower windows take the two-part path, equal as well."""
+@pytest.mark.parametrize("tree", [False, True])
+def test_buckets_read_a_pass_from_the_cache_when_it_holds_it(tree):
+    """pass_in_cache: the cache holds row b's pass key i at slot lengths[b] + i (the decoder writes
+    them before attending); under a window that spans the capacity the buckets path reads the
+    keys from there, as one part with the committed slots, a chain's (causal_pass) and a tree's
+    (its mask packed into bits): equal to the dense reference for ragged and empty rows, one bucket
+    or several (the pass crossing a bucket's end), with attention sinks too; narrower windows take
+    the two-part path, equal as well."""
     capacity = 100
 
     def holding_the_pass(args):
@@ -105,21 +107,41 @@ def test_buckets_read_a_chains_pass_from_the_cache_when_it_holds_it():
         v_cache = v_cache.at[rows, :, slots].set(jnp.swapaxes(v_pass, 1, 2))
         return q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, mask
 
-    live = jax.jit(functools.partial(attend_cache_and_pass, impl="buckets", block=BLOCK, causal_pass_in_cache=True),
-                   static_argnums=5)
+    live = jax.jit(functools.partial(attend_cache_and_pass, impl="buckets", block=BLOCK, pass_in_cache=True,
+                                     causal_pass=not tree), static_argnums=5)
     dense = jax.jit(functools.partial(attend_cache_and_pass, impl="dense"), static_argnums=5)
     lengths_cases = [[0, 37, 95, 5], [0, 0, 0, 0], [3, 16, 9, 1], [12, 11, 60, 13]]  # 11 + 5 crosses 16
     for seed, (window, lengths) in enumerate(itertools.product([GLOBAL_WINDOW, capacity, 7, 20], lengths_cases)):
-        args = holding_the_pass(case(seed, capacity, lengths, jnp.float32, False, window))
+        args = holding_the_pass(case(seed, capacity, lengths, jnp.float32, tree, window))
         np.testing.assert_allclose(np.asarray(live(*args)), np.asarray(dense(*args)), rtol=3e-6, atol=3e-6,
                                    err_msg=f"window={window} lengths={lengths}")
-    # One part: a single softmax over the window, no concatenation of two parts' scores.
-    args = holding_the_pass(case(0, capacity, lengths_cases[0], jnp.float32, False, GLOBAL_WINDOW))
-    assert "stablehlo.concatenate" not in live.lower(*args).as_text()
+    # One part: a single softmax over the window, no concatenation of two parts' scores, and no
+    # lookup of the tree's mask per slot (a gather XLA:CPU left outside the fusion).
+    args = holding_the_pass(case(0, capacity, lengths_cases[0], jnp.float32, tree, GLOBAL_WINDOW))
+    text = live.lower(*args).as_text()
+    assert "stablehlo.concatenate" not in text and "stablehlo.gather" not in text
     # With attention sinks (gpt-oss): the sink's column joins the one softmax.
     sinks = jnp.asarray(np.random.RandomState(5).randn(HEADS), jnp.float32)
     np.testing.assert_allclose(np.asarray(live(*args, sinks=sinks)), np.asarray(dense(*args, sinks=sinks)),
                                rtol=3e-6, atol=3e-6)
+
+
+@pytest.mark.parametrize("width", [1, 5, 32, 33, 64])
+def test_a_pass_mask_packed_into_bits_reads_back_at_every_slot(width):
+    """`in_pass_words` then `in_pass_visible` give back the mask for keys 0..width-1 at slots
+    lengths[b] + j, and nothing at the slots before or after the pass, for masks of one word and two."""
+    from spec_jax.models.attention import in_pass_visible, in_pass_words
+
+    rng = np.random.RandomState(width)
+    mask = rng.rand(3, width, width) < 0.5
+    lengths = np.asarray([0, 7, 40])
+    slots = np.arange(120)
+    got = np.asarray(in_pass_visible(in_pass_words(jnp.asarray(mask)),
+                                     jnp.asarray(slots[None, None, :] - lengths[:, None, None]), width))
+    want = np.zeros((3, width, len(slots)), bool)
+    for b, length in enumerate(lengths):
+        want[b, :, length:length + width] = mask[b]
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("impl", ["blocks", "buckets", "dense"])
@@ -252,9 +274,9 @@ def cache_attention(impl: str, block: int = 16):
 def test_generate_on_the_accelerators_buckets_path_equals_the_dense_one(models, tree):
     """The accelerators' cache attention ("buckets", here with 16-slot buckets so that 96 slots
     hold several) run end to end on this CPU: plain decoding and a DFlash chain or tree of 8 give
-    the tokens of the dense path. The decoder's layers read a chain pass's keys from the cache on
-    this path (causal_pass_in_cache), so every plain and chain step checks that reading (a tree's
-    verify keeps two parts); prompts of 3, 16 and 9 tokens cross buckets' ends as they grow."""
+    the tokens of the dense path. The decoder's layers read a pass's keys from the cache on
+    this path (pass_in_cache), so every step checks that reading, a chain's and a tree's; prompts
+    of 3, 16 and 9 tokens cross buckets' ends as they grow."""
     drafter = dataclasses.replace(DFlashDrafter(TINY_DFLASH, 4), tree=tree)
     params = init_dflash_params(TINY_DFLASH, jax.random.key(3), 3.0)
     prompts = make_prompts([3, 16, 9], seed=2)

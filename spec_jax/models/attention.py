@@ -265,7 +265,7 @@ def bucket_widths(capacity: int, smallest: int) -> tuple[int, ...]:
 
 def _attend_live_buckets(
     q, k_cache, v_cache, cache_lengths, q_positions, window, k_pass, v_pass, pass_mask, smallest,
-    sinks=None, causal_pass_in_cache=False,
+    sinks=None, pass_in_cache=False, causal_pass=False,
 ):
     """Dense attention over the smallest static window of the cache (0, smallest, 2 * smallest,
     ..., capacity slots) that covers [lo, hi), picked on device by `lax.switch`: the same
@@ -279,9 +279,9 @@ def _attend_live_buckets(
     # XLA:GPU copied out of the cache before the attention's GEMM (the H100 profile of session
     # 34: 80 window copies a DFlash step at Qwen3-8B shapes, 0.19 ms).
     from_zero = isinstance(window, int) and window >= capacity
-    if from_zero and causal_pass_in_cache:
-        return _attend_buckets_with_pass(q, k_cache, v_cache, cache_lengths, q_positions, window, widths[1:], hi,
-                                         sinks)
+    if from_zero and pass_in_cache and (causal_pass or pass_mask.shape[-1] <= MAX_IN_PASS_BITS):
+        return _attend_buckets_with_pass(q, k_cache, v_cache, cache_lengths, q_positions, window,
+                                         None if causal_pass else pass_mask, widths[1:], hi, sinks)
     index = jnp.sum(hi - lo > jnp.asarray(widths[:-1], jnp.int32))  # the first width >= hi - lo
 
     def dense_over(width):
@@ -303,28 +303,62 @@ def _attend_live_buckets(
     return jax.lax.switch(index, [dense_over(w) for w in widths], k_cache, v_cache)
 
 
-def _attend_buckets_with_pass(q, k_cache, v_cache, cache_lengths, q_positions, window, widths, hi, sinks):
-    """The buckets path for a chain pass whose keys/values the cache already holds (row b's pass
-    key i at slot cache_lengths[b] + i, as the decoder writes them before attending) under a window
-    that reaches slot 0: one part, the window [0, W) with W >= hi + T, where query i sees the
-    committed slots and the pass's keys 0..i. The same softmax as the two-part form over fewer
-    kernels: no scores of the pass's own keys apart, no concatenation of the two parts' scores,
-    no sum of two value products. The visibility is arithmetic on slot indices (no lookup of the
-    in-pass mask), so it fuses into the scores' masking at any capacity."""
+def _attend_buckets_with_pass(q, k_cache, v_cache, cache_lengths, q_positions, window, pass_mask, widths, hi,
+                              sinks):
+    """The buckets path for a pass whose keys/values the cache already holds (row b's pass key i at
+    slot cache_lengths[b] + i, as the decoder writes them before attending) under a window that
+    reaches slot 0: one part, the window [0, W) with W >= hi + T, where query i sees the committed
+    slots and the pass's keys that `pass_mask` [B or 1, T, T] allows (None: a chain, keys 0..i).
+    The same softmax as the two-part form over fewer kernels: no scores of the pass's own keys
+    apart, no concatenation of the two parts' scores, no sum of two value products. The in-pass
+    visibility is arithmetic on slot indices (a chain's comparison, or a tree's mask packed into
+    bits and shifted), never a lookup, so it fuses into the scores' masking at any capacity."""
     t = q.shape[1]
     index = jnp.sum(hi + t > jnp.asarray(widths[:-1], jnp.int32))  # the first width >= hi + T
+    words = None if pass_mask is None else in_pass_words(pass_mask)
 
     def over(width):
         def branch(k_cache, v_cache):
             slots = jnp.arange(width, dtype=jnp.int32)
             committed = cache_visibility(cache_lengths, q_positions, slots, window)  # [B, T, W]
             key = slots[None, None, :] - cache_lengths[:, None, None]  # [B, 1, W]: the pass key a slot holds
-            own = (key >= 0) & (key <= jnp.arange(t, dtype=jnp.int32)[None, :, None])  # [B, T, W]: causal
+            if words is None:  # a chain: query i sees keys 0..i
+                own = (key >= 0) & (key <= jnp.arange(t, dtype=jnp.int32)[None, :, None])
+            else:
+                own = in_pass_visible(words, key, t)
             return attend(q, [(k_cache[:, :, :width], v_cache[:, :, :width], committed | own)], sinks)
 
         return branch
 
     return jax.lax.switch(index, [over(w) for w in widths], k_cache, v_cache)
+
+
+# The widest masked pass (a token tree's verify: nodes + 1) the buckets path reads from the cache
+# as one part; its mask is packed into one 32-bit word per 32 keys, and a wider pass would pick
+# among more words per slot. Wider passes keep the two parts.
+MAX_IN_PASS_BITS = 64
+
+
+def in_pass_words(pass_mask: jax.Array) -> jax.Array:
+    """pass_mask [B or 1, T, T'] bool -> [B or 1, T, ceil(T' / 32)] uint32: bit j % 32 of word
+    j // 32 set where the query sees the pass's key j."""
+    lead, width = pass_mask.shape[:-1], pass_mask.shape[-1]
+    words = -(-width // 32)
+    padded = jnp.pad(pass_mask, [(0, 0)] * len(lead) + [(0, 32 * words - width)])
+    bits = padded.reshape(*lead, words, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    return jnp.sum(bits, axis=-1, dtype=jnp.uint32)  # distinct bits: the sum is their or
+
+
+def in_pass_visible(words: jax.Array, key: jax.Array, width: int) -> jax.Array:
+    """Whether query i sees the pass key a slot holds: words [B or 1, T, n] (`in_pass_words`), key
+    [B, 1, W] the pass key at each slot (negative or >= width: none) -> [B, T, W] bool. Shifts and
+    selects only, elementwise over [B, T, W]."""
+    held = jnp.clip(key, 0, width - 1)
+    word = words[..., :1]  # [B or 1, T, 1]
+    for w in range(1, words.shape[-1]):
+        word = jnp.where(held >> 5 == w, words[..., w : w + 1], word)
+    bit = (word >> (held & 31).astype(jnp.uint32)) & 1
+    return (key >= 0) & (key < width) & (bit == 1)
 
 
 # The cache attention each backend uses: (impl, block). On CPU "blocks" with 128-slot blocks:
@@ -375,7 +409,8 @@ def attend_cache_and_pass(
     sinks: jax.Array | None = None,
     page_table: jax.Array | None = None,
     cache_empty: bool = False,
-    causal_pass_in_cache: bool = False,
+    pass_in_cache: bool = False,
+    causal_pass: bool = False,
 ) -> jax.Array:
     """Attention of a pass's queries over the committed cache and the pass's own keys.
 
@@ -408,11 +443,11 @@ def attend_cache_and_pass(
     cache path is compiled: without it each prefill layer also holds the buckets' `lax.switch`, a
     pair of attention GEMMs per window width at the prompt's width, each autotuned on a GPU.
 
-    causal_pass_in_cache (static): the cache already holds the pass's keys/values, row b's key i
-    at slot cache_lengths[b] + i (the decoder writes them first), and the pass is a chain (query i
-    sees keys 0..i: pass_mask causal). The "buckets" path then reads them from there with the
-    committed slots, as one part, where the layer's window spans the capacity; pass_mask is not
-    read. A tree's pass keeps the two parts.
+    pass_in_cache (static): the cache already holds the pass's keys/values, row b's key i at slot
+    cache_lengths[b] + i (the decoder writes them first). The "buckets" path then reads them from
+    there with the committed slots, as one part, where the layer's window spans the capacity: for a
+    chain (causal_pass, static: pass_mask is the causal mask, and is not read) at any width, for a
+    tree up to MAX_IN_PASS_BITS keys. Other passes keep the two parts.
     """
     if cache_empty:
         return attend(q, [(k_pass, v_pass, pass_mask)], sinks)
@@ -431,4 +466,4 @@ def attend_cache_and_pass(
         return _attend_dense(*args, sinks)
     if impl == "blocks":
         return _attend_live_blocks(*args, block, sinks)
-    return _attend_live_buckets(*args, block, sinks, causal_pass_in_cache)
+    return _attend_live_buckets(*args, block, sinks, pass_in_cache, causal_pass)

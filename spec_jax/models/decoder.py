@@ -436,8 +436,8 @@ def layer_pass(
 ) -> tuple[jax.Array, ...]:
     """One target layer of `forward_hidden`: (x, this layer's written k cache, v cache), and with
     `keep_pass_kv` the pass's own keys/values [B, Kv, T, D] too (for the layers that share them).
-    cache_empty: the cache holds nothing yet; chain: the pass is causal (no tree mask), so the
-    attention may read its keys from the cache it writes them to (`attend_cache_and_pass`)."""
+    cache_empty: the cache holds nothing yet; chain: the pass is causal (no tree mask). The
+    attention may read the pass's keys from the cache it writes them to (`attend_cache_and_pass`)."""
 
     # Write this pass's keys/values first, then attend: the attention reads the written buffer
     # (its committed slots, and on the accelerators' buckets path the pass's own slots too), so
@@ -446,7 +446,7 @@ def layer_pass(
         k_written, v_written = write_kv(k_cache, k, slots, page_table), write_kv(v_cache, v, slots, page_table)
         out = attend_cache_and_pass(q, k_written, v_written, lengths, positions, window, k, v, pass_mask,
                                     sinks=lp.get("sinks"), page_table=page_table, cache_empty=cache_empty,
-                                    causal_pass_in_cache=chain)
+                                    pass_in_cache=True, causal_pass=chain)
         return out, (k_written, v_written, k, v)
 
     x, (k_written, v_written, k, v) = decoder_layer(
@@ -478,7 +478,8 @@ def shared_kv_layer_pass(
     def attend_shared(q, _k, _v):
         k_cache, v_cache, k_pass, v_pass = shared_kv
         return attend_cache_and_pass(q, k_cache, v_cache, lengths, positions, window, k_pass, v_pass, pass_mask,
-                                     page_table=page_table, cache_empty=cache_empty, causal_pass_in_cache=chain), None
+                                     page_table=page_table, cache_empty=cache_empty, pass_in_cache=True,
+                                     causal_pass=chain), None
 
     x, _ = decoder_layer(lp, x, positions, inv_freq, eps, attend_shared, style=style, per_layer_input=per_layer_input)
     return x
