@@ -85,6 +85,35 @@ def launched(lines: list[str]) -> int:
     return sum(INSTRUCTION.match(line).group("op") not in FREE for line in lines)
 
 
+BRANCHES = re.compile(r"(?:branch_computations=\{([%\w.\-, ]+)\}|true_computation=%?([\w.\-]+), "
+                      r"false_computation=%?([\w.\-]+))")
+
+
+def switch_branches_launched(hlo: str) -> list[list[int]]:
+    """For each conditional (`lax.switch` / `lax.cond`) in the largest loop body, what each of its
+    branches launches (`launched` over the branch and the computations it calls, a fusion once):
+    the loop body's own count leaves them out, and the layers' cache attention lives in them."""
+    comps = computations(hlo)
+
+    def launched_in(name: str) -> int:
+        total = 0
+        for line in comps.get(name, []):
+            op = INSTRUCTION.match(line).group("op")
+            total += op not in FREE
+            if op in ("call", "while"):  # their bodies launch the work (a while's body counted once)
+                total += sum(launched_in(n.strip().lstrip("%")) for group in CALLED.findall(line)
+                             for n in group.split(",") if n.strip())
+        return total
+
+    out = []
+    for line in largest_loop_body(hlo):
+        found = BRANCHES.search(line) if " conditional(" in line else None
+        if found:
+            names = found.group(1).split(",") if found.group(1) else [found.group(3), found.group(2)]
+            out.append([launched_in(n.strip().lstrip("%")) for n in names])
+    return out
+
+
 def loop_scope(line: str) -> str | None:
     """The step scope an instruction line (metadata kept) came from: one of STEP_SCOPES, "loop"
     for the loop's other code, None outside the loop (prefill, set-up) or without metadata."""

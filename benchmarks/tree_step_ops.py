@@ -1,6 +1,7 @@
 """What a token tree adds to the loop's step, counted in the compiled program: the loop body's
 launched operations (fusions, gathers, custom calls: on a GPU about one kernel each) per named
-scope, the compile seconds and the step time, for plain decoding, a DFlash chain and DFlash trees.
+scope, plus what the switches' branches in it launch (the buckets path's cache attention, one switch a
+layer), the compile seconds and the step time, for plain decoding, a DFlash chain and DFlash trees.
 
     python benchmarks/tree_step_ops.py [--target random:tiny] [--trees 0,16,32] [--json PATH]
 
@@ -68,8 +69,10 @@ def measure(target: Any, drafter: Any, params: Any, prompts: list[list[int]], ca
     wall = time.perf_counter() - start
     body = hlo_text.largest_loop_body(list(programs.values())[-1].as_text(), metadata=True)
     scopes = hlo_text.launched_by_scope(body)
+    branches = hlo_text.switch_branches_launched(list(programs.values())[-1].as_text())
     return {"step_ms": 1e3 * timing["step_s"], "launched": sum(scopes.values()), "by_scope": scopes,
-            "body_instructions": len(body), "first_run_s": wall}
+            "body_instructions": len(body), "first_run_s": wall, "switches": len(branches),
+            "in_largest_branches": sum(max(b) for b in branches), "switch_branches": branches}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,10 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.target} {args.dtype} on {jax.devices()[0].device_kind}, {args.impl} attention, "
           f"batch 1, context {args.context}")
     print(f"{'program':>14} {'step ms':>8} {'launched':>9} " + " ".join(f"{s:>14}" for s in scopes)
-          + f" {'first run s':>12}")
+          + f" {'switches':>9} {'in largest':>10} {'first run s':>12}")
     for label, r in rows.items():
         print(f"{label:>14} {r['step_ms']:8.2f} {r['launched']:9d} "
-              + " ".join(f"{r['by_scope'].get(s, 0):14d}" for s in scopes) + f" {r['first_run_s']:12.1f}")
+              + " ".join(f"{r['by_scope'].get(s, 0):14d}" for s in scopes)
+              + f" {r['switches']:9d} {r['in_largest_branches']:10d} {r['first_run_s']:12.1f}")
+    print("launched: the loop body's own work; in largest: what its switches' largest branches launch "
+          "besides (the layers' cache attention: one switch a layer on the buckets path)")
     top = top_k_costs(args.block_size, target.cfg.vocab_size)
     print("the tree's top-k over [1, {rows}, {vocab}]: ".format(**top)
           + ", ".join(f"{name[:-3]} {ms:.3f} ms" for name, ms in top.items() if name.endswith("_ms")))

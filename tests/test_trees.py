@@ -570,6 +570,25 @@ def test_tree_step_ops_counts_each_programs_launched_ops(tmp_path):
         assert row["launched"] == sum(row["by_scope"].values()) > 0 and "step_ms" in row
         assert row["by_scope"].get("verify", 0) > 0, label
     assert programs["tree 8"]["by_scope"].get("draft", 0) > 0 and programs["tree 8"]["by_scope"].get("accept", 0) > 0
+    for row in programs.values():
+        assert row["switches"] == len(row["switch_branches"])
+        assert row["in_largest_branches"] == sum(max(b) for b in row["switch_branches"])
+
+
+def test_switch_branches_are_counted_apart_from_the_loop_body():
+    """`hlo_text.switch_branches_launched`: each switch (or cond) in the loop body, what each of
+    its branches launches, in index order, a branch with more work counting more."""
+    import hlo_text
+
+    x = jnp.ones((8, 8))
+    switch = jax.jit(lambda x, i: jax.lax.fori_loop(0, 3, lambda _, x: jax.lax.switch(
+        i, [lambda x: x, lambda x: jnp.sin(x) @ x, lambda x: (jnp.exp(x) @ x.T) @ jnp.tanh(x)], x), x))
+    (counts,) = hlo_text.switch_branches_launched(switch.lower(x, 1).compile().as_text())
+    assert len(counts) == 3 and counts[0] < counts[1] < counts[2]
+    cond = jax.jit(lambda x, p: jax.lax.fori_loop(0, 3, lambda _, x: jax.lax.cond(
+        p, lambda x: jnp.sin(x) @ x, lambda x: x * 2, x), x))
+    (counts,) = hlo_text.switch_branches_launched(cond.lower(x, True).compile().as_text())
+    assert len(counts) == 2 and counts[0] < counts[1]  # index 0: the false branch
 
 
 def test_tree_top_k_costs_time_both_top_ks_and_check_they_agree():
