@@ -596,7 +596,9 @@ def capacity_headline(rows: list[dict[str, Any]]) -> str:
 
 def engine_throughput(target: Any, drafter: Any, params: Any, slots: int, s: Settings) -> dict[str, Any]:
     """Tokens/s of the engine with `slots` rows serving 2 x slots greedy requests of
-    s.engine_new_tokens new tokens each (compile time apart: warmup first)."""
+    s.engine_new_tokens new tokens each (compile time apart: warmup first), and its decode step
+    as served (its chunks' seconds per verify step, to set beside `generate`'s at that batch in
+    `dflash_trees`; the rest of the wall is admitting the requests and the host's bookkeeping)."""
     from spec_jax.decoding.engine import Engine
 
     engine = Engine(target, drafter, params, slots=slots, max_model_len=s.context + s.engine_new_tokens)
@@ -604,14 +606,17 @@ def engine_throughput(target: Any, drafter: Any, params: Any, slots: int, s: Set
     prompts = random_prompts(target, 2 * slots, s.context, seed=slots)
     for prompt in prompts:
         engine.submit(prompt, max_new_tokens=s.engine_new_tokens, ignore_eos=True, temperature=0.0)
+    steps, chunk_s = engine.decode_steps, engine.chunk_seconds
     t0 = time.perf_counter()
     done = engine.run_all()
     wall = time.perf_counter() - t0
+    steps, chunk_s = engine.decode_steps - steps, engine.chunk_seconds - chunk_s
     tokens = sum(len(e.new_ids) for e in done.values())
     taus = [e.stats.tau for e in done.values() if e.stats is not None]
     return {"slots": slots, "requests": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "tau_mean": sum(taus) / max(len(taus), 1),
-            "compile_s": compiled.seconds, "chunks": engine.chunks_run}
+            "compile_s": compiled.seconds, "chunks": engine.chunks_run, "decode_steps": steps,
+            "chunk_s": chunk_s, "ms_per_decode_step": 1e3 * chunk_s / max(steps, 1)}
 
 
 def step_engine(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
@@ -624,7 +629,8 @@ def step_engine(rec: Recorder, target: Any, s: Settings, args: argparse.Namespac
     for slots in s.concurrency:
         for label, d, p in runs:
             rows.append(dict(engine_throughput(target, d, p, slots, s), drafter=label))
-            cells = [f"{r['slots']} {r['drafter']} {r['tokens_per_s']:.0f}" for r in rows]
+            cells = [f"{r['slots']} {r['drafter']} {r['tokens_per_s']:.0f} ({r['ms_per_decode_step']:.2f} ms/step)"
+                     for r in rows]
             rec.update("tok/s at " + ", ".join(cells), rows=rows, new_tokens=s.engine_new_tokens)
 
 

@@ -165,6 +165,20 @@ def test_max_admits_per_step_bounds_prefills_between_chunks(engine, alone):
     assert [sum(len(e.new_ids) for e in events if e.request_id == r) for r in rids] == [30, 30, 30]
 
 
+def test_the_engine_counts_its_decode_steps_and_their_seconds(engine):
+    """`decode_steps` and `chunk_seconds` (the decode step as served, beside `generate`'s): a
+    request alone runs as many verify steps as the chunks count, and admits add none; two requests
+    together share the steps they run side by side."""
+    steps, seconds = engine.decode_steps, engine.chunk_seconds
+    rid = engine.submit(PROMPTS[1], max_new_tokens=20, ignore_eos=True)
+    alone = engine.run_all()[rid].stats
+    assert engine.decode_steps - steps == alone.steps > 0 and engine.chunk_seconds > seconds
+    steps = engine.decode_steps
+    rids = [engine.submit(PROMPTS[i], max_new_tokens=20, ignore_eos=True) for i in (1, 4)]
+    together = engine.run_all()
+    assert engine.decode_steps - steps == max(together[r].stats.steps for r in rids)
+
+
 def test_request_errors_name_the_field(engine):
     with pytest.raises(ValueError, match="max_new_tokens.*max_model_len 48"):
         engine.check_request(PROMPTS[1], max_new_tokens=40)

@@ -83,6 +83,7 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     assert [(r["impl"], r["capacity"]) for r in result["capacity"]["rows"]] == [("live", 256), ("dense", 256)]
     (engine,) = result["engine"]["rows"]
     assert engine["drafter"] == "DFlash K=7" and engine["tokens"] == engine["requests"] * 8
+    assert 0 < engine["decode_steps"] <= engine["tokens"] and engine["ms_per_decode_step"] > 0
     assert result["exactness"]["counts"] == {"passed": 1} and result["exactness"]["failed"] == []
     # Each step records its XLA flags: XLA's defaults (no --fast-compile-flags unless asked).
     assert not any("triton_gemm" in summary[name]["xla_flags"] for name in STEPS)

@@ -574,5 +574,7 @@ def test_a_full_queue_answers_429_and_metrics_count_what_happened(server):
     assert sum(added("spec_jax_position_accepted_total", drafter="ngram", position=str(i)) for i in (1, 2, 3)) \
         == accepted
     assert added("spec_jax_chunks_total", k="3") >= 1
+    # Each step gives every live row a token at least, after the first from its prefill.
+    assert 0 < added("spec_jax_decode_steps_total") <= 30 - 5 and added("spec_jax_chunk_seconds_total") > 0
     assert after[("spec_jax_queue_depth", ())] == 0 and after[("spec_jax_slots_in_use", ())] == 0
     assert after[("spec_jax_slots", ())] == 3

@@ -6,8 +6,9 @@ choices counts n, one per engine request): requests by finish reason, prompt and
 tokens, drafted and accepted tokens per drafter, time to first token and inter-token latency
 (the gap between a request's handed-out tokens, shared among the tokens that came together).
 What the engine holds is read at each scrape: requests waiting (the queue) and rejected past
-`--max-queued-requests`, slots in use, chunks run per K (adaptive K's choices), and drafts
-offered and accepted per draft position, where a collapse of acceptance shows first.
+`--max-queued-requests`, slots in use, decode steps and the seconds the chunks took (the decode
+step as served), chunks run per K (adaptive K's choices), and drafts offered and accepted per
+draft position, where a collapse of acceptance shows first.
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{PREFIX}_kv_pages_free", "KV pages free in the pool", value=pages.free)
             yield CounterMetricFamily(f"{PREFIX}_prefix_cached_tokens", "Prompt tokens read from shared pages "
                                       "instead of prefilled (--prefix-caching)", value=engine.prefill_tokens_saved)
+        yield CounterMetricFamily(f"{PREFIX}_decode_steps", "Verify steps the engine's chunks ran (every "
+                                  "slot together)", value=getattr(engine, "decode_steps", 0))
+        yield CounterMetricFamily(f"{PREFIX}_chunk_seconds", "Wall seconds from each chunk's dispatch to its "
+                                  "results on the host (per decode step: divide by decode_steps)",
+                                  value=getattr(engine, "chunk_seconds", 0.0))
         chunks = CounterMetricFamily(f"{PREFIX}_chunks", "Chunks of verify steps run at each K (drafts per "
                                      "step; adaptive K's choices)", labels=["k"])
         for k, count in sorted(dict(getattr(engine, "k_chunks", {})).items()):  # a copy: the engine adds to it

@@ -257,6 +257,11 @@ class Engine:
         self.k_chunks: collections.Counter[int] = collections.Counter()  # chunks run per K
         self.depth_counts: collections.Counter[int] = collections.Counter()  # steps run per depth (adaptive)
         self.chunks_run = self.shadow_probes = 0  # chunks run; shadow probes (adaptive, greedy chains)
+        # Verify steps the chunks ran (the state's step counter), and the wall seconds from each
+        # chunk's dispatch to its results on the host: chunk_seconds / decode_steps is the decode
+        # step as the engine runs it, to set beside `generate`'s (the rest of a run's wall is
+        # admitting requests and the host's bookkeeping).
+        self.decode_steps, self.chunk_seconds = 0, 0.0
         self.positions = PositionTotals()  # drafts offered and accepted per position (/metrics)
         self.prefill_passes: collections.Counter[tuple[int, int]] = collections.Counter()  # passes run per [r, W]
 
@@ -546,13 +551,16 @@ class Engine:
                 # too, writing at its stale length: it sees no pages until it starts.
                 table = table.copy()
                 table[sorted(self.prefill_plan.reserved_slots)] = self.pages.num_pages
+        started = time.perf_counter()
         args = self.programs.chunk_args(self.state, self.slot_table, self.chunk_steps, table)
         self.state = self.programs.chunk(self.k, args)(*args)
         state = self.state
-        tokens, lengths, finish, done, stats, logprobs, depth_counts = self._host(
+        tokens, lengths, finish, done, stats, logprobs, depth_counts, steps = self._host(
             (state.tokens, state.lengths, state.finish_reason, state.done, state.stats,
              self._logprobs_wanted(self.slot_table.running),
-             None if state.depth is None else (state.depth.counts, state.depth.shadows)))
+             None if state.depth is None else (state.depth.counts, state.depth.shadows), state.step))
+        self.chunk_seconds += time.perf_counter() - started
+        self.decode_steps = int(steps)  # admits keep the counter: it counts the chunks' steps only
         self.chunks_run += 1
         self.k_chunks[self.k] += 1
         if depth_counts is not None:  # the state's totals since the engine started
