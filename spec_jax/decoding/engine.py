@@ -254,6 +254,10 @@ class Engine:
         self._seed_lock = threading.Lock()
         self.slot_table = SlotTable(self.slots)
         self.scheduler = Scheduler(max_admits_per_step)
+        self._init_counters()
+
+    def _init_counters(self) -> None:
+        """What the engine has run, for `/metrics` and benchmarks (plain ints and counters)."""
         self.k_chunks: collections.Counter[int] = collections.Counter()  # chunks run per K
         self.depth_counts: collections.Counter[int] = collections.Counter()  # steps run per depth (adaptive)
         self.chunks_run = self.shadow_probes = 0  # chunks run; shadow probes (adaptive, greedy chains)
