@@ -164,6 +164,11 @@ class Settings:
           for case in ("oracle-n32-b1", "dflash-n16-b3", "dflash-n32-b8", "draft-n16-b3", "ngram-n8-b3",
                        "eagle3-n16-b1", "medusa-n8-b3")),
     )
+    # Left out on a lease: each family's test compiles 6 loops (plain, chain, tree; buckets and
+    # dense), 18 in all, where the rest of the file's buckets checks run the 2-layer Llama.
+    exactness_deselect: tuple[str, ...] = (
+        "tests/test_live_attention.py::test_every_familys_layers_on_the_buckets_path_equal_the_dense_ones",
+    )
     pytest_workers: int = 4  # the tiny models' compiles run side by side on the host's cores
 
 
@@ -641,7 +646,8 @@ def step_exactness(rec: Recorder, target: Any, s: Settings, args: argparse.Names
     """pytest on the selected tests, its outcomes counted as they stream by (-v)."""
     import importlib.util
 
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", *s.exactness_tests]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", *s.exactness_tests,
+           *(f"--deselect={test}" for test in s.exactness_deselect)]
     if s.pytest_workers and importlib.util.find_spec("xdist") is not None:  # else one process
         cmd += ["-n", str(s.pytest_workers)]
     counts: dict[str, int] = {}

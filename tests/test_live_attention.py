@@ -252,13 +252,14 @@ def test_generate_does_not_depend_on_the_capacity(models, kind):
 
 @contextlib.contextmanager
 def cache_attention(impl: str, block: int = 16):
-    """This CPU takes the cache attention `impl` with `block`-slot blocks or buckets, as if it
-    were the backend's measured choice; the table and the compiled programs are restored after."""
+    """The backend takes the cache attention `impl` with `block`-slot blocks or buckets, as if it
+    were its measured choice (on a GPU too: the quick suite runs this file there); the table and
+    the compiled programs are restored after."""
     from spec_jax.models import attention
 
     compiled = sys.modules["spec_jax.decoding.generate"]._COMPILED
     chosen = dict(attention.LIVE_ATTENTION)
-    attention.LIVE_ATTENTION["cpu"] = (impl, block)
+    attention.LIVE_ATTENTION[jax.default_backend()] = (impl, block)
     jax.clear_caches()  # the jitted layers are cached by shapes, not by the table
     compiled.clear()
     try:

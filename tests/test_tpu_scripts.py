@@ -323,12 +323,20 @@ def test_gpu_quick_exactness_cases_exist():
     from gpu_quick import FULL
 
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          *FULL.exactness_tests], capture_output=True, text=True, timeout=120,
-                         cwd=SCRIPTS.parent)
+                          *FULL.exactness_tests, *(f"--deselect={t}" for t in FULL.exactness_deselect)],
+                         capture_output=True, text=True, timeout=120, cwd=SCRIPTS.parent)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     collected = [line for line in run.stdout.splitlines() if "::" in line]
     live = [c for c in collected if c.startswith("tests/test_live_attention.py")]
     assert len(collected) - len(live) == len(FULL.exactness_tests) - 1 and live, collected
+    # What it leaves out exists, and nothing else goes with it.
+    assert not any(c.startswith(FULL.exactness_deselect) for c in collected)
+    whole_file = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                 "tests/test_live_attention.py"], capture_output=True, text=True, timeout=120,
+                                cwd=SCRIPTS.parent).stdout.splitlines()
+    whole_file = {line for line in whole_file if "::" in line}
+    left_out = {c for c in whole_file if c.startswith(FULL.exactness_deselect)}
+    assert left_out and whole_file - left_out == set(live)
 
 
 def test_gpu_quick_per_step_kernels_are_the_difference_of_two_traces():
