@@ -160,6 +160,13 @@ def test_saved_program_keys_name_the_exact_call(models, saved_dir, monkeypatch):
     as_f16 = jax.tree_util.tree_map(lambda x: x.astype(np.float16), call.inputs.target_params)
     assert saved_loop_key(call.target.model, call.drafter, call.capacity,
                           call.inputs.replace(target_params=as_f16)).digest != key
+    # So does another cache attention for the backend (what the layers trace: a table tests switch).
+    from spec_jax.models import attention
+
+    monkeypatch.setitem(attention.LIVE_ATTENTION, jax.default_backend(), ("dense", 128))
+    assert _loop_key(call).digest != key
+    monkeypatch.undo()
+    assert _loop_key(call).digest == key
     # Any edit of spec_jax's source misses.
     monkeypatch.setattr(saved_programs, "source_digest", lambda: "edited")
     assert _loop_key(call).digest != key

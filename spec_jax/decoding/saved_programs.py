@@ -5,7 +5,7 @@ JAX's persistent compilation cache is keyed by the lowered program, so every sta
 and lowers each program before the cache can answer (1.3-2.3 s of a warm 4-5 s `generate` with the
 default model). Here a program is found by what produces it instead: a digest of spec_jax's own
 source files, the jax / jaxlib / numpy versions, the backend and its devices, XLA_FLAGS, the
-compiler options and JAX's config, the program's name, its static arguments and every argument's
+compiler options, JAX's config and the cache attention each backend takes, the program's name, its static arguments and every argument's
 shape, dtype and placement. Editing any spec_jax source, or changing any of those, misses, and the
 program compiles as before.
 
@@ -125,6 +125,7 @@ def _environment() -> str:
     import jaxlib
 
     from spec_jax.decoding.compiler_options import compiler_options
+    from spec_jax.models import attention
 
     device = jax.devices()[0]
     config = {name: value for name, value in jax.config.values.items() if "cache" not in name and "log" not in name}
@@ -134,6 +135,8 @@ def _environment() -> str:
         jax.process_count(), os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
         sorted(compiler_options().items()),
         sorted((name, repr(value)) for name, value in config.items()),
+        # The cache attention each backend traces (a table a benchmark or test may switch).
+        sorted(attention.LIVE_ATTENTION.items()), attention.ACCELERATOR_LIVE_ATTENTION,
     ))
 
 
