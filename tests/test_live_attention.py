@@ -89,8 +89,9 @@ def test_buckets_read_from_slot_zero_under_a_static_window_as_wide_as_the_cache(
         assert ("stablehlo.dynamic_slice" in text) == dynamic, window
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_buckets_read_a_pass_from_the_cache_when_it_holds_it(tree):
+def test_buckets_read_a_pass_from_the_cache_when_it_holds_it(tree, dtype):
     """pass_in_cache: the cache holds row b's pass key i at slot lengths[b] + i (the decoder writes
     them before attending); under a window that spans the capacity the buckets path reads the
     keys from there, as one part with the committed slots, a chain's (causal_pass) and a tree's
@@ -111,19 +112,22 @@ def test_buckets_read_a_pass_from_the_cache_when_it_holds_it(tree):
                                      causal_pass=not tree), static_argnums=5)
     dense = jax.jit(functools.partial(attend_cache_and_pass, impl="dense"), static_argnums=5)
     lengths_cases = [[0, 37, 95, 5], [0, 0, 0, 0], [3, 16, 9, 1], [12, 11, 60, 13]]  # 11 + 5 crosses 16
+    tol = 3e-6 if dtype == "float32" else 3e-2  # bfloat16: what the accelerators run
     for seed, (window, lengths) in enumerate(itertools.product([GLOBAL_WINDOW, capacity, 7, 20], lengths_cases)):
-        args = holding_the_pass(case(seed, capacity, lengths, jnp.float32, tree, window))
-        np.testing.assert_allclose(np.asarray(live(*args)), np.asarray(dense(*args)), rtol=3e-6, atol=3e-6,
+        args = holding_the_pass(case(seed, capacity, lengths, jnp.dtype(dtype), tree, window))
+        got, want = live(*args), dense(*args)
+        assert got.dtype == want.dtype == jnp.dtype(dtype)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol,
                                    err_msg=f"window={window} lengths={lengths}")
     # One part: a single softmax over the window, no concatenation of two parts' scores, and no
     # lookup of the tree's mask per slot (a gather XLA:CPU left outside the fusion).
-    args = holding_the_pass(case(0, capacity, lengths_cases[0], jnp.float32, tree, GLOBAL_WINDOW))
+    args = holding_the_pass(case(0, capacity, lengths_cases[0], jnp.dtype(dtype), tree, GLOBAL_WINDOW))
     text = live.lower(*args).as_text()
     assert "stablehlo.concatenate" not in text and "stablehlo.gather" not in text
     # With attention sinks (gpt-oss): the sink's column joins the one softmax.
     sinks = jnp.asarray(np.random.RandomState(5).randn(HEADS), jnp.float32)
-    np.testing.assert_allclose(np.asarray(live(*args, sinks=sinks)), np.asarray(dense(*args, sinks=sinks)),
-                               rtol=3e-6, atol=3e-6)
+    np.testing.assert_allclose(np.asarray(live(*args, sinks=sinks), np.float32),
+                               np.asarray(dense(*args, sinks=sinks), np.float32), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("width", [1, 5, 32, 33, 64])
