@@ -5,9 +5,9 @@ JAX's persistent compilation cache is keyed by the lowered program, so every sta
 and lowers each program before the cache can answer (1.3-2.3 s of a warm 4-5 s `generate` with the
 default model). Here a program is found by what produces it instead: a digest of spec_jax's own
 source files, the jax / jaxlib / numpy versions, the backend and its devices, XLA_FLAGS, the
-compiler options, JAX's config and the cache attention each backend takes, the program's name, its static arguments and every argument's
-shape, dtype and placement. Editing any spec_jax source, or changing any of those, misses, and the
-program compiles as before.
+compiler options, JAX's config and the cache attention each backend takes, the program's name,
+its static arguments and every argument's shape, dtype and placement. Editing any spec_jax
+source, or changing any of those, misses, and the program compiles as before.
 
 Only what can be described exactly is saved: static arguments made of spec_jax dataclasses,
 numbers, strings, tuples, numpy arrays, spec_jax functions; a user's own model class (its code is
