@@ -26,15 +26,14 @@ models of real shapes (`random:PRESET`), so nothing but the repository travels; 
 weights a drafter accepts (almost) nothing, so the DFlash figures are step costs, not speedups.
 
 Before the steps, a warm phase (--warm-budget, default 290 s; 0 = none) runs every step but
-exactness, --warm-jobs (6) processes at a time, one program a process where the step allows
+exactness, --warm-jobs (8) processes at a time, one program a process where the step allows
 (dflash_trees one per batch for its AR rows and one per (batch, tree), capacity one per (attention,
-capacity), the engine one per concurrency). A family (one target at one prefill batch) starts with
-its seed alone, its first process, whose autotuning (kept in the cache) then serves the
-rest of the family; the rest follow each step's first process, then each one's second, and so on,
-so a cut phase costs every step its last rows and none all of them. Each measurement runs once,
-so the programs compile side by side into the persistent cache and the timed steps load them.
-Exactness runs beside it. A 1B loop program takes 70-75 s to compile alone on an H100 (session
-34), where six at a time finish one every ~18 s. The seconds the warm phase and each step leave
+capacity), the engine one per (concurrency, drafter)), longest first as the last recorded warm
+phase measured them (--warm-order-from, default benchmarks/gpu_warm_seconds.json; without a
+record, each step's first process, then each one's second, and so on). Each measurement runs
+once, so the programs compile side by side into the persistent cache and the timed steps load
+them. Exactness runs beside it, with XLA's autotuning off (it times nothing). A 1B loop program
+took 25-110 s to compile on the H100 of session 37, six at a time. The seconds the warm phase and each step leave
 unspent go to the next step, which still ends where the budgets so far end: the steps after it
 keep theirs. Each process's CPU seconds (`process_cpu_s`, `cores_busy`: whether more at once
 would compile more) and XLA's own compile-phase timers (`compile_phases`: HLO passes with
@@ -88,6 +87,7 @@ import datetime
 import io
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -112,7 +112,11 @@ DEFAULT_TOTAL_S = 470.0  # with a warm phase: the whole suite inside 8 minutes
 # 1B figure 1.5-1.9x slower than with XLA's defaults (batch-1 AR 3.69 ms against 2.09), and a 1B
 # loop program still took 29-106 s to compile (67 s alone for batch 8's chain).
 FAST_COMPILE_FLAGS = ""
-WARM_JOBS = 6  # warm-phase processes at once, started in priority order
+# Warm-phase processes at once. Session 37's H100 phase ran 6 beside exactness and kept 8.1 of
+# the host's 16 cores busy (exactness another ~7.7 for its first 166 s, now with autotuning off).
+WARM_JOBS = 8
+# The warm phase's process seconds as last measured (`longest_first` orders by them).
+WARM_SECONDS = REPO / "benchmarks" / "gpu_warm_seconds.json"
 # XLA's scoped timers for each compile's phases (HLO passes with autotuning, LLVM, ptxas), printed
 # at INFO into every step's log and summed there (`compile_phases`): session 34's H100 run took
 # 73-169 s per 1B `generate` program and the suite did not say where.
@@ -188,6 +192,7 @@ class Step:
     preset: str | None  # the target's default preset; None: the step loads none
     what: str
     fast_compile: bool = False  # compiled with --fast-compile-flags (the small-target steps)
+    own_xla_flags: str = ""  # XLA flags the step always compiles with (before --xla-flags)
 
 
 # Budgets from the H100 runs of session 32 (2026-11-27), programs from the warm cache: ar_floor took
@@ -203,7 +208,11 @@ STEPS = (  # priority order: the suite runs them in this order
     Step("capacity", 30, "llama-3.2-1b", "ms/token at capacity 512 and 32768, live vs dense attention", True),
     Step("engine", 57, "llama-3.2-1b", "engine tokens/s, 1 / 8 / 32 concurrent requests, AR and DFlash", True),
     # Times nothing, so it runs during the warm phase when there is one (its budget: the phase's).
-    Step("exactness", 240, None, "pytest: live attention, greedy speculative == AR (float32), trees", True),
+    # Autotuning off: it picks the fastest of equal kernels, which exactness never times. On the
+    # H100 (session 37) its pytest took 1275 CPU seconds beside the warm phase's compiles, on a
+    # host whose 16 cores those compiles needed.
+    Step("exactness", 240, None, "pytest: live attention, greedy speculative == AR (float32), trees", True,
+         own_xla_flags="--xla_gpu_autotune_level=0"),
 )
 IN_WARM_PHASE = "exactness"
 # Opt-in steps (named in --steps, never in the default run): issue 46 part 3's probes of where
@@ -630,7 +639,8 @@ def step_engine(rec: Recorder, target: Any, s: Settings, args: argparse.Namespac
     drafter, params = shaped_drafter(target.cfg, s.block_size, s.draft_layers, args.dtype)
     rows: list[dict[str, Any]] = []
     runs = [("AR", None, None), (f"DFlash K={drafter.k}", drafter, params)]
-    runs = [run for run in runs if run[0].split()[0] in s.engine_drafters]
+    # A warm-phase child compiles one drafter's pair (`--part AR` / `--part DFlash`).
+    runs = [run for run in runs if run[0].split()[0] in s.engine_drafters and args.part in (None, run[0].split()[0])]
     for slots in s.concurrency:
         for label, d, p in runs:
             rows.append(dict(engine_throughput(target, d, p, slots, s), drafter=label))
@@ -725,12 +735,10 @@ def step_command(step: Step, args: argparse.Namespace, batches: tuple[int, ...] 
 
 @dataclasses.dataclass(frozen=True)
 class WarmJob:
-    """A warm-phase process: its name (its log's and JSON's), command, and family: the target and
-    the batch its prompts are prefilled at, which set most of the GEMMs its programs autotune."""
+    """A warm-phase process: its name (its log's and JSON's) and command."""
 
     name: str
     cmd: list[str]
-    family: str
 
 
 def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[WarmJob]:
@@ -738,43 +746,55 @@ def warm_commands(selected: list[Step], args: argparse.Namespace) -> list[WarmJo
     programs; it runs beside them as itself), one program a process where the step allows: on the
     H100 (session 32) the killed ones were those with two or more compiles in a row. dflash_trees
     runs one per batch for its AR rows and one per (batch, tree), capacity one per (attention,
-    capacity), the engine one per concurrency (its prompts are prefilled one at a time).
+    capacity), the engine one per (concurrency, drafter).
 
-    Each family's first process in step order is its seed and comes first (`warm_caches` starts
-    the rest of a family once its seed has ended). The others follow each step's first, then each
-    one's second, and so on: session 34's warm phase, in step order, ended with `capacity` not
-    compiled at all, so that step recorded nothing; a cut now costs each step its last rows."""
+    In the order `longest_first` gives: the processes the last recorded warm phase says took
+    longest first (--warm-order-from). Without a record, each step's first, then each one's second,
+    and so on, so a cut phase costs every step its last rows and none all of them."""
     sizes = SMOKE if args.smoke else FULL
     queues = []
     for step in selected:
-        target = step_target(step, args)
         if step.name == "exactness":
             continue
         if step.name == "dflash_trees":
-            queue = [WarmJob(f"{step.name}-b{batch}-{part}", step_command(step, args, (batch,), warm=True, part=part),
-                             f"{target} b{batch}")
+            queue = [WarmJob(f"{step.name}-b{batch}-{part}", step_command(step, args, (batch,), warm=True, part=part))
                      for batch in args.batches or sizes.batches
                      for part in ["ar", *(f"t{tree}" for tree in args.trees or sizes.trees)]]
         elif step.name == "capacity":
-            queue = [WarmJob(f"{step.name}-{part}", step_command(step, args, warm=True, part=part), f"{target} b1")
+            queue = [WarmJob(f"{step.name}-{part}", step_command(step, args, warm=True, part=part))
                      for impl in sizes.impls for part in [f"{impl}-{c}" for c in sizes.capacities]]
         elif step.name == "engine":
-            queue = [WarmJob(f"{step.name}-c{n}", step_command(step, args, warm=True, concurrency=(n,)), f"{target} b1")
-                     for n in args.concurrency or sizes.concurrency]
+            queue = [WarmJob(f"{step.name}-c{n}-{drafter}",
+                             step_command(step, args, warm=True, concurrency=(n,), part=drafter))
+                     for n in args.concurrency or sizes.concurrency for drafter in sizes.engine_drafters]
         else:
-            queue = [WarmJob(step.name, step_command(step, args, warm=True), f"{target} b1")]
+            queue = [WarmJob(step.name, step_command(step, args, warm=True))]
         queues.append(queue)
     ordered = [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
-    first: dict[str, WarmJob] = {}
-    for job in (job for queue in queues for job in queue):
-        first.setdefault(job.family, job)
-    seeds = list(first.values())
-    return seeds + [job for job in ordered if job not in seeds]
+    return longest_first(ordered, recorded_warm_seconds(args.warm_order_from))
 
 
-def seeds_of(commands: list[WarmJob]) -> dict[str, str]:
-    """Family -> the name of its seed, the family's first process."""
-    return {job.family: job.name for job in reversed(commands)}
+def recorded_warm_seconds(path: Path | None) -> dict[str, float]:
+    """Process name -> the seconds it took in a recorded warm phase: a suite's summary.json (its
+    "warm" record) or a file of that record's `processes` and `process_seconds`, such as
+    benchmarks/gpu_warm_seconds.json. A process that did not finish there counts as endless (it
+    needs at least what it had). Empty for None or a file that is not there."""
+    data = read_json(path) if path is not None else None
+    warm = (data or {}).get("warm") or data or {}
+    seconds = warm.get("process_seconds", {})
+    return {name: (float(seconds[name]) if status == "ok" and name in seconds else math.inf)
+            for name, status in warm.get("processes", {}).items()}
+
+
+def longest_first(jobs: list[WarmJob], recorded: dict[str, float]) -> list[WarmJob]:
+    """`jobs` by their recorded seconds, longest first: list scheduling's longest-processing-time
+    rule (the phase ends within 4/3 of the best order's end). Those not recorded go first too
+    (their length is unknown); ties keep `jobs`' order. On the H100 (session 37) the order by step,
+    with each family (a target at one prefill batch) waiting for its first process, started
+    batch 8's trees and the engine at 32 slots at 150-206 s of the 290: all four were cut (they
+    needed 85-140 s), where this rule would have ended the phase at ~283 s with the same 6 at a
+    time."""
+    return sorted(jobs, key=lambda job: -recorded.get(job.name, math.inf))
 
 
 def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, str], budget: float) -> dict[str, Any]:
@@ -792,20 +812,13 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
     beside = start_step(BY_NAME[IN_WARM_PHASE], args, env) if any(s.name == IN_WARM_PHASE for s in selected) else None
     commands = warm_commands(selected, args)
     waiting, statuses, seconds, cpu, started_at = list(commands), {}, {}, {}, {}
-    # A family's seed alone first: its fusions' autotuning, kept in the autotune cache, then serves
-    # the rest of the family. On the H100 (session 34) programs of one family compiled side by side,
-    # each tuning the same GEMMs, in 82-169 s; the engine's AR pair, started after its family's
-    # first programs had ended, compiled in 20 s beside five others.
-    seed_of = seeds_of(commands)
-    seeded: set[str] = set()  # families whose seed has ended
     # At most --warm-jobs at once, in this order: a process killed at the budget loses its
     # unfinished compiles, so fewer finishing beats many half done (10 at once: 3 finished).
     while waiting or running:
         while len(running) < args.warm_jobs:
-            job = next((j for j in waiting if j.family in seeded or seed_of[j.family] == j.name), None)
-            if job is None:
+            if not waiting:
                 break
-            waiting.remove(job)
+            job = waiting.pop(0)
             log = open(folder / f"{job.name}.log", "w")
             proc_env = dict(env, XLA_FLAGS=xla_flags(args, BY_NAME[job.name.partition("-")[0]]))
             started_at[job.name] = round(time.monotonic() - t0, 1)
@@ -814,13 +827,14 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
         if time.monotonic() - t0 >= budget:
             break
         time.sleep(0.2)
+        if beside is not None and beside.ended is None and exited(beside.proc.pid):
+            beside.ended = time.monotonic()  # its seconds its own, not the phase's (waited for at the end)
         for name, _, _, proc in running:  # before the poll reaps it: a finished process's stat holds its totals
             cpu[name] = cpu_seconds(proc.pid, cpu.get(name))
         for item in [r for r in running if r[3].poll() is not None]:
             name, log, started, proc = item
             statuses[name] = "ok" if proc.returncode == 0 else "failed"
             seconds[name] = round(time.monotonic() - started, 1)
-            seeded.update(family for family, seed in seed_of.items() if seed == name)
             log.close()
             running.remove(item)
     for name, log, started, proc in running:
@@ -840,7 +854,7 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
             "host_cpus": os.cpu_count(), "load_1m_at_end": load,
             # Fusions XLA:GPU autotuned and kept (one file each): what later programs need not tune.
             "autotune_cache_files": autotune_files(args),
-            "seeds": list(seed_of.values()),
+            "order_from": None if args.warm_order_from is None else str(args.warm_order_from),
             "compile_phases": {job.name: compile_phases(folder / f"{job.name}.log") for job in commands
                                if (folder / f"{job.name}.log").exists()},
             "autotune_lookups": {job.name: autotune_lookups(folder / f"{job.name}.log") for job in commands
@@ -848,8 +862,21 @@ def warm_caches(selected: list[Step], args: argparse.Namespace, env: dict[str, s
 
 
 def autotune_files(args: argparse.Namespace) -> int:
-    folder = autotune_dir(args)
-    return sum(1 for _ in folder.glob("*.textproto")) if folder is not None and folder.is_dir() else 0
+    return len(autotune_entries(autotune_dir(args)))
+
+
+def autotune_entries(folder: Path | None) -> list[Path]:
+    """The results XLA:GPU keeps in its autotune folder, as paths relative to it, sorted: every
+    file at any depth but those XLA is still writing. The legacy format writes FUSION.textproto
+    at the top (half-written ones in tmp/); the newer one (`xla_gpu_use_new_autotune_cache_format`,
+    XLA's autotuner_pass.cc / directory_store.cc) writes DEVICE/[VERSION/]HASH.pb (half-written
+    ones as .tmp_*). The H100 lease of session 37 (jaxlib 0.11.2) counted and archived none,
+    where the suite looked for *.textproto at the top only."""
+    if folder is None or not folder.is_dir():
+        return []
+    return sorted(path.relative_to(folder) for path in folder.rglob("*")
+                  if path.is_file() and not path.name.startswith(".tmp_")
+                  and path.relative_to(folder).parts[0] != "tmp")
 
 
 def step_budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -917,19 +944,21 @@ def carry_autotune_in(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     dest.mkdir(parents=True, exist_ok=True)
     copied = 0
-    for path in files:
-        if not (dest / path.name).exists():
-            shutil.copyfile(path, dest / path.name)
+    for path in files:  # relative: XLA's newer format keeps results in a folder per device
+        if not (dest / path).exists():
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / path, dest / path)
             copied += 1
     return {"from": str(source), "files": len(files), "copied": copied}
 
 
 def carried_autotune(args: argparse.Namespace) -> tuple[Path | None, list[Path]]:
-    """(--autotune-from's folder for this XLA build, its results), or (None, []) with `none`."""
+    """(--autotune-from's folder for this XLA build, its results relative to it), or (None, [])
+    with `none`."""
     if args.autotune_from is None:
         return None, []
     source = args.autotune_from / xla_build()
-    return source, sorted(source.glob("*.textproto")) if source.is_dir() else []
+    return source, autotune_entries(source)
 
 
 def autotune_lookups(log: Path) -> dict[str, int]:
@@ -947,9 +976,9 @@ def autotune_lookups(log: Path) -> dict[str, int]:
 
 
 def xla_flags(args: argparse.Namespace, step: Step | None) -> str:
-    """A step's XLA_FLAGS: the caller's environment, --fast-compile-flags for the steps that take
-    them, then --xla-flags (XLA takes the last of a repeated flag)."""
-    flags = [os.environ.get("XLA_FLAGS", "")]
+    """A step's XLA_FLAGS: the caller's environment, the step's own, --fast-compile-flags for the
+    steps that take them, then --xla-flags (XLA takes the last of a repeated flag)."""
+    flags = [os.environ.get("XLA_FLAGS", ""), step.own_xla_flags if step is not None else ""]
     if step is not None and step.fast_compile:
         flags.append(args.fast_compile_flags)
     flags.append(args.xla_flags)
@@ -984,6 +1013,7 @@ class Started:
     cmd: list[str]
     proc: subprocess.Popen
     t0: float
+    ended: float | None = None  # when it was seen to exit, where that came before its wait
 
 
 def start_step(step: Step, args: argparse.Namespace, env: dict[str, str]) -> Started:
@@ -1015,7 +1045,8 @@ def finish_step(started: Started, args: argparse.Namespace, budget: float) -> di
     json_path, log_path = args.out / f"{step.name}.json", args.out / f"{step.name}.log"
     record = read_json(json_path) or {"step": step.name, "target": step_target(step, args), "headline": "",
                                       "result": {}}
-    record.update(status=status, seconds=round(time.monotonic() - started.t0, 1), budget_s=round(budget, 1),
+    record.update(status=status, seconds=round((started.ended or time.monotonic()) - started.t0, 1),
+                  budget_s=round(budget, 1),
                   returncode=proc.returncode, command=shlex.join(started.cmd), commit=args.commit_id,
                   xla_flags=xla_flags(args, step), cpu_s=None if cpu is None else round(cpu, 1),
                   compile_phases=compile_phases(log_path), autotune_lookups=autotune_lookups(log_path))
@@ -1024,6 +1055,15 @@ def finish_step(started: Started, args: argparse.Namespace, budget: float) -> di
         record["log_tail"] = [line for line in lines if not XLA_LOG_LINE.match(line)][-15:]
     write_json(json_path, record)
     return record
+
+
+def exited(pid: int) -> bool:
+    """Whether a child has exited and awaits its wait (a zombie), read from /proc without reaping
+    it, so its CPU seconds stay readable (`cpu_seconds`). False where /proc cannot tell."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def cpu_seconds(pid: int, last: float | None = None) -> float | None:
@@ -1118,11 +1158,11 @@ def write_archive(out: Path, archive: Path, autotuned: Path | None = None) -> No
     partial = archive.with_name(archive.name + ".partial")
     with tarfile.open(partial, "w:gz") as tar:
         room, build = ARCHIVED_AUTOTUNE_BYTES, xla_build()
-        for path in sorted(autotuned.glob("*.textproto")) if autotuned is not None and autotuned.is_dir() else []:
-            room -= path.stat().st_size
+        for path in autotune_entries(autotuned):
+            room -= (autotuned / path).stat().st_size
             if room < 0:
                 break
-            tar.add(path, arcname=f"{CARRIED_AUTOTUNE.name}/{build}/{path.name}")
+            tar.add(autotuned / path, arcname=f"{CARRIED_AUTOTUNE.name}/{build}/{path.as_posix()}")
         for path in sorted([*out.glob("*.*"), *out.glob("warm/*.*")]):
             if path.suffix not in (".json", ".md", ".log") or not path.is_file():
                 continue
@@ -1154,18 +1194,21 @@ def print_plan(selected: list[Step], args: argparse.Namespace, budgets: dict[str
           else "autotuning carried in: none (--autotune-from none)")
     if warm:
         commands = warm_commands(selected, args)
+        recorded = recorded_warm_seconds(args.warm_order_from)
+        order = (f"longest first as recorded in {args.warm_order_from}" if recorded
+                 else "each step's first, then each one's second (no record to order by)")
         print(f" 0. warm phase  {args.warm_budget:5.0f} s  {len(commands)} processes, {args.warm_jobs} at a time in "
-              "this order (a family's others after its seed), compile every step's programs into the cache "
-              "(each measurement run once)")
-        seeds = seeds_of(commands)
+              f"this order ({order}), compile every step's programs into the cache (each measurement run once)")
         for job in commands:
-            role = f"seed of {job.family}" if seeds[job.family] == job.name else job.family
-            print(f"    [{role}] {shlex.join(job.cmd)}")
+            took = recorded.get(job.name, math.inf)
+            print(f"    [{job.name}: {'not recorded or not finished' if took == math.inf else f'{took:.0f} s'}] "
+                  f"{shlex.join(job.cmd)}")
     for i, step in enumerate(selected, 1):
         during = " (during the warm phase)" if warm and step.name == IN_WARM_PHASE else ""
         print(f"{i:2d}. {step.name:<13} {budgets[step.name]:5.0f} s  {step.what}{during}")
-        if step.fast_compile and args.fast_compile_flags:
-            print(f"    XLA_FLAGS += {args.fast_compile_flags}")
+        added = " ".join(filter(None, [step.own_xla_flags, args.fast_compile_flags if step.fast_compile else ""]))
+        if added:
+            print(f"    XLA_FLAGS += {added}")
         print(f"    {shlex.join(step_command(step, args))}")
 
 
@@ -1239,7 +1282,7 @@ def parse_step_budget(text: str) -> tuple[str, float]:
     return name, value
 
 
-def autotune_source(text: str) -> Path | None:
+def autotune_source(text: str) -> Path | None:  # a path, or none
     return None if text == "none" else Path(text)
 
 
@@ -1306,6 +1349,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"before the timed steps (default: {WARM_BUDGET_S:.0f}; 0 = none)")
     p.add_argument("--warm-jobs", type=positive_int, default=WARM_JOBS, metavar="N",
                    help=f"warm-phase processes at once, started in priority order (default: {WARM_JOBS})")
+    p.add_argument("--warm-order-from", type=autotune_source, default=WARM_SECONDS, metavar="FILE|none",
+                   help="start the warm phase's longest processes first, as FILE recorded them: a suite's "
+                        "summary.json or benchmarks/gpu_warm_seconds.json (the default); none: each step's "
+                        "first process, then each one's second")
     p.add_argument("--fast-compile-flags", default=FAST_COMPILE_FLAGS, metavar="FLAGS",
                    help="XLA flags for the small-target steps only (dflash_trees, verify_cost, capacity, engine, "
                         "exactness), e.g. a compile-time variant to compare (default: none; Triton GEMMs off "

@@ -64,9 +64,12 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     for build, name in [(xla_build(), "ours"), ("jaxlib-0.0.1", "other")]:
         (carried / build).mkdir(parents=True)
         (carried / build / f"{name}.textproto").write_text(f"# {name}\n")
+    # XLA's newer format: a folder per device, binary results.
+    (carried / xla_build() / "H100" / "v2").mkdir(parents=True)
+    (carried / xla_build() / "H100" / "v2" / "abc.pb").write_bytes(b"\x08\x01")
     run = run_quick(out, "--budget", "1.5", "--warm-budget", "600", "--warm-jobs", "1",
                     "--compile-cache", str(tmp_path / "cache"), "--archive", str(tmp_path / "r.tgz"),
-                    "--autotune-from", str(carried))
+                    "--autotune-from", str(carried), "--warm-order-from", "none")
     assert run.returncode == 0, run.stdout + run.stderr
     summary = records(out)
     assert list(summary) == STEPS
@@ -89,19 +92,21 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     assert not any("triton_gemm" in summary[name]["xla_flags"] for name in STEPS)
     assert all(summary[name]["autotune_lookups"] == {"miss": 0, "memory_hit": 0, "file_hit": 0} for name in STEPS)
     whole = json.loads((out / "summary.json").read_text())
-    assert whole["autotune_carried"] == {"from": str(carried / xla_build()), "files": 1, "copied": 1}, whole
+    assert whole["autotune_carried"] == {"from": str(carried / xla_build()), "files": 2, "copied": 2}, whole
     assert (tmp_path / "cache" / AUTOTUNE_SUBDIR / "ours.textproto").exists()
+    assert (tmp_path / "cache" / AUTOTUNE_SUBDIR / "H100" / "v2" / "abc.pb").read_bytes() == b"\x08\x01"
     assert not (tmp_path / "cache" / AUTOTUNE_SUBDIR / "other.textproto").exists()
-    assert whole["autotune_cache_files"] == 1 and whole["xla_build"] == xla_build()
-    assert "autotuning carried in: 1 fusions' results from" in (out / "summary.md").read_text()
+    assert whole["autotune_cache_files"] == 2 and whole["xla_build"] == xla_build()
+    assert "autotuning carried in: 2 fusions' results from" in (out / "summary.md").read_text()
     table = (out / "summary.md").read_text()
     assert all(f"| {name} |" in table for name in STEPS)
 
     warm = json.loads((out / "summary.json").read_text())["warm"]
     assert set(warm["processes"].values()) == {"ok"} and len(warm["processes"]) == 7, warm
     # Each step's first process, then each one's second: a cut phase leaves no step without rows.
+    # (--warm-order-from none: no record of what took longest.)
     assert list(warm["processes"]) == ["ar_floor", "dflash_trees-b1-ar", "verify_cost", "capacity-live-256",
-                                       "engine-c2", "dflash_trees-b1-t16", "capacity-dense-256"], warm
+                                       "engine-c2-DFlash", "dflash_trees-b1-t16", "capacity-dense-256"], warm
     # One warm process at a time (--warm-jobs 1): each started after the one before ended.
     assert warm["jobs"] == 1 and sum(warm["process_seconds"].values()) <= warm["seconds"] + 1, warm
     # What each compile cost: CPU seconds per process (at most the cores there are), XLA's timers.
@@ -120,8 +125,10 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
         log = (out / f"{name}.log").read_text()
         assert "loading random:tiny" in log and "from the cache" in log, log
         assert summary[name]["load_s"] >= 0
-    # Exactness ran beside the warm phase's compiles (it times nothing), not after the timed steps.
+    # Exactness ran beside the warm phase's compiles (it times nothing), not after the timed steps,
+    # with XLA's autotuning off (a flag every XLA build reads; a CPU tunes nothing anyway).
     assert summary["exactness"]["seconds"] <= warm["seconds"] + 1
+    assert summary["exactness"]["xla_flags"].endswith(" --xla_gpu_autotune_level=0")  # after the caller's
     # --archive: every result file, the warm phase's logs too, none of the caches.
     with tarfile.open(tmp_path / "r.tgz") as tar:
         names = set(tar.getnames())
@@ -129,23 +136,55 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     assert {"quick/summary.md", "quick/summary.json", "quick/capacity.log", "quick/warm/ar_floor.log"} <= names
     # Of the caches, the autotuning alone, laid out as benchmarks/gpu_autotune wants it.
     assert not any("cache" in n for n in names), names
-    assert f"gpu_autotune/{xla_build()}/ours.textproto" in names
+    assert {f"gpu_autotune/{xla_build()}/ours.textproto", f"gpu_autotune/{xla_build()}/H100/v2/abc.pb"} <= names
     # A log travels without XLA's INFO lines but its timers, so it cannot outgrow the lease's limit.
     full_log = (out / "warm" / "ar_floor.log").read_text()
     assert "loading random:tiny" in archived_log and " time: " in archived_log and len(archived_log) < len(full_log)
 
 
-def test_a_familys_processes_wait_for_its_seed(tmp_path):
-    """Two warm-phase slots, two processes of one family (random:tiny at batch 1): the second
-    starts only when the seed has ended, so it finds the seed's autotuning in the cache."""
+def test_the_warm_phase_starts_what_took_longest_first(tmp_path):
+    """Ordered by a recorded warm phase (a suite's summary.json): the longest first, one that did not
+    finish there (or is not in it) before all of those, ties in step order. Two slots: the third
+    process starts when the first of the two ends; exactness's seconds are its own."""
+    record = tmp_path / "last" / "summary.json"
+    record.parent.mkdir()
+    record.write_text(json.dumps({"warm": {
+        "processes": {"ar_floor": "ok", "verify_cost": "timed out", "capacity-live-256": "ok"},
+        "process_seconds": {"ar_floor": 20.0, "verify_cost": 90.0, "capacity-live-256": 60.0}}}))
     out = tmp_path / "quick"
-    run = run_quick(out, "--steps", "ar_floor,verify_cost", "--warm-budget", "600", "--warm-jobs", "2",
-                    "--compile-cache", str(tmp_path / "cache"))
+    run = run_quick(out, "--steps", "ar_floor,verify_cost,capacity,exactness", "--warm-budget", "600",
+                    "--warm-jobs", "2", "--compile-cache", str(tmp_path / "cache"), "--warm-order-from", str(record))
     assert run.returncode == 0, run.stdout + run.stderr
-    warm = json.loads((out / "summary.json").read_text())["warm"]
-    assert warm["seeds"] == ["ar_floor"] and set(warm["processes"].values()) == {"ok"}, warm
+    summary = json.loads((out / "summary.json").read_text())
+    warm = summary["warm"]
+    assert list(warm["processes"]) == ["verify_cost", "capacity-dense-256", "capacity-live-256", "ar_floor"], warm
+    assert set(warm["processes"].values()) == {"ok"} and warm["order_from"] == str(record), warm
     started, took = warm["process_started_s"], warm["process_seconds"]
-    assert started["verify_cost"] >= started["ar_floor"] + took["ar_floor"] - 0.5, warm
+    first_end = min(took["verify_cost"], took["capacity-dense-256"])
+    assert started["capacity-live-256"] >= first_end - 0.5, warm
+    exactness = records(out)["exactness"]
+    assert exactness["status"] == "ok" and exactness["seconds"] <= warm["seconds"] + 1
+
+
+def test_a_recorded_warm_phase_orders_the_next_one(tmp_path):
+    from gpu_quick import WARM_SECONDS, WarmJob, longest_first, recorded_warm_seconds
+
+    jobs = [WarmJob(name, []) for name in ["a", "b", "c", "d", "e"]]
+    record = {"processes": {"a": "ok", "b": "ok", "c": "timed out", "d": "ok"},
+              "process_seconds": {"a": 10.0, "b": 50.0, "c": 30.0, "d": 10.0}}
+    (tmp_path / "w.json").write_text(json.dumps(record))
+    seconds = recorded_warm_seconds(tmp_path / "w.json")
+    assert seconds == {"a": 10.0, "b": 50.0, "c": float("inf"), "d": 10.0}
+    assert [j.name for j in longest_first(jobs, seconds)] == ["c", "e", "b", "a", "d"]
+    assert [j.name for j in longest_first(jobs, {})] == ["a", "b", "c", "d", "e"]
+    assert recorded_warm_seconds(None) == {} and recorded_warm_seconds(tmp_path / "absent.json") == {}
+    # The repository's record names every process of the default run.
+    from gpu_quick import FULL, STEPS, warm_commands
+
+    args = gpu_quick.build_parser().parse_args(["--dry-run"])
+    names = {job.name for job in warm_commands(list(STEPS), args)}
+    assert names == set(recorded_warm_seconds(WARM_SECONDS)), names ^ set(recorded_warm_seconds(WARM_SECONDS))
+    assert FULL.engine_drafters == ("AR", "DFlash")
 
 
 def test_the_archive_keeps_a_huge_log_under_its_cap(tmp_path):
@@ -174,15 +213,21 @@ def test_the_archive_carries_autotuning_up_to_its_cap(tmp_path, monkeypatch):
     tuned.mkdir()
     for name in "abc":
         (tuned / f"{name}.textproto").write_text(name * 100)
-    (tuned / "tmp").mkdir()  # XLA's folder for half-written results: never archived
+    (tuned / "tmp").mkdir()  # the legacy format's folder for half-written results: never archived
+    (tuned / "tmp" / "x.textproto").write_text("x")
+    # The newer format: DEVICE/VERSION/HASH.pb, half-written ones as .tmp_*.
+    (tuned / "H100" / "v1").mkdir(parents=True)
+    (tuned / "H100" / "v1" / "f00d.pb").write_bytes(b"\x01" * 40)
+    (tuned / "H100" / "v1" / ".tmp_f00d_12_34").write_bytes(b"\x01")
     monkeypatch.setattr(gpu_quick, "ARCHIVED_AUTOTUNE_BYTES", 250)
     gpu_quick.write_archive(out, tmp_path / "r.tgz", tuned)
     with tarfile.open(tmp_path / "r.tgz") as tar:
         names = tar.getnames()
         first = tar.extractfile(names[0]).read()
     build = gpu_quick.xla_build()
-    assert names == [f"gpu_autotune/{build}/a.textproto", f"gpu_autotune/{build}/b.textproto"], names
-    assert first == b"a" * 100
+    assert names == [f"gpu_autotune/{build}/H100/v1/f00d.pb", f"gpu_autotune/{build}/a.textproto",
+                     f"gpu_autotune/{build}/b.textproto"], names
+    assert first == b"\x01" * 40
 
 
 def test_autotune_lookups_count_xlas_cache_lines(tmp_path):
