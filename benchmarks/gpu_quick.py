@@ -630,7 +630,48 @@ def engine_throughput(target: Any, drafter: Any, params: Any, slots: int, s: Set
     return {"slots": slots, "requests": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "tau_mean": sum(taus) / max(len(taus), 1),
             "compile_s": compiled.seconds, "chunks": engine.chunks_run, "decode_steps": steps,
-            "chunk_s": chunk_s, "ms_per_decode_step": 1e3 * chunk_s / max(steps, 1)}
+            "chunk_s": chunk_s, "ms_per_decode_step": 1e3 * chunk_s / max(steps, 1),
+            **chunk_costs(engine, prompts[:slots], s.engine_new_tokens)}
+
+
+CHUNK_PROBE_STEPS = (1, 4, 16)  # the engine's default chunk is 4 steps
+
+
+def chunk_costs(engine: Any, prompts: list[list[int]], new_tokens: int, repeats: int = 2) -> dict[str, Any]:
+    """The engine's chunk split into a cost per chunk and one per step: on the H100 (session 37)
+    its decode step, in chunks of 4, took 3.1-3.3 ms where `generate`'s took 2.0 at 1 slot, and
+    this CPU's chunk costs what `generate`'s steps do (no fixed part). With every slot running,
+    the same compiled chunk runs at each step cap in CHUNK_PROBE_STEPS (the cap is traced): the
+    program's milliseconds fitted as fixed + per_step * steps (the steps it ran, read from the
+    state), and the host's per chunk (the arguments' transfers, and the fetch `_run_chunk` makes)."""
+    import jax
+    import numpy as np
+
+    for prompt in prompts:
+        engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    while engine.scheduler.waiting and len(engine.slot_table.running) < engine.slots:
+        engine.step()  # admits (and one chunk)
+    programs, points, host = engine.programs, [], []
+    for _ in range(repeats):
+        for cap in CHUNK_PROBE_STEPS:
+            before = int(engine.state.step)
+            t0 = time.perf_counter()
+            args = programs.chunk_args(engine.state, engine.slot_table, cap)
+            t1 = time.perf_counter()
+            engine.state = programs.chunk(engine.k, args)(*args)
+            jax.block_until_ready(engine.state)
+            t2 = time.perf_counter()
+            state = engine.state
+            jax.device_get((state.tokens, state.lengths, state.finish_reason, state.done, state.stats, state.step))
+            host.append(1e3 * (t1 - t0 + time.perf_counter() - t2))
+            points.append((int(state.step) - before, 1e3 * (t2 - t1)))
+    engine.run_all()  # the probe's requests finish as any would
+    ran = [p for p in points if p[0] > 0]
+    if len({steps for steps, _ in ran}) < 2:  # the rows ended before two caps ran
+        return {"chunk_probe": points}
+    per_step, fixed = np.polyfit([p[0] for p in ran], [p[1] for p in ran], 1)
+    return {"chunk_probe": points, "chunk_fixed_ms": float(fixed), "chunk_ms_per_step": float(per_step),
+            "chunk_host_ms": float(np.median(host))}
 
 
 def step_engine(rec: Recorder, target: Any, s: Settings, args: argparse.Namespace) -> None:
@@ -644,8 +685,9 @@ def step_engine(rec: Recorder, target: Any, s: Settings, args: argparse.Namespac
     for slots in s.concurrency:
         for label, d, p in runs:
             rows.append(dict(engine_throughput(target, d, p, slots, s), drafter=label))
-            cells = [f"{r['slots']} {r['drafter']} {r['tokens_per_s']:.0f} ({r['ms_per_decode_step']:.2f} ms/step)"
-                     for r in rows]
+            cells = [f"{r['slots']} {r['drafter']} {r['tokens_per_s']:.0f} ({r['ms_per_decode_step']:.2f} ms/step"
+                     + (f" = {r['chunk_fixed_ms']:.2f} a chunk + {r['chunk_ms_per_step']:.2f}" if "chunk_fixed_ms" in r
+                        else "") + ")" for r in rows]
             rec.update("tok/s at " + ", ".join(cells), rows=rows, new_tokens=s.engine_new_tokens)
 
 
