@@ -33,9 +33,9 @@ phase measured them (--warm-order-from, default benchmarks/gpu_warm_seconds.json
 record, each step's first process, then each one's second, and so on). Each measurement runs
 once, so the programs compile side by side into the persistent cache and the timed steps load
 them. Exactness runs beside it, with XLA's autotuning off (it times nothing). A 1B loop program
-took 25-110 s to compile on the H100 of session 37, six at a time. The seconds the warm phase and each step leave
-unspent go to the next step, which still ends where the budgets so far end: the steps after it
-keep theirs. Each process's CPU seconds (`process_cpu_s`, `cores_busy`: whether more at once
+took 25-110 s to compile on the H100 of session 37, six at a time. The seconds the warm phase
+and each step leave unspent go to the next step, which still ends where the budgets so far end:
+the steps after it keep theirs. Each process's CPU seconds (`process_cpu_s`, `cores_busy`: whether more at once
 would compile more) and XLA's own compile-phase timers (`compile_phases`: HLO passes with
 autotuning, LLVM, ptxas; TF_CPP_VMODULE=COMPILE_TIMERS unless set) are recorded for the warm
 phase and every step.
