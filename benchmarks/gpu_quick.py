@@ -686,7 +686,7 @@ def step_engine(rec: Recorder, target: Any, s: Settings, args: argparse.Namespac
         for label, d, p in runs:
             rows.append(dict(engine_throughput(target, d, p, slots, s), drafter=label))
             cells = [f"{r['slots']} {r['drafter']} {r['tokens_per_s']:.0f} ({r['ms_per_decode_step']:.2f} ms/step"
-                     + (f" = {r['chunk_fixed_ms']:.2f} a chunk + {r['chunk_ms_per_step']:.2f}" if "chunk_fixed_ms" in r
+                     + (f"; probe: {r['chunk_fixed_ms']:.2f} a chunk + {r['chunk_ms_per_step']:.2f} a step" if "chunk_fixed_ms" in r
                         else "") + ")" for r in rows]
             rec.update("tok/s at " + ", ".join(cells), rows=rows, new_tokens=s.engine_new_tokens)
 
