@@ -612,7 +612,9 @@ def engine_throughput(target: Any, drafter: Any, params: Any, slots: int, s: Set
     """Tokens/s of the engine with `slots` rows serving 2 x slots greedy requests of
     s.engine_new_tokens new tokens each (compile time apart: warmup first), and its decode step
     as served (its chunks' seconds per verify step, to set beside `generate`'s at that batch in
-    `dflash_trees`; the rest of the wall is admitting the requests and the host's bookkeeping)."""
+    `dflash_trees`; the rest of the wall is admitting the requests and the host's bookkeeping).
+    The warm-up runs each program once before the timing (`first_run_s`: what it took), as
+    `generate`'s timings run theirs: until session 38 this row timed those first runs too."""
     from spec_jax.decoding.engine import Engine
 
     engine = Engine(target, drafter, params, slots=slots, max_model_len=s.context + s.engine_new_tokens)
@@ -629,7 +631,8 @@ def engine_throughput(target: Any, drafter: Any, params: Any, slots: int, s: Set
     taus = [e.stats.tau for e in done.values() if e.stats is not None]
     return {"slots": slots, "requests": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "tau_mean": sum(taus) / max(len(taus), 1),
-            "compile_s": compiled.seconds, "chunks": engine.chunks_run, "decode_steps": steps,
+            "compile_s": compiled.seconds, "first_run_s": compiled.run_seconds, "chunks": engine.chunks_run,
+            "decode_steps": steps,
             "chunk_s": chunk_s, "ms_per_decode_step": 1e3 * chunk_s / max(steps, 1),
             **chunk_costs(engine, prompts[:slots], s.engine_new_tokens)}
 

@@ -14,11 +14,13 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from conftest import make_prompts
 
 from spec_jax.decoding.depth import AdaptiveDepth
 from spec_jax.decoding.engine import Engine
+from spec_jax.decoding.engine_programs import NO_BATCH_AXIS
 from spec_jax.decoding.generate import generate
 from spec_jax.drafters.ngram import NGramDrafter
 
@@ -209,6 +211,69 @@ def test_adaptive_depth_per_step_keeps_greedy_output(models, alone):
     assert [got[i][:2] for i in range(len(PROMPTS))] == alone
     assert engine.depth_counts[0] > 0 and engine.depth_counts[3] > 0, engine.depth_counts
     assert compiles == [] and engine.compiles == before
+
+
+WARM_CASES = {  # name -> (Engine keywords, prompt lengths to warm up)
+    "adaptive depth": (dict(k=AdaptiveDepth(depths=(0, 3), costs=(1.0, 1.8))), [16]),
+    "pages, prefix caching": (dict(kv_pages=16, kv_page_size=8, prefix_caching=True, slots=8), [16, 32]),
+    "pages, chunked prefill": (dict(kv_pages=16, kv_page_size=8, prefill_chunk_tokens=16, slots=8), [16, 64]),
+}
+
+
+def state_changes(engine, fresh):
+    """The state's leaves where `engine` differs from `fresh` (same configuration, never run),
+    slot 0's row of the per-row leaves left out, and the rows' own keys/values: a free row has
+    none committed (its cache length, compared, is 0), and a chunk may write past it."""
+    changed = []
+    for (path, axis), got, want in zip(jax.tree_util.tree_flatten_with_path(engine.programs.batch_axes)[0],
+                                       jax.tree_util.tree_leaves(engine.state), jax.tree_util.tree_leaves(fresh.state)):
+        if axis != NO_BATCH_AXIS and jax.tree_util.keystr(path).startswith((".cache.k", ".cache.v")):
+            continue
+        got, want = (np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+                     for x in (got, want))
+        if axis != NO_BATCH_AXIS:
+            got, want = np.delete(got, 0, axis), np.delete(want, 0, axis)
+        if not np.array_equal(got, want):
+            changed.append(jax.tree_util.keystr(path))
+    return changed
+
+
+@pytest.mark.parametrize("case", WARM_CASES)
+def test_warmup_runs_each_program_once_and_leaves_the_state_as_it_was(models, alone, case):
+    """warmup() runs every program it compiled once (so no request pays a program's first run),
+    on slot 0 of the idle engine: afterwards every leaf equals a never-run engine's but slot 0's
+    row (the shared counters restored; with pages, the pool untouched: slot 0 held no page).
+    Then greedy requests give their alone output, and a seeded sampled one the tokens an engine
+    warmed without the runs gives."""
+    kwargs, lengths = WARM_CASES[case]
+    kwargs = dict(dict(slots=3, max_model_len=48, chunk_steps=2), **kwargs)
+    engine, fresh = (Engine(models.target, NGramDrafter(k=3), **kwargs) for _ in range(2))
+    report = engine.warmup(lengths)
+    assert report.programs_run == len(engine.programs.exes) >= 2 and report.run_seconds > 0
+    assert "ran" in report.summary()
+    assert state_changes(engine, fresh) == []
+    assert int(engine.state.step) == 0 and engine.decode_steps == 0 and engine.chunks_run == 0
+    sampled = dict(max_new_tokens=12, temperature=0.9, seed=7)
+    assert fresh.warmup(lengths, run=False).programs_run == 0
+    rid = fresh.submit(PROMPTS[1], **sampled)
+    want_sampled = fresh.run_all()[rid].new_ids
+    with backend_compiles() as compiles:
+        got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])
+        rid = engine.submit(PROMPTS[1], **sampled)
+        assert engine.run_all()[rid].new_ids == want_sampled
+    assert [got[i][:2] for i in range(len(PROMPTS))] == alone
+    assert compiles == []
+
+
+def test_warmup_on_a_busy_engine_runs_nothing(engine, alone):
+    """A request running: warm-up compiles what is missing and runs no program (that would write
+    into the state under it); the request's output is unchanged."""
+    rid = engine.submit(PROMPTS[0], max_new_tokens=MAX_NEW[0])
+    first = engine.step()
+    report = engine.warmup([16])
+    assert report.programs_run == 0 and report.run_seconds == 0 and "ran" not in report.summary()
+    done = engine.run_all()
+    assert sum((e.new_ids for e in first), []) + done[rid].new_ids == alone[0][0]
 
 
 def test_every_drafter_kind_on_a_mesh():

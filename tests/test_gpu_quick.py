@@ -87,6 +87,7 @@ def test_every_step_runs_on_the_cpu_under_its_budget_after_the_warm_phase(tmp_pa
     (engine,) = result["engine"]["rows"]
     assert engine["drafter"] == "DFlash K=7" and engine["tokens"] == engine["requests"] * 8
     assert 0 < engine["decode_steps"] <= engine["tokens"] and engine["ms_per_decode_step"] > 0
+    assert engine["first_run_s"] > 0  # the warm-up ran each program once, outside the timing
     # The chunk probe: each step cap twice on running rows (the steps each ran, its milliseconds).
     assert len(engine["chunk_probe"]) == 2 * len(gpu_quick.CHUNK_PROBE_STEPS)
     assert engine["chunk_probe"][0][0] >= 1 and all(ms > 0 for _, ms in engine["chunk_probe"]), engine

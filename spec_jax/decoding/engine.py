@@ -137,6 +137,29 @@ def check_cache_options(model: Any, drafter: Drafter | None, mesh: Any, prefill_
                              "state per row; leave prefix_caching off with it.")
 
 
+@dataclasses.dataclass
+class WarmupReport(CompileTally):
+    """`Engine.warmup`'s: what it compiled (`CompileTally`), and the programs it then ran once and
+    the seconds that took."""
+
+    programs_run: int = 0
+    run_seconds: float = 0.0
+
+    def summary(self) -> str:
+        ran = f"; ran {self.programs_run} once in {self.run_seconds:.1f}s" if self.programs_run else ""
+        return super().summary() + ran
+
+
+def host_leaves(tree: Any) -> Any:
+    """`tree`'s arrays copied to the host (whatever their sharding)."""
+    return jax.tree_util.tree_map(np.asarray, gather_to_host(tree))
+
+
+def put_like(host: np.ndarray, like: jax.Array) -> jax.Array:
+    """`host` as an array placed as `like` is (over every process's devices, if it spans several)."""
+    return jax.make_array_from_callback(host.shape, like.sharding, lambda index: host[index])
+
+
 class Engine:
     """Continuous batching over `slots` rows; see the module docstring.
 
@@ -383,13 +406,16 @@ class Engine:
         return free if spare > 0 else len(waiting)
 
     # ------------------------------------------------------------------ the loop
-    def warmup(self, prompt_lengths: Sequence[int] | None = None, workers: int = WARMUP_WORKERS) -> CompileTally:
+    def warmup(self, prompt_lengths: Sequence[int] | None = None, workers: int = WARMUP_WORKERS,
+               run: bool = True) -> WarmupReport:
         """Compile every program requests can need: the chunk, and one admit per prompt bucket
         (with chunked prefill: one finish per bucket, and every prefill pass shape) (of
         `prompt_lengths`, default every bucket a request can reach: prompts of
-        1 .. max_model_len - 1 tokens), `workers` programs at a time -> what this call compiled
-        (programs, wall seconds, persistent-cache hits; programs an engine of the same
-        configuration compiled before are reused and not counted)."""
+        1 .. max_model_len - 1 tokens), `workers` programs at a time; then (`run`, on an idle
+        engine) run each of them once (`_run_each_once`: a program's first run costs more than
+        its later ones) -> what this call compiled (programs, wall seconds, persistent-cache hits;
+        programs an engine of the same configuration compiled before are reused and not counted)
+        and ran."""
         t0 = time.perf_counter()
         before = dataclasses.replace(self.programs.tally)
         if prompt_lengths is None:  # one length per bucket, up to the longest prompt's
@@ -417,7 +443,53 @@ class Engine:
                 self.prefill_state, np.arange(rows), np.zeros((rows, width)), np.zeros((rows,)), np.zeros((rows,)),
                 self.state, None if table is None else table[:rows])))
         self.programs.compile_all(jobs, workers)
-        return self.programs.tally.since(before, time.perf_counter() - t0)
+        compiled = self.programs.tally.since(before, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ran = self._run_each_once(buckets) if run else 0
+        return WarmupReport(**compiled.to_dict(), programs_run=ran, run_seconds=time.perf_counter() - t0 if ran else 0.0)
+
+    def _run_each_once(self, buckets: Sequence[int]) -> int:
+        """Run the chunk and each bucket's admit (chunked prefill: each pass shape and each
+        bucket's finish) once, on slot 0, so that no request pays a program's first run: on
+        XLA:CPU that run took ~0.3 s more than later ones per program of the default model
+        (benchmarks/RESULTS.md, session 38). Only on an idle engine (busy: 0, nothing run).
+        Afterwards the state is as it was, but for slot 0's row (and the prefill rows), which the
+        next admit there writes anew; with pages, an idle slot's table row holds no page, so its
+        writes drop. -> programs run."""
+        if self.has_work() or self.slot_table.running:
+            return 0
+        shared = host_leaves((self.state.step, self.state.depth))  # what every row shares (the chunk counts)
+        probe = RequestParams(prompt_ids=(0,), max_new_tokens=2)  # its chunk step runs the loop body
+        table, programs, plan = None if self.pages is None else self.pages.table, self.programs, self.prefill_plan
+        page_row = None if table is None else table[0]
+        ran = 0
+        for rows, width in [] if plan is None else plan.shapes():
+            args = programs.prefill_pass_args(self.prefill_state, np.arange(rows), np.zeros((rows, width)),
+                                              np.zeros((rows,)), np.ones((rows,)), self.state,
+                                              None if table is None else table[:rows])
+            if self.pages is None:
+                self.prefill_state = programs.prefill_pass(args)(*args)
+            else:
+                self.state, self.prefill_state = programs.prefill_pass(args)(*args)
+            ran += 1
+        for bucket in buckets:
+            if plan is not None:
+                args = programs.finish_args(self.state, self.prefill_state, 0, 0, probe, bucket, page_row)
+                self.state, ran = programs.finish_prefill(bucket, args)(*args), ran + 1
+                continue
+            if self.pages is not None and self.pages.prefix_caching:
+                args = programs.admit_after_prefix_args(self.state, 0, probe, bucket, page_row, 0)
+                self.state, ran = programs.admit_after_prefix(bucket, args)(*args), ran + 1
+            args = programs.admit_args(self.state, 0, probe, bucket, page_row)
+            self.state, ran = programs.admit(bucket, args)(*args), ran + 1
+        rows = SlotTable(self.slots)  # slot 0 running the probe, in a table of its own
+        rows.occupy(0, -1, probe, stop_id_array(()), 0.0)
+        args = programs.chunk_args(self.state, rows, 1, table)
+        self.state = programs.chunk(self.k, args)(*args)
+        step, depth = jax.tree_util.tree_map(put_like, shared, (self.state.step, self.state.depth))
+        self.state = self.state.replace(step=step, depth=depth)
+        jax.block_until_ready(self.state)
+        return ran + 1
 
     def step(self) -> list[EngineEvent]:
         """Admit, run one chunk, hand out new tokens; see the module docstring."""
