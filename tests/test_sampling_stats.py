@@ -96,6 +96,38 @@ def test_warp_matches_numpy_reference(temperature, top_k, top_p):
     np.testing.assert_allclose(got, ref_warp(logits, temperature, top_k, top_p), atol=1e-5)
 
 
+def test_warp_per_row_values_at_full_vocabulary_match_the_reference():
+    """Each row its own values (the engine's), over a real vocabulary (49152): top-k alone, top-p
+    alone, both, neither, greedy; and a row with top_p = 1 beside a truncating one keeps its whole
+    distribution (the old sort's cumulative sum dropped its tail once it rounded to 1)."""
+    rows = [(1.0, 0, 0.9), (0.7, 40, 1.0), (1.3, 200, 0.95), (1.0, 0, 1.0), (0.0, 0, 1.0), (0.8, 5000, 0.5),
+            (2.0, 0, 0.999), (1.0, 1, 0.3)]
+    logits = 3.0 * jax.random.normal(jax.random.key(1), (len(rows), 49152))
+    temperature, top_k, top_p = (np.asarray(v) for v in zip(*rows))
+    got = np.asarray(warp_jit(logits, SamplingParams.per_row(temperature, top_k, top_p)))
+    for i, (t, k, p) in enumerate(rows):
+        want = ref_warp(logits[i], t, k, p)
+        assert np.array_equal(got[i] > 0, want > 0), (rows[i], int((got[i] > 0).sum()), int((want > 0).sum()))
+        np.testing.assert_allclose(got[i], want, atol=1e-6, err_msg=str(rows[i]))
+    assert (got[3] > 0).all()  # top_p = 1 beside truncating rows: nothing cut
+
+
+def test_warp_keeps_ties_with_the_kth_value_and_both_zeros():
+    """Logits with many equal values (and -0.0 beside 0.0): top-k keeps every tie of the k-th
+    value, as transformers' TopKLogitsWarper does; -inf entries never come back."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        vocab = int(rng.integers(2, 400))
+        logits = np.round(rng.normal(size=(3, vocab)) * rng.uniform(0.5, 4)).astype(np.float32)
+        logits[logits == 0] = rng.choice([0.0, -0.0], size=int((logits == 0).sum()))
+        logits[:, rng.integers(0, vocab)] = -np.inf
+        top_k = rng.integers(1, vocab + 2, size=3)
+        got = np.asarray(warp_jit(jnp.asarray(logits), SamplingParams.per_row(np.ones(3), top_k, np.ones(3))))
+        for i in range(3):
+            want = ref_warp(logits[i], 1.0, int(top_k[i]), 1.0)
+            assert np.array_equal(got[i] > 0, want > 0), (trial, i, int(top_k[i]))
+
+
 # --------------------------------------------------------------------------- sample
 @pytest.mark.parametrize("vocab", [300, 49152])
 def test_sample_draws_from_probs_and_never_a_zero_probability_token(vocab):
