@@ -90,8 +90,8 @@ def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
     under top_p, so the most likely one always does; top_p = 1 keeps all). [..., V].
 
     No sort: each cut is a threshold found by bisection on the values' bit order, 32 passes over
-    the row. A full-vocabulary sort took 513 ms for 64 rows of 49152 on this 2-core CPU, the
-    two bisections 36 (benchmarks/RESULTS.md, session 38)."""
+    the row. A full-vocabulary sort took 489 ms for 64 rows of 49152 on this 2-core CPU, the
+    two bisections 32 (`benchmarks/sampled_step.py --warp`; benchmarks/RESULTS.md, session 38)."""
     vocab, shape = scaled.shape[-1], scaled.shape[:-1] + (1,)
     keys = ordered_keys(scaled)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
