@@ -21,7 +21,8 @@ from conftest import make_prompts
 from spec_jax.decoding.depth import AdaptiveDepth
 from spec_jax.decoding.engine import Engine
 from spec_jax.decoding.engine_programs import NO_BATCH_AXIS
-from spec_jax.decoding.generate import generate
+from spec_jax.decoding.generate import generate, stop_id_array
+from spec_jax.decoding.slots import RequestParams
 from spec_jax.drafters.ngram import NGramDrafter
 
 # <= 16 tokens (one prompt bucket); rows 1 and 2 meet EOS mid-way (conftest).
@@ -211,6 +212,26 @@ def test_adaptive_depth_per_step_keeps_greedy_output(models, alone):
     assert [got[i][:2] for i in range(len(PROMPTS))] == alone
     assert engine.depth_counts[0] > 0 and engine.depth_counts[3] > 0, engine.depth_counts
     assert compiles == [] and engine.compiles == before
+
+
+def test_chunk_values_are_placed_again_only_when_the_slots_change(engine):
+    """The rows' request values go to the device once per change of the slot table (an admit, a
+    finish, a cancel) or of the step cap, not at every chunk."""
+    programs, table = engine.programs, engine.slot_table
+    assert not table.running
+    first = programs.chunk_args(engine.state, table, 2)
+    again = programs.chunk_args(engine.state, table, 2)
+    assert all(a is b for a, b in zip(first[1:], again[1:]))
+    table.occupy(1, 99, RequestParams(prompt_ids=(1, 2), max_new_tokens=5, temperature=0.5),
+                stop_id_array(()), 0.0)
+    occupied = programs.chunk_args(engine.state, table, 2)
+    live, sampling, max_new = occupied[1], occupied[5], occupied[6]
+    assert live is not first[1] and np.asarray(live).tolist() == [False, True, False]
+    assert float(sampling.temperature[1]) == 0.5 and int(max_new[1]) == 5
+    table.release(1)
+    released = programs.chunk_args(engine.state, table, 2)
+    assert not np.asarray(released[1]).any() and float(released[5].temperature[1]) == 0.0
+    assert int(programs.chunk_args(engine.state, table, 3)[8]) == 3  # another step cap
 
 
 WARM_CASES = {  # name -> (Engine keywords, prompt lengths to warm up)

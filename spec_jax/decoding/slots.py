@@ -174,6 +174,7 @@ class SlotTable:
         self.wants_logprobs = np.zeros((slots,), bool)
         self.running: dict[int, Running] = {}  # by slot
         self.slot_of: dict[int, int] = {}  # request id -> slot
+        self.version = 0  # bumped by every change to the per-row values above (the chunk's placed copy follows it)
 
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.slots) if slot not in self.running]
@@ -188,6 +189,7 @@ class SlotTable:
         prompt_tokens = len(params.prompt_ids)
         self.running[slot] = Running(rid, params, RequestStats(prompt_tokens), prompt_tokens, submitted_at)
         self.slot_of[rid] = slot
+        self.version += 1
 
     def release(self, slot: int) -> Running:
         running = self.running.pop(slot)
@@ -195,6 +197,7 @@ class SlotTable:
         self.live[slot] = False
         self.wants_logprobs[slot] = False
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = 0.0, 0, 1.0
+        self.version += 1
         return running
 
     def hand_out_first(self, slot: int, tokens: np.ndarray, now: float, logprobs: Any = None) -> EngineEvent:
