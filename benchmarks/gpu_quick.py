@@ -17,8 +17,9 @@ inside 8 minutes, compiles included; a step may also spend what the phases befor
  5. engine        the continuous-batching engine's tokens/s with 1, 8 and 32 concurrent requests,
                   plain and with the DFlash drafter
  6. exactness     pytest: tests/test_live_attention.py, greedy speculative == AR (float32) and
-                  greedy trees == AR, one case per drafter kind; it times nothing, so it runs
-                  during the warm phase (its budget that phase's), or last without one
+                  greedy trees == AR, one case per drafter kind, and the sampling cut against its
+                  numpy reference; it times nothing, so it runs during the warm phase (its budget
+                  that phase's), or last without one
 Steps 2-5 use Llama-3.2-1B shapes: an 8B program compiles in 30-50 s, which would spend a step's
 budget on two compiles. `--preset`/`--target` puts every step on one target instead (e.g.
 `--preset qwen3-8b --steps dflash_trees --budget 3` on a longer lease). Targets are random-weight
@@ -167,6 +168,9 @@ class Settings:
         *(f"tests/test_trees.py::test_greedy_tree_equals_ar[{case}]"
           for case in ("oracle-n32-b1", "dflash-n16-b3", "dflash-n32-b8", "draft-n16-b3", "ngram-n8-b3",
                        "eagle3-n16-b1", "medusa-n8-b3")),
+        # The sampling cut by bisection on the logits' bit keys (session 38), against the numpy
+        # reference, over a real vocabulary: one program.
+        "tests/test_sampling_stats.py::test_warp_per_row_values_at_full_vocabulary_match_the_reference",
     )
     # Left out on a lease: each family's test compiles 6 loops (plain, chain, tree; buckets and
     # dense), 18 in all, where the rest of the file's buckets checks run the 2-layer Llama.
