@@ -37,12 +37,12 @@ from spec_jax.app.common import add_drafter_arg, add_target_args, drafter_spec_f
 MAX_LOGPROBS = 20  # as the engine's bound (spec_jax.decoding.engine.MAX_LOGPROBS; not imported: --help stays light)
 DEFAULT_PREFILL_ROWS = 4  # as spec_jax.decoding.prefill_plan's (not imported: --help stays light)
 PAGE_SIZE = 128  # as spec_jax.models.paged's (not imported: --help stays light)
-
-if TYPE_CHECKING:  # the server's state, for annotations only (--help stays light)
-    from spec_jax.app.openai_api import ServerState
 MIN_PREFILL_CHUNK = 16  # the smallest prompt bucket (spec_jax.decoding.generate.MIN_PROMPT_BUCKET)
 EXIT_ENGINE_FAILED = 1  # the process's status after an engine failure (a supervisor restarts it)
 END_GRACE_S = 5.0  # past --drain-timeout: time for the ended requests to write their last bytes
+
+if TYPE_CHECKING:  # the server's state, for annotations only (--help stays light)
+    from spec_jax.app.openai_api import ServerState
 
 HELP = "serve an OpenAI-compatible HTTP API (completions, chat, streaming) with continuous batching"
 
