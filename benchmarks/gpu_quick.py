@@ -650,12 +650,12 @@ def chunk_costs(engine: Any, prompts: list[list[int]], new_tokens: int, repeats:
     this CPU's chunk costs what `generate`'s steps do (no fixed part). With every slot running,
     the same compiled chunk runs at each step cap in CHUNK_PROBE_STEPS (the cap is traced): the
     program's milliseconds fitted as fixed + per_step * steps (the steps it ran, read from the
-    state), and the host's per chunk (the arguments' transfers, and the fetch `_run_chunk` makes)."""
+    state), and the host's per chunk (the arguments' transfers, and the read `_run_chunk` makes).
+    The probe's chunks hand nothing out, so its requests are cancelled after it."""
     import jax
     import numpy as np
 
-    for prompt in prompts:
-        engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    rids = [engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0) for prompt in prompts]
     while engine.scheduler.waiting and len(engine.slot_table.running) < engine.slots:
         engine.step()  # admits (and one chunk)
     programs, points, host = engine.programs, [], []
@@ -669,10 +669,13 @@ def chunk_costs(engine: Any, prompts: list[list[int]], new_tokens: int, repeats:
             jax.block_until_ready(engine.state)
             t2 = time.perf_counter()
             state = engine.state
-            jax.device_get((state.tokens, state.lengths, state.finish_reason, state.done, state.stats, state.step))
+            jax.device_get((engine._read_window(engine.slot_table.running), state.lengths, state.finish_reason,
+                            state.done, state.stats, state.step))
             host.append(1e3 * (t1 - t0 + time.perf_counter() - t2))
             points.append((int(state.step) - before, 1e3 * (t2 - t1)))
-    engine.run_all()  # the probe's requests finish as any would
+    for rid in rids:  # their tokens past the probe's start were never read: they end here
+        engine.cancel(rid)
+    engine.run_all()
     ran = [p for p in points if p[0] > 0]
     if len({steps for steps, _ in ran}) < 2:  # the rows ended before two caps ran
         return {"chunk_probe": points}

@@ -130,12 +130,26 @@ def test_default_warmup_covers_the_longest_prompt(models):
     engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2)
     report = engine.warmup(workers=2)  # the chunk and bucket 16 may be the module engine's (shared)
     assert report.programs == engine.compiles and report.seconds > 0
-    assert sorted(engine.programs.exes) == [("admit", 16), ("admit", 32), ("admit", 64), ("chunk", 3)]
+    assert sorted(engine.programs.exes) == [("admit", 16), ("admit", 32), ("admit", 64), ("chunk", 3),
+                                            ("window", 8, False)]  # the host's read: 2 steps of 3 + 1
     with backend_compiles() as compiles:
         (prompt,) = make_prompts([engine.max_model_len - 1], seed=1)
         engine.submit(prompt, max_new_tokens=1)
         (done,) = engine.run_all().values()
     assert len(done.new_ids) == 1 and compiles == [] and engine.compiles == report.programs
+
+
+def test_every_draft_accepted_fills_the_read_window_and_keeps_the_output(models, drafters, alone):
+    """The target as its own drafter accepts all K drafts at every step, so a chunk commits
+    chunk_steps * (K + 1) tokens a row: the full width of the window the host reads
+    (`decoding.emitted`). Every token is handed out, as plain decoding's, logprobs' read alike."""
+    make, params = drafters["self"]
+    engine = Engine(models.target, make(3), params, slots=2, max_model_len=48, chunk_steps=2, max_logprobs=2)
+    requests = [(p, dict(max_new_tokens=n, logprobs=1)) for p, n in zip(PROMPTS, MAX_NEW)]
+    got = run_staggered(engine, requests)
+    assert [got[i][:2] for i in range(len(PROMPTS))] == alone
+    assert engine.window_width == 8 and engine.positions.accepted == engine.positions.drafted
+    assert sum(got[i][2].emitted for i in got) > 4 * sum(got[i][2].steps for i in got) * 0.9  # ~K + 1 a step
 
 
 def test_cancel_frees_the_slot_at_once(engine, alone):
@@ -205,7 +219,7 @@ def test_adaptive_depth_per_step_keeps_greedy_output(models, alone):
     engine = Engine(models.target, NGramDrafter(k=3), slots=3, max_model_len=48, chunk_steps=2,
                     k=AdaptiveDepth(depths=(0, 3), costs=(1.0, 1.8)))
     engine.warmup([16])
-    assert sorted(engine.programs.exes) == [("admit", 16), ("chunk", 3)]
+    assert sorted(engine.programs.exes) == [("admit", 16), ("chunk", 3), ("window", 8, False)]
     with backend_compiles() as compiles:
         before = engine.compiles
         got = run_staggered(engine, [(p, dict(max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)])

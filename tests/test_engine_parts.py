@@ -1,17 +1,22 @@
 """The engine's host-side parts without a model: the scheduler (queue order, cancellations,
 admissions bounded per step), the slot table (occupy / release, neutral values in free rows,
-hand-out of new tokens, counters by name), the one stop-id rule and the request-value check."""
+hand-out of new tokens from the read window, counters by name), the one stop-id rule and the
+request-value check."""
 
 from __future__ import annotations
 
 import threading
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spec_jax.decoding.emitted import EmittedWindow, read_window
 from spec_jax.decoding.engine import Engine, model_length_and_capacity
 from spec_jax.decoding.generate import stop_id_array
+from spec_jax.decoding.logprobs import TokenLogprobs
 from spec_jax.decoding.loop import FINISH_NONE, FINISH_STOP as STOP
 from spec_jax.decoding.scheduler import Scheduler
 from spec_jax.decoding.slots import Counters, RequestParams, SlotTable
@@ -99,20 +104,28 @@ def test_slot_table_occupy_and_release():
     assert (table.temperature[1], table.top_k[1], table.top_p[1], table.live[1]) == (0.0, 0, 1.0, False)
 
 
+def window(tokens, lengths, width=3, logprobs=None):
+    """The host's read of the buffers at these lengths, as the engine makes it (on device)."""
+    return EmittedWindow.of(jax.device_get(read_window(jnp.asarray(tokens, jnp.int32),
+                                                       jnp.asarray(lengths, jnp.int32), logprobs, width)))
+
+
 def chunk_read(tokens, lengths, finish, done, steps, drafted, accepted, emitted, full):
     stats = types.SimpleNamespace(steps=np.asarray(steps), drafted=np.asarray(drafted),
                                   accepted=np.asarray(accepted), emitted=np.asarray(emitted),
                                   histogram=np.stack([np.zeros(len(steps), int), np.asarray(full)], 1))
-    return (np.asarray(tokens), np.asarray(lengths), np.asarray(finish), np.asarray(done),
+    return (window(tokens, lengths), np.asarray(lengths), np.asarray(finish), np.asarray(done),
             Counters.of_rows(stats, k=1))
 
 
 def test_slot_table_hands_out_new_tokens_and_counter_deltas():
+    """Each read hands out the tokens since the last one (from a window 3 wide: at most 3 new a
+    row), and the counters' deltas."""
     table = SlotTable(2)
     for slot, rid in ((0, 10), (1, 11)):
         table.occupy(slot, rid, params(n_prompt=2), stop_id_array(()), submitted_at=0.0)
     tokens = [[1, 2, 30, 31, 32, 0], [1, 2, 40, 0, 0, 0]]
-    first = table.hand_out_first(0, np.asarray(tokens), now=1.0)
+    first = table.hand_out_first(0, window(tokens, [3, 3]), now=1.0)
     assert first.new_ids == [30] and table.running[0].first_token_at == 1.0
     read = chunk_read(tokens, [5, 3], [FINISH_NONE, STOP], [False, True],
                       steps=[2, 1], drafted=[2, 1], accepted=[1, 0], emitted=[3, 1], full=[1, 0])
@@ -129,6 +142,35 @@ def test_slot_table_hands_out_new_tokens_and_counter_deltas():
     assert total == Counters(steps=1, drafted=1, accepted=0, emitted=1, full_steps=0)
     stats = events[0].stats
     assert (stats.steps, stats.emitted, stats.completion_tokens, stats.tau) == (3, 4, 4, 4 / 3)
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_the_read_window_holds_each_rows_last_positions(with_logprobs):
+    """read_window's window of width W ends at each row's length (starts at 0 for a row shorter
+    than W, at S - W where the length is past S - W): what numpy's slicing of the whole buffers
+    gives, logprobs' buffers alike."""
+    rng = np.random.default_rng(0)
+    batch, capacity, width, top = 6, 20, 7, 3
+    tokens = rng.integers(0, 1000, (batch, capacity))
+    lengths = np.array([1, 6, 7, 12, 16, 20])
+    logprobs = None
+    if with_logprobs:
+        logprobs = TokenLogprobs(chosen=jnp.asarray(rng.normal(size=(batch, capacity)), jnp.float32),
+                                 top_ids=jnp.asarray(rng.integers(0, 1000, (batch, capacity, top)), jnp.int32),
+                                 top_values=jnp.asarray(rng.normal(size=(batch, capacity, top)), jnp.float32),
+                                 wanted=jnp.ones((batch,), bool))
+    read = window(tokens, lengths, width, logprobs)
+    assert read.starts.tolist() == [0, 0, 0, 5, 9, 13] and read.tokens.shape == (batch, width)
+    for b, start in enumerate(read.starts):
+        assert read.tokens[b].tolist() == tokens[b, start : start + width].tolist()
+        assert read.token_ids(b, start + 1, start + 4) == tokens[b, start + 1 : start + 4].tolist()
+        if with_logprobs:
+            for name in ("chosen", "top_ids", "top_values"):
+                full = np.asarray(getattr(logprobs, name))
+                assert np.array_equal(getattr(read.logprobs, name)[b], full[b, start : start + width]), name
+    assert read.token_ids(4, 16, 16) == []  # a row with nothing new
+    with pytest.raises(RuntimeError, match="outside the read window"):
+        read.token_ids(4, 8, 16)  # a token the read does not hold is never handed out as another
 
 
 def test_one_stop_id_rule():

@@ -312,3 +312,20 @@ def test_the_dflash_profile_probe_runs_with_a_reduced_draft_head(tmp_path):
     # With a tree, the tree's top-k is timed first: XLA's (random:tiny's 512 tokens are too few
     # chunks for the two-stage one, which the GPU run's 151936 take).
     assert set(record["result"]["tree_top_k"]) == {"rows", "vocab", "k", "lax.top_k_ms"}
+
+
+def test_the_chunk_probe_leaves_the_engine_serving(models):
+    """The engine row's chunk probe runs the chunk program outside `Engine.step` (step caps up to
+    16), so its rows commit more than one chunk's read window holds: its requests are cancelled
+    after it, and the engine then serves a request as if the probe had never run."""
+    from conftest import make_prompts
+    from spec_jax.decoding.engine import Engine
+    from spec_jax.decoding.generate import generate
+
+    engine = Engine(models.target, slots=2, max_model_len=96)  # plain decoding: a window of 4 a row
+    costs = gpu_quick.chunk_costs(engine, make_prompts([5, 7], seed=3), new_tokens=80)
+    assert max(steps for steps, _ in costs["chunk_probe"]) > engine.window_width and "chunk_fixed_ms" in costs
+    assert not engine.has_work() and engine.slot_table.running == {}
+    (prompt,) = make_prompts([6], seed=4)
+    rid = engine.submit(prompt, max_new_tokens=12)
+    assert engine.run_all()[rid].new_ids == generate(models.target, [prompt], max_new_tokens=12).generated_ids[0]

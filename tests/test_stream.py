@@ -43,6 +43,19 @@ def test_stream_equals_generate(models, temperature, chunk_steps):
     assert set(ref.finish_reasons) == {"stop", "length"}
 
 
+@pytest.mark.parametrize("kind", ["self", None])
+def test_stream_hands_out_full_chunks(models, drafters, kind):
+    """Every draft accepted (the target as its own drafter), and plain decoding: each chunk
+    commits the most tokens it can, all of the window an update reads (`decoding.emitted`)."""
+    drafter, params = (None, None) if kind is None else (drafters[kind][0](3), drafters[kind][1])
+    kwargs = dict(max_new_tokens=30, ignore_eos=True)
+    ref = generate(models.target, PROMPTS, drafter, params, **kwargs)
+    got, last, _ = collect(generate_stream(models.target, PROMPTS, drafter, params, chunk_steps=2, **kwargs))
+    assert got == ref.generated_ids and all(len(ids) == 30 for ids in got)
+    if kind is not None:
+        assert ref.stats.accepted == ref.stats.drafted
+
+
 def test_stream_checks_arguments_before_compiling(models):
     with pytest.raises(ValueError, match="chunk_steps"):
         generate_stream(models.target, PROMPTS, chunk_steps=0)

@@ -47,6 +47,7 @@ import numpy as np
 
 from spec_jax.decoding import validation
 from spec_jax.decoding.depth import AdaptiveDepth, as_adaptive_depth
+from spec_jax.decoding.emitted import EmittedWindow, window_width
 from spec_jax.decoding.engine_programs import EnginePrograms
 from spec_jax.decoding.generate import default_stop_ids, prompt_bucket, round_capacity, stop_id_array, with_k
 from spec_jax.decoding.loop import LoopState, check_adaptive, tree_budget
@@ -299,6 +300,7 @@ class Engine:
                                                              self.capacity // page_size, prefix_caching)
         self.prefill_tokens_saved = 0  # prompt tokens prefix caching did not prefill again
         self.chunk_overshoot = self.chunk_steps * (pass_max + 1)
+        self.window_width = window_width(self.chunk_steps, pass_max, self.capacity)  # what a chunk's read holds
         self._row_lengths = np.zeros((self.slots,), np.int64)
 
     def _measure_depth_costs(self, target: Any, drafter: Drafter, drafter_params: Any) -> tuple[float, ...]:
@@ -427,6 +429,7 @@ class Engine:
         table = None if self.pages is None else self.pages.table
         jobs = [self.programs.chunk_job(self.k, self.programs.chunk_args(self.state, self.slot_table,
                                                                          self.chunk_steps, table))]
+        jobs += [self.programs.window_job(self.window_width, args) for args in self._window_args_each()]
         plan = self.prefill_plan
         for bucket in buckets:
             if plan is None and self.pages is not None and self.pages.prefix_caching:
@@ -488,8 +491,14 @@ class Engine:
         self.state = programs.chunk(self.k, args)(*args)
         step, depth = jax.tree_util.tree_map(put_like, shared, (self.state.step, self.state.depth))
         self.state = self.state.replace(step=step, depth=depth)
-        jax.block_until_ready(self.state)
-        return ran + 1
+        reads = [programs.window(self.window_width, args)(*args) for args in self._window_args_each()]
+        jax.block_until_ready((self.state, reads))
+        return ran + 1 + len(reads)
+
+    def _window_args_each(self) -> list[tuple]:
+        """The window read's arguments without logprobs, and with them when requests may ask."""
+        wanted = [False] if self.max_logprobs is None else [False, True]
+        return [self.programs.window_args(self.state, with_logprobs) for with_logprobs in wanted]
 
     def step(self) -> list[EngineEvent]:
         """Admit, run one chunk, hand out new tokens; see the module docstring."""
@@ -499,9 +508,9 @@ class Engine:
         if not self.slot_table.running:
             return events
         if admitted:
-            tokens, logprobs = self._host((self.state.tokens, self._logprobs_wanted(admitted)))
+            window = EmittedWindow.of(self._host(self._read_window(admitted)))
             now = time.perf_counter()
-            events += [self.slot_table.hand_out_first(slot, tokens, now, logprobs) for slot in admitted]
+            events += [self.slot_table.hand_out_first(slot, window, now) for slot in admitted]
         return events + self._run_chunk()
 
     def _cancel_requests(self) -> list[EngineEvent]:
@@ -608,9 +617,12 @@ class Engine:
             admitted.append(p.slot)
         return admitted
 
-    def _logprobs_wanted(self, slots: Any) -> Any:
-        """The state's `TokenLogprobs` when a request in `slots` asked for them (else None: not read)."""
-        return self.state.logprobs if self.slot_table.wanting_logprobs(slots) else None
+    def _read_window(self, slots: Any) -> Any:
+        """Each row's last `window_width` buffer positions, read on device (`decoding.emitted`: the
+        host fetches what a chunk could have written, not the whole buffers), with the logprobs
+        buffers' when a request in `slots` asked for them."""
+        args = self.programs.window_args(self.state, self.slot_table.wanting_logprobs(slots))
+        return self.programs.window(self.window_width, args)(*args)
 
     def _host(self, tree: Any) -> Any:
         return gather_to_host(tree) if self.mesh is not None else jax.device_get(tree)
@@ -631,9 +643,8 @@ class Engine:
         args = self.programs.chunk_args(self.state, self.slot_table, self.chunk_steps, table)
         self.state = self.programs.chunk(self.k, args)(*args)
         state = self.state
-        tokens, lengths, finish, done, stats, logprobs, depth_counts, steps = self._host(
-            (state.tokens, state.lengths, state.finish_reason, state.done, state.stats,
-             self._logprobs_wanted(self.slot_table.running),
+        window, lengths, finish, done, stats, depth_counts, steps = self._host(
+            (self._read_window(self.slot_table.running), state.lengths, state.finish_reason, state.done, state.stats,
              None if state.depth is None else (state.depth.counts, state.depth.shadows), state.step))
         self.chunk_seconds += time.perf_counter() - started
         self.decode_steps = int(steps)  # admits keep the counter: it counts the chunks' steps only
@@ -644,10 +655,10 @@ class Engine:
             self.depth_counts = collections.Counter({d: int(n) for d, n in zip(self.depth.depths, depth_counts) if n})
         self.positions.add(stats.steps, stats.position_accepted)
         if self.suffix_store is not None:
-            self._feed_suffix_store(tokens, lengths, done)
+            self._feed_suffix_store(lengths, done)
         self._row_lengths[:] = lengths
-        events, _ = self.slot_table.collect(tokens, lengths, finish, done, Counters.of_rows(stats, self.k),
-                                            time.perf_counter(), logprobs)
+        events, _ = self.slot_table.collect(EmittedWindow.of(window), lengths, finish, done,
+                                            Counters.of_rows(stats, self.k), time.perf_counter())
         self._release_pages()
         return events
 
@@ -660,10 +671,11 @@ class Engine:
             if slot not in self.slot_table.running and slot not in prefilling:
                 self.pages.release(slot)
 
-    def _feed_suffix_store(self, tokens: Any, lengths: Any, done: Any) -> None:
+    def _feed_suffix_store(self, lengths: Any, done: Any) -> None:
         """Finished requests' prompt + output go into the suffix drafter's store (a new array of the
         same shape: the next chunk reads it without recompiling)."""
         finished = [slot for slot in self.slot_table.running if done[slot]]
+        tokens = self._host(self.state.tokens) if finished else None  # whole rows, read only as requests end
         for slot in finished:
             self.suffix_store.add(tokens[slot, : lengths[slot]])
         if finished:

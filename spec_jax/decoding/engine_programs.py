@@ -31,6 +31,7 @@ from spec_jax.decoding import saved_programs
 from spec_jax.decoding.chunked import NO_STEP_CAP, prefill_chunk, run_chunk
 from spec_jax.decoding.generate import stop_id_array
 from spec_jax.decoding.depth import AdaptiveDepth, admitted_row
+from spec_jax.decoding.emitted import read_window
 from spec_jax.decoding.loop import LoopInputs, LoopState, forward_capturing, prefill, start_state, with_depth_state
 from spec_jax.decoding.programs import CompileTally, ProgramCache, signature
 from spec_jax.decoding.slots import RequestParams
@@ -219,8 +220,8 @@ class EnginePrograms:
         return self.place(key) if self.mesh is not None else key
 
     def _compile(self, key: Any, fn: Any, args: tuple) -> Any:
-        """The program for `key` (("chunk", K), ("admit", bucket), ("prefill_pass", rows, width) or
-        ("finish_prefill", bucket)): this object's, else
+        """The program for `key` (("chunk", K), ("admit", bucket), ("prefill_pass", rows, width),
+        ("finish_prefill", bucket) or ("window", width, with logprobs)): this object's, else
         one an engine of the same configuration compiled, else compiled now."""
         exe = self.exes.get(key)
         if exe is None:
@@ -229,13 +230,20 @@ class EnginePrograms:
                 drafter = self._capture_layers()
             config = (key, self.model, drafter, self.capacity, self.slots, self.mesh, str(self.state_shardings),
                       signature(args, self.mesh), self.depth)
-            kw = {} if self.state_shardings is None else {"out_shardings": self.state_shardings}
+            kw: dict[str, Any] = {}
+            if key[0] == "window":  # it reads the state, which stays the engine's; its small result
+                if self.mesh is not None:  # is gathered onto every device inside the program
+                    kw["out_shardings"] = self._replicated
+            else:  # the others take the state and return the next one in its place
+                kw["donate_argnums"] = 0
+                if self.state_shardings is not None:
+                    kw["out_shardings"] = self.state_shardings
             # What `fn` closes over (chunk_job / admit_job), so a saved program is found only by its
             # own configuration.
             closed_over = (self.model, drafter, self.capacity, self.batch_axes if key[0] != "chunk" else None,
                            self.top_logprobs) + (() if self.depth is None else (self.depth,))
             exe, _ = _SHARED_PROGRAMS.get_or_compile(
-                config, lambda: jax.jit(fn, donate_argnums=0, **kw).lower(*args), self.mesh, tally=self.tally,
+                config, lambda: jax.jit(fn, **kw).lower(*args), self.mesh, tally=self.tally,
                 saved_as=lambda: saved_programs.key_for(f"engine.{fn.__name__}", (key, *closed_over), args,
                                                         mesh=self.mesh))
             self.exes[key] = exe
@@ -297,6 +305,22 @@ class EnginePrograms:
                              max_steps, jnp.int32(NO_STEP_CAP), model=model, drafter=drafter, depth=depth)
 
         return ("chunk", k), chunk, args
+
+    def window_args(self, state: LoopState, with_logprobs: bool) -> tuple:
+        """The window read's arguments: the state's tokens and lengths (and logprobs buffers)."""
+        return state.tokens, state.lengths, state.logprobs if with_logprobs else None
+
+    def window(self, width: int, args: tuple) -> Any:
+        """The program that reads each row's last `width` buffer positions (`decoding.emitted`)."""
+        return self._compile(*self.window_job(width, args))
+
+    def window_job(self, width: int, args: tuple) -> tuple[Any, Any, tuple]:
+        """(key, function, arguments) of the window read at `width`."""
+
+        def read_emitted(tokens, lengths, logprobs):
+            return read_window(tokens, lengths, logprobs, width)
+
+        return ("window", width, args[2] is not None), read_emitted, args
 
     def admit_args(self, state: LoopState, slot: int, params: RequestParams, bucket: int,
                    page_row: Any = None) -> tuple:

@@ -24,7 +24,7 @@ from spec_jax.decoding.loop import (
     generate_jit,
     generate_loop,
 )
-from spec_jax.decoding.loop import check_adaptive, tree_budget
+from spec_jax.decoding.loop import check_adaptive, pass_drafts
 from spec_jax.decoding.programs import ProgramCache
 from spec_jax.drafters.base import Drafter
 from spec_jax.drafters.suffix import with_store
@@ -268,8 +268,7 @@ def prepare_inputs(
     drafter = with_tree(with_k(drafter, k), tree)
     if depth is not None:
         check_adaptive(drafter, depth)
-    # Slots a verify pass writes past the last committed token: K, or N for a tree.
-    k_eff = max(drafter.k, tree_budget(drafter)) if drafter is not None else 0
+    k_eff = pass_drafts(drafter)
     values = validation.check_request_values(default_stop_ids(target), **request_values)
     prompts = validation.check_prompts(prompts, model.vocab_size)
     longest = max(len(p) for p in prompts)

@@ -424,6 +424,12 @@ def tree_budget(drafter: Drafter | None) -> int:
     return 0 if drafter is None else _tree_budget(getattr(drafter, "tree", 0))
 
 
+def pass_drafts(drafter: Drafter | None) -> int:
+    """Slots a verify pass writes past the last committed token: K, or N for a tree (0 without a
+    drafter); a step commits at most this + 1 tokens."""
+    return max(drafter.k, tree_budget(drafter)) if drafter is not None else 0
+
+
 def _tree_step(state, target, drafter, drafter_params, sampling, draft_key, accept_key, last):
     """Steps 1-3 for a tree: draft N nodes, verify root + N in one pass under the ancestor mask
     (node position = start + depth), accept the longest accepted path. -> (the path's drafts

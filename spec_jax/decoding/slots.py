@@ -1,8 +1,9 @@
 """The engine's host-side slot table: which request runs in which row of the batch, each row's
 request values (sent with every chunk as traced per-row arrays), and each request's counters.
 
-Nothing here touches a device: the engine hands `SlotTable.collect` the host copy of a chunk's
-tokens and counters, and gets back each request's new tokens and finish reason.
+Nothing here touches a device: the engine hands `SlotTable.collect` the host copy of what a chunk
+wrote (`decoding.emitted`) and its counters, and gets back each request's new tokens and finish
+reason.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from spec_jax.decoding.emitted import EmittedWindow
 from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, MAX_STOP_IDS
 from spec_jax.decoding.validation import RequestValues
 
@@ -200,14 +202,13 @@ class SlotTable:
         self.version += 1
         return running
 
-    def hand_out_first(self, slot: int, tokens: np.ndarray, now: float, logprobs: Any = None) -> EngineEvent:
+    def hand_out_first(self, slot: int, window: EmittedWindow, now: float) -> EngineEvent:
         """The token an admitted slot's prefill sampled, handed out before the chunk runs (time
-        to first token is the prefill's time, not prefill + a chunk). logprobs: the state's
-        host `TokenLogprobs`, read when some request wants them."""
+        to first token is the prefill's time, not prefill + a chunk). window: the host read of
+        the state's buffers (its logprobs read when some request wants them)."""
         running = self.running[slot]
-        first = int(tokens[slot, running.emitted_to])
-        event = EngineEvent(running.rid, [first],
-                            logprobs=self._logprobs(slot, running, tokens, logprobs, running.emitted_to + 1))
+        event = EngineEvent(running.rid, window.token_ids(slot, running.emitted_to, running.emitted_to + 1),
+                            logprobs=self._logprobs(slot, running, window, running.emitted_to + 1))
         running.emitted_to += 1
         running.stats.completion_tokens += 1
         running.first_token_at = now
@@ -217,28 +218,27 @@ class SlotTable:
         return any(self.wants_logprobs[slot] for slot in slots)
 
     @staticmethod
-    def _logprobs(slot: int, running: Running, tokens: np.ndarray, logprobs: Any,
-                  end: int) -> list[TokenLogprob] | None:
+    def _logprobs(slot: int, running: Running, window: EmittedWindow, end: int) -> list[TokenLogprob] | None:
         """Slot's tokens emitted_to .. end - 1 with their log-probabilities (None: not asked)."""
-        top = running.params.logprobs
+        top, logprobs = running.params.logprobs, window.logprobs
         if top is None or logprobs is None:
             return None
-        span = range(running.emitted_to, end)
-        return [TokenLogprob(int(tokens[slot, s]), float(logprobs.chosen[slot, s]),
-                             [(int(i), float(v)) for i, v in zip(logprobs.top_ids[slot, s, :top],
-                                                                 logprobs.top_values[slot, s, :top])])
-                for s in span]
+        columns = window.columns(slot, running.emitted_to, end)
+        return [TokenLogprob(int(window.tokens[slot, c]), float(logprobs.chosen[slot, c]),
+                             [(int(i), float(v)) for i, v in zip(logprobs.top_ids[slot, c, :top],
+                                                                 logprobs.top_values[slot, c, :top])])
+                for c in range(columns.start, columns.stop)]
 
-    def collect(self, tokens: np.ndarray, lengths: np.ndarray, finish: np.ndarray, done: np.ndarray,
-                counters: Counters, now: float, logprobs: Any = None) -> tuple[list[EngineEvent], Counters]:
-        """A chunk's host read (tokens [slots, S], lengths / finish / done [slots], per-row
-        counters, the host `TokenLogprobs` when a request wants them) -> each running request's
-        event, and the counters all rows added. A finished request frees its slot."""
+    def collect(self, window: EmittedWindow, lengths: np.ndarray, finish: np.ndarray, done: np.ndarray,
+                counters: Counters, now: float) -> tuple[list[EngineEvent], Counters]:
+        """A chunk's host read (the window of the buffers it wrote, its logprobs read when a
+        request wants them; lengths / finish / done [slots]; per-row counters) -> each running
+        request's event, and the counters all rows added. A finished request frees its slot."""
         events, total = [], Counters.zero()
         for slot in list(self.running):
             running = self.running[slot]
-            new = tokens[slot, running.emitted_to : lengths[slot]].tolist()
-            new_logprobs = self._logprobs(slot, running, tokens, logprobs, int(lengths[slot]))
+            new = window.token_ids(slot, running.emitted_to, int(lengths[slot]))
+            new_logprobs = self._logprobs(slot, running, window, int(lengths[slot]))
             running.emitted_to = int(lengths[slot])
             current = counters.row(slot)
             delta, running.seen = current.minus(running.seen), current

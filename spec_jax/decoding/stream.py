@@ -23,8 +23,9 @@ import numpy as np
 
 from spec_jax.decoding import saved_programs, validation
 from spec_jax.decoding.chunked import chunk_jit, prefill_jit
+from spec_jax.decoding.emitted import EmittedWindow, read_window_jit, window_width
 from spec_jax.decoding.generate import GenerationResult, prepare_inputs, result_of
-from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, GenerateOutput, LoopState
+from spec_jax.decoding.loop import FINISH_NAMES, FINISH_NONE, GenerateOutput, LoopState, pass_drafts
 from spec_jax.decoding.programs import ProgramCache, signature
 from spec_jax.drafters.base import Drafter
 from spec_jax.sharding.placement import gather_to_host
@@ -61,8 +62,10 @@ class StreamUpdate:
     result: GenerationResult | None = None
 
 
-def _host_view(state: LoopState, mesh: Any) -> tuple[np.ndarray, ...]:
-    view = (state.tokens, state.lengths, state.finish_reason)
+def _host_view(state: LoopState, read: Any, mesh: Any) -> tuple[Any, ...]:
+    """(the window of tokens the last chunk could have written, lengths, finish reasons, the step
+    counter), in one transfer; `read` is the compiled `read_window`."""
+    view = (read(state.tokens, state.lengths, None), state.lengths, state.finish_reason, state.step)
     return gather_to_host(view) if mesh is not None else jax.device_get(view)
 
 
@@ -116,16 +119,19 @@ def _stream(model, drafter, capacity, inputs, chunk_steps, mesh, depth=None) -> 
            ) if mesh is not None else jnp.asarray
     max_steps, step_cap = rep(np.int32(chunk_steps)), inputs.max_new_tokens
     chunk_exe, chunk_compile_s = compiled(chunk_jit, (state, *chunk_args, max_steps, step_cap), static, mesh)
-    compile_s += chunk_compile_s
+    # Each update reads the tokens one chunk can write a row (`decoding.emitted`), not the buffers.
+    width = window_width(chunk_steps, pass_drafts(drafter), capacity)
+    read_exe, read_compile_s = compiled(read_window_jit, (state.tokens, state.lengths, None), dict(width=width), mesh)
+    compile_s += chunk_compile_s + read_compile_s
     max_new = int(jax.device_get(inputs.max_new_tokens))
     emitted = np.asarray(jax.device_get(inputs.prompt_lengths)).copy()  # tokens handed out per row
     while True:
-        tokens, lengths, finish = _host_view(state, mesh)
-        new_ids = [tokens[b, emitted[b] : lengths[b]].tolist() for b in range(len(emitted))]
+        window, lengths, finish, step = _host_view(state, read_exe, mesh)
+        window = EmittedWindow.of(window)
+        new_ids = [window.token_ids(b, emitted[b], lengths[b]) for b in range(len(emitted))]
         emitted = np.maximum(emitted, lengths)
         reasons = [None if r == FINISH_NONE else FINISH_NAMES[int(r)] for r in finish]
-        step = int(jax.device_get(state.step))
-        if all(r is not None for r in reasons) or step >= max_new:
+        if all(r is not None for r in reasons) or int(step) >= max_new:
             break
         yield StreamUpdate(new_ids, reasons)
         state = chunk_exe(state, *chunk_args, max_steps, step_cap)

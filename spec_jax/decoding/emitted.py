@@ -1,0 +1,81 @@
+"""What the host reads after a chunk: the part of each row's buffers the chunk could have written,
+not the whole [B, capacity] buffers.
+
+A chunk of N verify steps commits at most N * (P + 1) tokens a row (P: the widest verify pass's
+drafts), all at or after the row's length before the chunk. So a window of that width ending at
+each row's new length holds every token the host has not handed out yet, and the transfer is
+B * N * (P + 1) tokens whatever the capacity. The whole buffers grow with it: at 64 slots of 32k
+tokens they are 8 MB of tokens a chunk, and with logprobs (top 20) 340 MB more.
+
+`read_window` is the device side (one small gather, no host sync); `EmittedWindow` is its host
+copy, indexed by buffer position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.decoding.logprobs import TokenLogprobs
+
+
+def window_width(chunk_steps: int, pass_max: int, capacity: int) -> int:
+    """The most tokens one chunk of `chunk_steps` verify steps commits a row (each step commits
+    at most `pass_max` drafts and one token of the target's), at most the capacity."""
+    return min(chunk_steps * (pass_max + 1), capacity)
+
+
+def read_window(tokens: jax.Array, lengths: jax.Array, logprobs: TokenLogprobs | None,
+                width: int) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
+    """(starts [B], tokens[b, starts[b] : starts[b] + width] [B, width], the same window of the
+    logprobs buffers or None). starts[b] = lengths[b] - width, clipped into the buffer, so each
+    window ends at its row's length or covers the row's start. Traceable; `width` is static."""
+    capacity = tokens.shape[1]
+    starts = jnp.clip(lengths - width, 0, capacity - width).astype(jnp.int32)
+
+    def rows(buffer: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, width, ...]
+        return jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, width, 0))(buffer, starts)
+
+    if logprobs is not None:
+        logprobs = logprobs.replace(chosen=rows(logprobs.chosen), top_ids=rows(logprobs.top_ids),
+                                    top_values=rows(logprobs.top_values))
+    return starts, rows(tokens), logprobs
+
+
+read_window_jit = jax.jit(read_window, static_argnames="width")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmittedWindow:
+    """The host copy of `read_window`'s result: position p of row b is column p - starts[b].
+
+    starts: [B]; tokens: [B, W]; logprobs: `TokenLogprobs` of [B, W(, top)] numpy arrays, or None
+    (no request asked)."""
+
+    starts: np.ndarray
+    tokens: np.ndarray
+    logprobs: Any = None
+
+    @classmethod
+    def of(cls, host: tuple) -> EmittedWindow:
+        starts, tokens, logprobs = host
+        return cls(np.asarray(starts), np.asarray(tokens), logprobs)
+
+    def columns(self, slot: int, begin: int, end: int) -> slice:
+        """Row `slot`'s buffer positions begin .. end - 1 as window columns. Raises if they are not
+        all inside the window: tokens the host never read would be lost, not returned."""
+        start = int(self.starts[slot])
+        if begin < start or end > start + self.tokens.shape[1]:
+            raise RuntimeError(
+                f"row {slot}: positions {begin}..{end - 1} are outside the read window "
+                f"{start}..{start + self.tokens.shape[1] - 1}; a chunk committed more tokens than "
+                "its window holds (its width must be chunk_steps * (pass_max + 1)).")
+        return slice(begin - start, end - start)
+
+    def token_ids(self, slot: int, begin: int, end: int) -> list[int]:
+        """Row `slot`'s tokens at buffer positions begin .. end - 1."""
+        return self.tokens[slot, self.columns(slot, begin, end)].tolist()
