@@ -665,12 +665,11 @@ def chunk_costs(engine: Any, prompts: list[list[int]], new_tokens: int, repeats:
             t0 = time.perf_counter()
             args = programs.chunk_args(engine.state, engine.slot_table, cap)
             t1 = time.perf_counter()
-            engine.state = programs.chunk(engine.k, args)(*args)
+            engine.state, read = programs.chunk(engine.k, args)(*args)
             jax.block_until_ready(engine.state)
             t2 = time.perf_counter()
             state = engine.state
-            jax.device_get((engine._read_window(engine.slot_table.running), state.lengths, state.finish_reason,
-                            state.done, state.stats, state.step))
+            jax.device_get((read[:2], state.lengths, state.finish_reason, state.done, state.stats, state.step))
             host.append(1e3 * (t1 - t0 + time.perf_counter() - t2))
             points.append((int(state.step) - before, 1e3 * (t2 - t1)))
     for rid in rids:  # their tokens past the probe's start were never read: they end here

@@ -7,8 +7,9 @@ each row's new length holds every token the host has not handed out yet, and the
 B * N * (P + 1) tokens whatever the capacity. The whole buffers grow with it: at 64 slots of 32k
 tokens they are 8 MB of tokens a chunk, and with logprobs (top 20) 340 MB more.
 
-`read_window` is the device side (one small gather, no host sync); `EmittedWindow` is its host
-copy, indexed by buffer position.
+`read_window` is the device side (one small gather): the engine's chunk program returns it beside
+the state, so the steady state adds no program; after admits, and in `generate_stream`, it runs as
+a small program of its own. `EmittedWindow` is its host copy, indexed by buffer position.
 """
 
 from __future__ import annotations

@@ -257,6 +257,7 @@ class Engine:
         pass_max = max(self.k, tree_budget(drafter))
         self.max_model_len, self.capacity = model_length_and_capacity(
             max_model_len, pass_max, int(self.model.max_positions))
+        self.window_width = window_width(self.chunk_steps, pass_max, self.capacity)  # what a chunk's read holds
         for d in self.drafters.values():
             if d is not None:
                 d.validate(self.model, self.capacity)
@@ -264,7 +265,8 @@ class Engine:
                                        capacity=self.capacity, slots=self.slots, mesh=mesh, kv_pages=kv_pages,
                                        sharding_rules=sharding_rules, top_logprobs=max_logprobs, page_size=kv_page_size,
                                        depth=None if self.depth is None else self.depth.static(),
-                                       prefill_rows=None if self.prefill_plan is None else self.prefill_plan.rows)
+                                       prefill_rows=None if self.prefill_plan is None else self.prefill_plan.rows,
+                                       read_width=self.window_width)
         self._init_pages(kv_pages, kv_page_size, prefix_caching, pass_max)
         depth_costs = None
         if self.depth is not None:
@@ -300,7 +302,6 @@ class Engine:
                                                              self.capacity // page_size, prefix_caching)
         self.prefill_tokens_saved = 0  # prompt tokens prefix caching did not prefill again
         self.chunk_overshoot = self.chunk_steps * (pass_max + 1)
-        self.window_width = window_width(self.chunk_steps, pass_max, self.capacity)  # what a chunk's read holds
         self._row_lengths = np.zeros((self.slots,), np.int64)
 
     def _measure_depth_costs(self, target: Any, drafter: Drafter, drafter_params: Any) -> tuple[float, ...]:
@@ -488,7 +489,7 @@ class Engine:
         rows = SlotTable(self.slots)  # slot 0 running the probe, in a table of its own
         rows.occupy(0, -1, probe, stop_id_array(()), 0.0)
         args = programs.chunk_args(self.state, rows, 1, table)
-        self.state = programs.chunk(self.k, args)(*args)
+        self.state, _ = programs.chunk(self.k, args)(*args)
         step, depth = jax.tree_util.tree_map(put_like, shared, (self.state.step, self.state.depth))
         self.state = self.state.replace(step=step, depth=depth)
         reads = [programs.window(self.window_width, args)(*args) for args in self._window_args_each()]
@@ -618,9 +619,10 @@ class Engine:
         return admitted
 
     def _read_window(self, slots: Any) -> Any:
-        """Each row's last `window_width` buffer positions, read on device (`decoding.emitted`: the
-        host fetches what a chunk could have written, not the whole buffers), with the logprobs
-        buffers' when a request in `slots` asked for them."""
+        """After admits: each row's last `window_width` buffer positions, read on device
+        (`decoding.emitted`: the host fetches what it has not handed out, not the whole buffers),
+        with the logprobs buffers' when a request in `slots` asked for them. (The chunk returns
+        its own read.)"""
         args = self.programs.window_args(self.state, self.slot_table.wanting_logprobs(slots))
         return self.programs.window(self.window_width, args)(*args)
 
@@ -641,10 +643,12 @@ class Engine:
                 table[sorted(self.prefill_plan.reserved_slots)] = self.pages.num_pages
         started = time.perf_counter()
         args = self.programs.chunk_args(self.state, self.slot_table, self.chunk_steps, table)
-        self.state = self.programs.chunk(self.k, args)(*args)
+        self.state, read = self.programs.chunk(self.k, args)(*args)
         state = self.state
+        if not self.slot_table.wanting_logprobs(self.slot_table.running):
+            read = (*read[:2], None)  # the logprobs' window stays on the device
         window, lengths, finish, done, stats, depth_counts, steps = self._host(
-            (self._read_window(self.slot_table.running), state.lengths, state.finish_reason, state.done, state.stats,
+            (read, state.lengths, state.finish_reason, state.done, state.stats,
              None if state.depth is None else (state.depth.counts, state.depth.shadows), state.step))
         self.chunk_seconds += time.perf_counter() - started
         self.decode_steps = int(steps)  # admits keep the counter: it counts the chunks' steps only

@@ -120,14 +120,18 @@ class EnginePrograms:
     kv_pages: None (each row holds a dense cache of `capacity` slots), or the target's cache is a
     pool of that many pages of `page_size` slots (`spec_jax.models.paged`): the chunk and the
     admits then take the host's page table (`decoding.pages.PagePool`) as their last argument.
-    `tally` (`compiles`, `compile_s`) counts the programs compiled by this object (not ones
-    shared from another engine)."""
+    read_width: the positions a row's read holds (`decoding.emitted`): the chunk returns, beside
+    the state, each row's last `read_width` tokens (and logprobs), all a chunk can commit, so the
+    host fetches those and not the whole buffers. `tally` (`compiles`, `compile_s`) counts the
+    programs compiled by this object (not ones shared from another engine)."""
 
     def __init__(self, model: Any, drafters: dict[int, Drafter | None], target_params: Any, drafter_params: Any,
                  *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None,
                  top_logprobs: int | None = None, depth: AdaptiveDepth | None = None,
-                 prefill_rows: int | None = None, kv_pages: int | None = None, page_size: int = PAGE_SIZE):
+                 prefill_rows: int | None = None, kv_pages: int | None = None, page_size: int = PAGE_SIZE,
+                 read_width: int = 1):
         self.model, self.drafters, self.capacity, self.slots, self.mesh = model, drafters, capacity, slots, mesh
+        self.read_width = read_width
         self.kv_pages, self.page_size = kv_pages, page_size
         self.top_logprobs, self.depth, self.prefill_rows = top_logprobs, depth, prefill_rows
         self.target_params, self.drafter_params = target_params, drafter_params
@@ -231,23 +235,27 @@ class EnginePrograms:
             config = (key, self.model, drafter, self.capacity, self.slots, self.mesh, str(self.state_shardings),
                       signature(args, self.mesh), self.depth)
             kw: dict[str, Any] = {}
-            if key[0] == "window":  # it reads the state, which stays the engine's; its small result
-                if self.mesh is not None:  # is gathered onto every device inside the program
-                    kw["out_shardings"] = self._replicated
-            else:  # the others take the state and return the next one in its place
+            if key[0] != "window":  # the others take the state and return the next one in its place
                 kw["donate_argnums"] = 0
-                if self.state_shardings is not None:
-                    kw["out_shardings"] = self.state_shardings
+            if self.mesh is not None:
+                kw["out_shardings"] = self._out_shardings(key[0])
             # What `fn` closes over (chunk_job / admit_job), so a saved program is found only by its
             # own configuration.
             closed_over = (self.model, drafter, self.capacity, self.batch_axes if key[0] != "chunk" else None,
-                           self.top_logprobs) + (() if self.depth is None else (self.depth,))
+                           self.top_logprobs, self.read_width) + (() if self.depth is None else (self.depth,))
             exe, _ = _SHARED_PROGRAMS.get_or_compile(
                 config, lambda: jax.jit(fn, **kw).lower(*args), self.mesh, tally=self.tally,
                 saved_as=lambda: saved_programs.key_for(f"engine.{fn.__name__}", (key, *closed_over), args,
                                                         mesh=self.mesh))
             self.exes[key] = exe
         return exe
+
+    def _out_shardings(self, kind: str) -> Any:
+        """On a mesh: the state keeps its layout; a read (the window's, the chunk's) is gathered
+        onto every device inside the program, so the host's fetch is one plain copy."""
+        if kind == "window":
+            return self._replicated
+        return (self.state_shardings, self._replicated) if kind == "chunk" else self.state_shardings
 
     def compile_all(self, jobs: list[tuple[Any, Any, tuple]], workers: int) -> None:
         """Compile each (key, fn, args) of `jobs` (from `chunk_job` / `admit_job`), `workers` at a
@@ -292,8 +300,9 @@ class EnginePrograms:
         return self._compile(*self.chunk_job(k, args))
 
     def chunk_job(self, k: int, args: tuple) -> tuple[Any, Any, tuple]:
-        """(key, function, arguments) of the chunk program at K."""
-        model, drafter, depth = self.model, self.drafters[k], self.depth
+        """(key, function, arguments) of the chunk program at K: (state, its args) -> (the next
+        state, `read_window` of it: what the host reads)."""
+        model, drafter, depth, width = self.model, self.drafters[k], self.depth, self.read_width
 
         def chunk(state, live, wants_logprobs, target_params, drafter_params, sampling, max_new, stop_ids, max_steps,
                   *page_table):
@@ -301,8 +310,9 @@ class EnginePrograms:
             state = state.replace(done=state.done | ~live)  # freed rows stop at once
             if state.logprobs is not None:  # only rows whose request asks record them
                 state = state.replace(logprobs=state.logprobs.replace(wanted=wants_logprobs))
-            return run_chunk(state, target_params, drafter_params, sampling, max_new, stop_ids,
-                             max_steps, jnp.int32(NO_STEP_CAP), model=model, drafter=drafter, depth=depth)
+            state = run_chunk(state, target_params, drafter_params, sampling, max_new, stop_ids,
+                              max_steps, jnp.int32(NO_STEP_CAP), model=model, drafter=drafter, depth=depth)
+            return state, read_window(state.tokens, state.lengths, state.logprobs, width)
 
         return ("chunk", k), chunk, args
 
@@ -311,7 +321,8 @@ class EnginePrograms:
         return state.tokens, state.lengths, state.logprobs if with_logprobs else None
 
     def window(self, width: int, args: tuple) -> Any:
-        """The program that reads each row's last `width` buffer positions (`decoding.emitted`)."""
+        """The program that reads each row's last `width` buffer positions (`decoding.emitted`),
+        after admits (the chunk returns its own read)."""
         return self._compile(*self.window_job(width, args))
 
     def window_job(self, width: int, args: tuple) -> tuple[Any, Any, tuple]:
