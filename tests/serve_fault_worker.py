@@ -1,7 +1,8 @@
-"""`spec-jax serve` with a fault put into `Engine.step`, for tests/test_serve.py:
+"""`spec-jax serve` with a fault put into `Engine.decode` (the half of a step that runs the chunk),
+for tests/test_serve.py:
 
-    python tests/serve_fault_worker.py fail serve ARGS...   # every step raises a simulated device error
-    python tests/serve_fault_worker.py slow serve ARGS...   # every step first sleeps SLOW_STEP_S
+    python tests/serve_fault_worker.py fail serve ARGS...   # every chunk raises a simulated device error
+    python tests/serve_fault_worker.py slow serve ARGS...   # every chunk first sleeps SLOW_STEP_S
 
 `fail` shows what the server does when the device fails; `slow` keeps requests running past a
 short --drain-timeout. The rest is the command itself (`spec_jax.app.main.main`)."""
@@ -21,12 +22,12 @@ def failing_step(self):
     raise RuntimeError("simulated device error (CUDA_ERROR_ILLEGAL_ADDRESS)")
 
 
-def slow_step(self, _step=Engine.step):
+def slow_step(self, _decode=Engine.decode):
     time.sleep(SLOW_STEP_S)
-    return _step(self)
+    return _decode(self)
 
 
 if __name__ == "__main__":
     mode, argv = sys.argv[1], sys.argv[2:]
-    Engine.step = {"fail": failing_step, "slow": slow_step}[mode]
+    Engine.decode = {"fail": failing_step, "slow": slow_step}[mode]
     sys.exit(main(argv))

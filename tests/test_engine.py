@@ -152,6 +152,20 @@ def test_every_draft_accepted_fills_the_read_window_and_keeps_the_output(models,
     assert sum(got[i][2].emitted for i in got) > 4 * sum(got[i][2].steps for i in got) * 0.9  # ~K + 1 a step
 
 
+def test_admit_hands_out_first_tokens_before_any_chunk(engine, alone):
+    """step() is admit() then decode(): admit() alone prefills the waiting requests and returns
+    each one's first token (its prefill's), running no chunk, so a server can send it before the
+    chunk; the rest follows as if one step() had run. decode() on an idle engine does nothing."""
+    assert engine.decode() == []
+    chunks = engine.chunks_run
+    rids = [engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW[i]) for i in (0, 1)]
+    first = engine.admit()
+    assert [(e.request_id, len(e.new_ids)) for e in first] == [(rids[0], 1), (rids[1], 1)]
+    assert engine.chunks_run == chunks and engine.admit() == []
+    rest = engine.run_all()
+    assert [first[i].new_ids + rest[rid].new_ids for i, rid in enumerate(rids)] == [alone[0][0], alone[1][0]]
+
+
 def test_cancel_frees_the_slot_at_once(engine, alone):
     """Three slots busy and a fourth request waiting: cancelling one hands its slot over before
     the next chunk."""

@@ -205,7 +205,7 @@ def drop_a_stream_mid_way(port, engine):
     first however fast the machine is (without the cancel, the test fails on the wait, not on a
     race)."""
     cancelled_ids, cancelled, freed = [], threading.Event(), threading.Event()
-    engine_cancel, engine_step = engine.cancel, engine.step
+    engine_cancel, engine_admit, engine_decode = engine.cancel, engine.admit, engine.decode
     max_tokens = engine.max_model_len - 8
 
     def cancel(rid):  # the runner only cancels unfinished requests
@@ -213,22 +213,25 @@ def drop_a_stream_mid_way(port, engine):
         engine_cancel(rid)
         cancelled.set()
 
-    def step():
-        if any(r.stats.completion_tokens >= max_tokens // 2 for r in engine.slot_table.running.values()):
-            cancelled.wait(TIMEOUT)  # a chunk adds at most 8 tokens: the request stays unfinished
-        events = engine_step()
+    def admit():  # a step's first half frees cancelled requests' slots
+        events = engine_admit()
         if any(e.finish_reason == "cancelled" for e in events):
             freed.set()
         return events
 
-    engine.cancel, engine.step = cancel, step
+    def decode():
+        if any(r.stats.completion_tokens >= max_tokens // 2 for r in engine.slot_table.running.values()):
+            cancelled.wait(TIMEOUT)  # a chunk adds at most 8 tokens: the request stays unfinished
+        return engine_decode()
+
+    engine.cancel, engine.admit, engine.decode = cancel, admit, decode
     body = {"prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     try:
         events = stream(port, "/v1/completions", body, stop_after=2)
         assert cancelled.wait(TIMEOUT), "the server did not cancel the request of a client that went away"
         assert freed.wait(TIMEOUT), "the cancelled request's slot was not freed"
     finally:
-        engine.cancel, engine.step = engine_cancel, engine_step
+        engine.cancel, engine.admit, engine.decode = engine_cancel, engine_admit, engine_decode
     assert len(cancelled_ids) == 1
     assert len(events) == 2 and events[-1] != "[DONE]"
     return events
@@ -254,12 +257,12 @@ def test_disconnect_mid_stream_frees_the_pages(server):
     state = ServerState(engine, target.tokenizer, target.chat_template, "tiny", "none")
     with serving(state) as port:
         held = []
-        engine_step = engine.step
-        engine.step = lambda: held.append(engine.pages.used) or engine_step()
+        engine_decode = engine.decode
+        engine.decode = lambda: held.append(engine.pages.used) or engine_decode()
         try:
             drop_a_stream_mid_way(port, engine)
         finally:
-            engine.step = engine_step
+            engine.decode = engine_decode
         assert max(held) >= 1  # the dropped request held pages while it ran
         assert engine.pages.used == 0 and engine.pages.owed() == 0 and engine.pages.free == 8
         metrics = scrape(port)
@@ -396,7 +399,7 @@ def test_a_failed_engine_step_fails_the_server_whole(server):
             time.sleep(0.01)
         raise RuntimeError("simulated device error")
 
-    engine.step = failing_step
+    engine.admit = failing_step  # the step's first half
     state = ServerState(engine, target.tokenizer, target.chat_template, "tiny", "ngram")
     state.runner.on_failure = failed.set
     body = {"prompt": "The quick", "max_tokens": 8}
@@ -518,14 +521,39 @@ def scrape(port):
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def test_a_requests_first_token_goes_out_before_the_chunk_after_its_prefill(server):
+    """The engine thread hands out an admitted request's first token (its prefill's) before it
+    runs the next chunk (`Engine.admit`, then `Engine.decode`): with every chunk held, the first
+    token is already counted in /metrics' time to first token. Released, the request completes."""
+    engine, port = server["engine"], server["port"]
+    key = ("spec_jax_time_to_first_token_seconds_count", ())
+    before, chunks = scrape(port)[key], engine.chunks_run
+    gate, real_decode = threading.Event(), engine.decode
+    engine.decode = lambda: gate.wait(TIMEOUT) and real_decode()
+    results = []
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    client = threading.Thread(target=lambda: results.append(request(port, "POST", "/v1/completions", body)))
+    try:
+        client.start()
+        deadline = time.time() + TIMEOUT
+        while scrape(port)[key] == before and time.time() < deadline:
+            time.sleep(0.02)
+        assert scrape(port)[key] == before + 1 and engine.chunks_run == chunks
+    finally:
+        del engine.decode
+        gate.set()
+        client.join(TIMEOUT)
+    assert results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 6
+
+
 def test_a_full_queue_answers_429_and_metrics_count_what_happened(server):
     """--max-queued-requests 2 on 3 slots with the engine held: of 8 concurrent requests, 5 wait
     (3 for the free slots, 2 queued) and 3 get 429 with Retry-After at once; /health stays 200;
     released, the 5 complete. /metrics, read by prometheus_client's parser, counts exactly that."""
     engine, runner, port = server["engine"], server["state"].runner, server["port"]
     before = scrape(port)
-    gate, real_step = threading.Event(), engine.step
-    engine.step = lambda: gate.wait(TIMEOUT) and real_step()
+    gate, real_admit = threading.Event(), engine.admit
+    engine.admit = lambda: gate.wait(TIMEOUT) and real_admit()  # held before it admits anything
     runner.max_queued = 2
     body = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
     results = []
@@ -549,7 +577,7 @@ def test_a_full_queue_answers_429_and_metrics_count_what_happened(server):
         assert scrape(port)[("spec_jax_queue_depth", ())] == 5
     finally:
         runner.max_queued = None
-        del engine.step
+        del engine.admit
         gate.set()
         for t in threads:
             t.join(TIMEOUT)

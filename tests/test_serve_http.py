@@ -66,7 +66,10 @@ class ScriptedEngine:
     def has_work(self) -> bool:
         return bool(self.live)
 
-    def step(self):
+    def admit(self):
+        return []  # a request is live from its submit on; each decode hands it a token
+
+    def decode(self):
         time.sleep(STEP_S)
         events = []
         with self.lock:

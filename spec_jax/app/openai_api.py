@@ -532,8 +532,9 @@ class EngineRunner:
                 self.wake.wait(0.1)
                 self.wake.clear()
                 continue
-            try:
-                events = self.engine.step()
+            try:  # a new request's first token goes out before the chunk after its prefill runs
+                self._dispatch(self.engine.admit())
+                events = self.engine.decode()
             except Exception as e:  # a failing step must not hang every client: fail them all
                 log(f"engine step failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
                 with self.lock:

@@ -11,7 +11,8 @@ accepted, tau). A request may ask for n choices, logprobs / top_logprobs (the ta
 `spec_jax.decoding.logprobs`) and a seed (the same tokens whatever runs beside it); past
 --max-queued-requests requests waiting for a slot to free up, a new one gets 429 with Retry-After.
 
-One engine thread runs `Engine.step()` while there is work and hands each request's events to its
+One engine thread runs `Engine.step()`'s two halves while there is work (`admit()`, whose first
+tokens it hands out before `decode()` runs the chunk) and hands each request's events to its
 handler's queue. A bad request gets a 4xx JSON error in OpenAI's shape naming the field
 (`error.param`). A client that disconnects has its request cancelled and its slot freed. SIGTERM:
 uvicorn stops accepting connections, new requests get 503, running ones may finish for up to

@@ -4,13 +4,14 @@ The engine holds one `LoopState` of `slots` rows at a fixed cache capacity. Each
   1. frees the slots of cancelled requests and prefills waiting requests into free slots: a 1-row
      `prefill` at the prompt's bucket, scattered into the slot's row of every state leaf (tokens,
      target cache, drafter state, stats) by one jitted, donated update;
-     Each admitted row's first token (sampled by its prefill) goes out at once, so time to first
-     token is the prefill's time, not prefill + a chunk. With `prefill_chunk_tokens`, prompts
+     Each admitted row's first token (sampled by its prefill) goes out at once (`admit()`, the
+     step's first half, returns it: a server hands it out before the chunk runs, so time to
+     first token is the prefill's time, not prefill + a chunk). With `prefill_chunk_tokens`, prompts
      prefill in chunks instead (`prefill_plan`): one pass of at most that many tokens per step,
      several waiting prompts together, a long one over several steps, so running streams never
      wait for more than one such pass;
   2. runs one chunk of up to `chunk_steps` speculative steps over all rows (free rows are `done`
-     and write nothing);
+     and write nothing; `decode()`, the step's second half);
   3. reads each row's new tokens and hands them out as `EngineEvent`s; a finished row frees its slot.
 Every request brings its own sampling values, max tokens, stop ids and seed (per-row traced
 arrays), so requests come and go without recompiling: the programs are one chunk (whatever the
@@ -502,17 +503,28 @@ class Engine:
         return [self.programs.window_args(self.state, with_logprobs) for with_logprobs in wanted]
 
     def step(self) -> list[EngineEvent]:
-        """Admit, run one chunk, hand out new tokens; see the module docstring."""
+        """Admit, run one chunk, hand out new tokens (`admit()` then `decode()`); see the module
+        docstring."""
+        return self.admit() + self.decode()
+
+    def admit(self) -> list[EngineEvent]:
+        """A step's first half: cancellations, then waiting requests prefilled into free slots ->
+        the cancelled requests' events and each admitted request's first token (its prefill's).
+        A server hands these out before it calls `decode()`, so a request's first token waits for
+        its prefill only, not for the chunk after it."""
         events = self._cancel_requests()
         self._release_pages()
         admitted = self._admit_waiting() if self.prefill_plan is None else self._prefill_waiting()
-        if not self.slot_table.running:
-            return events
         if admitted:
             window = EmittedWindow.of(self._host(self._read_window(admitted)))
             now = time.perf_counter()
             events += [self.slot_table.hand_out_first(slot, window, now) for slot in admitted]
-        return events + self._run_chunk()
+        return events
+
+    def decode(self) -> list[EngineEvent]:
+        """A step's second half: one chunk over the running rows -> their new tokens and
+        finishes (nothing when no row runs)."""
+        return self._run_chunk() if self.slot_table.running else []
 
     def _cancel_requests(self) -> list[EngineEvent]:
         cancelled, dropped = self.scheduler.take_cancelled()
