@@ -7,7 +7,7 @@ bucket. Each mode runs in a fresh process (an executable's first run happens onc
 
 Each process then sends --requests requests one at a time (prompts of --prompt-tokens, each of its
 own bucket with --buckets) and times each one's first `Engine.step()` (its admit, first token and
-first chunk: the engine's time to first token), and prints the warm-up's seconds and the steps'.
+first chunk: the first runs of both programs), and prints the warm-up's seconds and the steps'.
 
     python benchmarks/first_request.py                       # the default model, 8 slots
     python benchmarks/first_request.py --target random:tiny --json out.json
