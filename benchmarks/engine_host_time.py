@@ -49,7 +49,8 @@ def main() -> None:
     from spec_jax.sharding.mesh import make_mesh
 
     target = load_target(args.target, dtype="float32")
-    engine = Engine(target, slots=args.slots, max_model_len=args.max_model_len or args.prompt_tokens + args.new_tokens + 1,
+    max_model_len = args.max_model_len or args.prompt_tokens + args.new_tokens + 1
+    engine = Engine(target, slots=args.slots, max_model_len=max_model_len,
                     max_logprobs=args.logprobs, mesh=None if args.mesh is None else make_mesh(args.mesh))
     engine.warmup([args.prompt_tokens])
     rng = np.random.default_rng(0)
