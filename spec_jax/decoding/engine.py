@@ -171,6 +171,9 @@ class Engine:
             for event in engine.step():
                 ...  # event.request_id, event.new_ids, event.finish_reason
 
+    A server that streams calls `admit()` and `decode()` (a step's halves) and hands out
+    `admit()`'s events first: new requests' first tokens then do not wait for the chunk.
+
     target: as `generate` takes it. drafter: None for plain decoding, else any Drafter. k: None
     (the drafter's K), an int (pins K), "adaptive" or an `AdaptiveDepth` (each step of a chunk picks
     its depth, as `generate(k="adaptive")` does; costs measured once per configuration unless the
