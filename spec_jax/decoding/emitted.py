@@ -4,8 +4,8 @@ not the whole [B, capacity] buffers.
 A chunk of N verify steps commits at most N * (P + 1) tokens a row (P: the widest verify pass's
 drafts), all at or after the row's length before the chunk. So a window of that width ending at
 each row's new length holds every token the host has not handed out yet, and the transfer is
-B * N * (P + 1) tokens whatever the capacity. The whole buffers grow with it: at 64 slots of 32k
-tokens they are 8 MB of tokens a chunk, and with logprobs (top 20) 340 MB more.
+B * N * (P + 1) tokens whatever the capacity. The whole buffers grow with the capacity: at 64
+slots of 32k tokens they are 8 MB of tokens a chunk, and with logprobs (top 20) 340 MB more.
 
 `read_window` is the device side (one small gather): the engine's chunk program returns it beside
 the state, so the steady state adds no program; after admits, and in `generate_stream`, it runs as
