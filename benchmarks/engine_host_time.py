@@ -6,8 +6,10 @@ The engine is warmed (compiled, and one untimed round served), then serves 2 x -
 log-probabilities and the N most likely) with `run_all`, counting the bytes the engine brings to
 the host; then the same compiled chunk runs --repeats more times on a running row, timed apart from
 its arguments. On a small model the host's part is most of a chunk; on a large one it hides under
-the device's. --max-model-len sizes the buffers (default: what the requests need); --mesh runs the
-engine's rows over --devices fake CPU devices, where each read of the state is a gather.
+the device's; after each, its read (the window, `decoding.emitted`) and the whole token and logprobs
+buffers it replaced are each copied to the host and timed. --max-model-len sizes the buffers
+(default: what the requests need); --mesh runs the engine's rows over --devices fake CPU devices,
+where each read of the state is a gather.
 
     python benchmarks/engine_host_time.py                          # random:tiny, 1 slot
     python benchmarks/engine_host_time.py --target random:llama-3.2-1b --slots 8 --json out.json
@@ -78,21 +80,29 @@ def main() -> None:
     fetched_kb = fetched[0] / 1024 / (engine.chunks_run - chunks)
     submit(args.slots)
     engine.step()  # admitted, running
-    programs, build, run = engine.programs, [], []
+    programs, build, run, reads = engine.programs, [], [], {"window": [], "whole": []}
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         chunk_args = programs.chunk_args(engine.state, engine.slot_table, engine.chunk_steps)
         t1 = time.perf_counter()
-        engine.state, _ = programs.chunk(engine.k, chunk_args)(*chunk_args)
-        jax.block_until_ready(engine.state)
+        engine.state, read = programs.chunk(engine.k, chunk_args)(*chunk_args)
+        jax.block_until_ready((engine.state, read))
         build.append(1e3 * (t1 - t0))
         run.append(1e3 * (time.perf_counter() - t1))
+        # The chunk's own read against the whole buffers it replaced (ad7dd33's fetch), each copied
+        # to the host alone: on an accelerator that is a device-to-host transfer.
+        for name, tree in (("window", read), ("whole", (engine.state.tokens, engine.state.logprobs))):
+            t0 = time.perf_counter()
+            engine._host(tree)
+            reads[name].append(1e3 * (time.perf_counter() - t0))
     row = {"target": args.target, "slots": args.slots, "chunk_steps": engine.chunk_steps,
            "capacity": engine.capacity, "logprobs": args.logprobs, "mesh": args.mesh,
            "serving_ms_per_chunk": wall_ms, "host_read_kb_per_chunk": fetched_kb, "program_ms": statistics.median(run),
-           "chunk_args_ms": statistics.median(build)}
+           "chunk_args_ms": statistics.median(build), "read_window_ms": statistics.median(reads["window"]),
+           "read_whole_buffers_ms": statistics.median(reads["whole"]), "device": str(jax.devices()[0].platform)}
     print(f"{args.target}, {args.slots} slot(s), capacity {engine.capacity}, logprobs {args.logprobs}, "
-          f"mesh {args.mesh}: the host read {fetched_kb:.1f} KB a chunk")
+          f"mesh {args.mesh}: the host read {fetched_kb:.1f} KB a chunk; copying it "
+          f"{row['read_window_ms']:.3f} ms, the whole buffers {row['read_whole_buffers_ms']:.3f} ms")
     print(f"{args.target}, {args.slots} slot(s), chunks of {engine.chunk_steps}: serving {wall_ms:.3f} ms a chunk; "
           f"the chunk program alone {row['program_ms']:.3f} ms, its arguments {row['chunk_args_ms']:.3f} ms "
           f"(medians of {args.repeats}); the rest of serving's chunk is the host's "
