@@ -144,11 +144,11 @@ def test_slot_table_hands_out_new_tokens_and_counter_deltas():
     assert (stats.steps, stats.emitted, stats.completion_tokens, stats.tau) == (3, 4, 4, 4 / 3)
 
 
-@pytest.mark.parametrize("with_logprobs", [False, True])
+@pytest.mark.parametrize("with_logprobs", [False, "whole", "ring"])
 def test_the_read_window_holds_each_rows_last_positions(with_logprobs):
     """read_window's window of width W ends at each row's length (starts at 0 for a row shorter
     than W, at S - W where the length is past S - W): what numpy's slicing of the whole buffers
-    gives, logprobs' buffers alike."""
+    gives, logprobs' buffers alike, whole or kept as a ring of W slots (`TokenLogprobs.as_ring`)."""
     rng = np.random.default_rng(0)
     batch, capacity, width, top = 6, 20, 7, 3
     tokens = rng.integers(0, 1000, (batch, capacity))
@@ -159,7 +159,10 @@ def test_the_read_window_holds_each_rows_last_positions(with_logprobs):
                                  top_ids=jnp.asarray(rng.integers(0, 1000, (batch, capacity, top)), jnp.int32),
                                  top_values=jnp.asarray(rng.normal(size=(batch, capacity, top)), jnp.float32),
                                  wanted=jnp.ones((batch,), bool))
-    read = window(tokens, lengths, width, logprobs)
+    kept = logprobs.as_ring(width, jnp.asarray(lengths)) if with_logprobs == "ring" else logprobs
+    if with_logprobs == "ring":
+        assert kept.chosen.shape == (batch, width) and kept.positions == capacity
+    read = window(tokens, lengths, width, kept)
     assert read.starts.tolist() == [0, 0, 0, 5, 9, 13] and read.tokens.shape == (batch, width)
     for b, start in enumerate(read.starts):
         assert read.tokens[b].tolist() == tokens[b, start : start + width].tolist()

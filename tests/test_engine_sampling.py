@@ -116,3 +116,29 @@ def test_logprobs_under_speculation_are_the_targets(engine, models):
         assert_logprobs_are_the_targets(models.params, prompt, new_ids,
                                         [(lp.logprob, [v for _, v in lp.top]) for lp in got], values["logprobs"])
     assert accepted > 0  # speculation ran: tokens came from verify passes that accepted drafts
+
+
+def test_logprobs_keep_one_chunks_ring_and_stay_the_targets_when_every_draft_is_accepted(models):
+    """The engine keeps the logprobs of one chunk's read window a row ([slots, W, top], a ring:
+    position p at slot p % W), not [slots, capacity, top]. With the target as its own drafter every
+    draft is accepted, so each chunk commits W tokens a row and its positions wrap the whole ring
+    between two reads: every token's logprobs still equal a full forward pass's."""
+    engine = Engine(models.target, self_drafter(models.cfg, 3), models.params, slots=2,
+                    max_model_len=MAX_MODEL_LEN, chunk_steps=2, max_logprobs=TOP)
+    width = engine.window_width
+    assert width == 8 < engine.capacity
+    assert engine.state.logprobs.chosen.shape == (2, width) and engine.state.logprobs.top_ids.shape == (2, width, TOP)
+    requests = [(PROMPTS[1], dict(max_new_tokens=24, logprobs=TOP, ignore_eos=True)),
+                (PROMPTS[4], dict(max_new_tokens=19, logprobs=2, ignore_eos=True))]
+    ids = [engine.submit(p, **v) for p, v in requests]
+    events = {rid: [] for rid in ids}
+    while engine.has_work():
+        for e in engine.step():
+            events[e.request_id].append(e)
+    for (prompt, values), rid in zip(requests, ids):
+        got = [lp for e in events[rid] for lp in e.logprobs]
+        new_ids = [t for e in events[rid] for t in e.new_ids]
+        stats = events[rid][-1].stats
+        assert len(new_ids) == values["max_new_tokens"] and stats.accepted == stats.drafted > 0
+        assert_logprobs_are_the_targets(models.params, prompt, new_ids,
+                                        [(lp.logprob, [v for _, v in lp.top]) for lp in got], values["logprobs"])

@@ -41,9 +41,14 @@ def read_window(tokens: jax.Array, lengths: jax.Array, logprobs: TokenLogprobs |
     def rows(buffer: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, width, ...]
         return jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, width, 0))(buffer, starts)
 
-    if logprobs is not None:
-        logprobs = logprobs.replace(chosen=rows(logprobs.chosen), top_ids=rows(logprobs.top_ids),
-                                    top_values=rows(logprobs.top_values))
+    if logprobs is not None:  # its buffers may be a ring (`TokenLogprobs.as_ring`): by slot
+        slots = logprobs.slots(starts[:, None] + jnp.arange(width, dtype=jnp.int32))  # [B, width]
+
+        def ring_rows(buffer: jax.Array) -> jax.Array:
+            return jnp.take_along_axis(buffer, slots.reshape(slots.shape + (1,) * (buffer.ndim - 2)), axis=1)
+
+        logprobs = logprobs.replace(chosen=ring_rows(logprobs.chosen), top_ids=ring_rows(logprobs.top_ids),
+                                    top_values=ring_rows(logprobs.top_values))
     return starts, rows(tokens), logprobs
 
 

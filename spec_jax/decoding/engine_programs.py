@@ -170,7 +170,8 @@ class EnginePrograms:
                 SamplingParams.create(), jnp.int32(1), jnp.asarray(stop_id_array(())), self.capacity,
                 self.top_logprobs,
             )
-            return with_depth_state(state, self.depth, self._placeholder_costs(), drafter)
+            state = with_depth_state(state, self.depth, self._placeholder_costs(), drafter)
+            return with_logprobs_ring(state, self.read_width)
 
         return jax.eval_shape(fn, self.target_params, self.drafter_params)
 
@@ -545,10 +546,22 @@ def with_admitted_depth(row: LoopState, state: LoopState, depth: AdaptiveDepth |
     return row.replace(depth=admitted_row(depth, fresh, state.depth))
 
 
+def with_logprobs_ring(state: LoopState, width: int) -> LoopState:
+    """The state with its logprobs buffers (if any) as a ring of `width` slots a row, one chunk's
+    read window (`TokenLogprobs.as_ring`): the engine reads every position out before a later one
+    lands on its slot, so its memory is [slots, width, top], not [slots, capacity, top]."""
+    if state.logprobs is None:
+        return state
+    return state.replace(logprobs=state.logprobs.as_ring(width, state.lengths))
+
+
 def merge_row(state: LoopState, row: LoopState, slot: Any, axes: Any) -> LoopState:
-    """`state` with slot `slot`'s row of every leaf replaced by the 1-row `row`'s, its stats
-    zeroed (the policy's shared leaves and the step counter stay)."""
+    """`state` with slot `slot`'s row of every leaf replaced by the 1-row `row`'s (its logprobs
+    laid out as the state's ring), its stats zeroed (the policy's shared leaves and the step
+    counter stay)."""
     row = row.replace(stats=jax.tree_util.tree_map(lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), state.stats))
+    if state.logprobs is not None:
+        row = with_logprobs_ring(row, state.logprobs.chosen.shape[1])
 
     def put(axis, full, part):
         if axis == NO_BATCH_AXIS:

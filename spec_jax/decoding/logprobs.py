@@ -18,16 +18,44 @@ from flax import struct
 class TokenLogprobs:
     """Per committed token, its log-probability and the `top` most likely tokens there.
 
-    chosen:     [B, S] f32        log p(tokens[b, s]) (0 where nothing was recorded)
-    top_ids:    [B, S, top] int32 the most likely tokens at that position, most likely first
-    top_values: [B, S, top] f32   their log-probabilities
+    chosen:     [B, R] f32        log p(tokens[b, s]) (0 where nothing was recorded)
+    top_ids:    [B, R, top] int32 the most likely tokens at that position, most likely first
+    top_values: [B, R, top] f32   their log-probabilities
     wanted:     [B] bool          rows whose request asked; when no live row asks, a step skips the work
+    capacity:   (static) the positions S the buffers index. R = S keeps every position; R < S
+                is a ring (`as_ring`): position s at slot s % R, each slot its latest position's
+                (the engine's: its host reads each chunk's positions before they can be overwritten).
     """
 
     chosen: jax.Array
     top_ids: jax.Array
     top_values: jax.Array
     wanted: jax.Array
+    capacity: int = struct.field(pytree_node=False, default=0)  # 0: the buffers' own length
+
+    @property
+    def positions(self) -> int:
+        """S: the positions (the token buffer's capacity) these buffers index."""
+        return self.capacity or self.chosen.shape[1]
+
+    def slots(self, positions: jax.Array) -> jax.Array:
+        """The buffer slots of token positions (< S): themselves, or their ring slots."""
+        return positions % self.chosen.shape[1]
+
+    def as_ring(self, width: int, lengths: jax.Array) -> TokenLogprobs:
+        """These full buffers as a ring of `width` slots a row, holding each row's last `width`
+        positions before its length [B] (all that a row not yet read can have recorded)."""
+        capacity = self.positions
+        width = min(width, capacity)
+        starts = jnp.clip(lengths - width, 0, capacity - width)
+        window = starts[:, None] + jnp.arange(width, dtype=starts.dtype)  # [B, W] positions
+        rows = jnp.arange(window.shape[0])[:, None]
+
+        def ring(buffer: jax.Array) -> jax.Array:
+            taken = jnp.take_along_axis(buffer, window.reshape(window.shape + (1,) * (buffer.ndim - 2)), axis=1)
+            return jnp.zeros_like(taken).at[rows, window % width].set(taken)
+
+        return TokenLogprobs(ring(self.chosen), ring(self.top_ids), ring(self.top_values), self.wanted, capacity)
 
     @classmethod
     def empty(cls, batch: int, capacity: int, top: int) -> TokenLogprobs:
@@ -38,10 +66,10 @@ class TokenLogprobs:
 
     def record(self, logits: jax.Array, tokens: jax.Array, write_at: jax.Array) -> TokenLogprobs:
         """These buffers with tokens [B, T]'s log-probabilities under logits [B, T, V] written
-        at slots write_at [B, T] (an index past the capacity writes nothing)."""
-        batch, capacity = self.chosen.shape
+        at positions write_at [B, T] (a position past the capacity writes nothing)."""
+        batch, capacity = self.chosen.shape  # its slots: the positions, or a ring's
         rows = jnp.arange(batch)[:, None]
-        write_at = jnp.where(self.wanted[:, None], write_at, capacity)
+        write_at = jnp.where(self.wanted[:, None] & (write_at < self.positions), self.slots(write_at), capacity)
 
         def write(buffers: TokenLogprobs) -> TokenLogprobs:
             log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, T, V]
