@@ -4,8 +4,9 @@ not the whole [B, capacity] buffers.
 A chunk of N verify steps commits at most N * (P + 1) tokens a row (P: the widest verify pass's
 drafts), all at or after the row's length before the chunk. So a window of that width ending at
 each row's new length holds every token the host has not handed out yet, and the transfer is
-B * N * (P + 1) tokens whatever the capacity. The whole buffers grow with the capacity: at 64
-slots of 32k tokens they are 8 MB of tokens a chunk, and with logprobs (top 20) 340 MB more.
+B * N * (P + 1) tokens whatever the capacity (the whole token buffer, at 64 slots of 32k, is 8 MB).
+For the same reason the engine keeps logprobs for this window only, as a ring
+(`TokenLogprobs.as_ring`: at 64 slots of 32k with top 20 the whole buffers were 340 MB).
 
 `read_window` is the device side (one small gather): the engine's chunk program returns it beside
 the state, so the steady state adds no program; after admits, and in `generate_stream`, it runs as
