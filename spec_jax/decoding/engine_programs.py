@@ -129,7 +129,7 @@ class EnginePrograms:
                  *, capacity: int, slots: int, mesh: Any = None, sharding_rules: Any = None,
                  top_logprobs: int | None = None, depth: AdaptiveDepth | None = None,
                  prefill_rows: int | None = None, kv_pages: int | None = None, page_size: int = PAGE_SIZE,
-                 read_width: int = 1):
+                 read_width: int):
         self.model, self.drafters, self.capacity, self.slots, self.mesh = model, drafters, capacity, slots, mesh
         self.read_width = read_width
         self.kv_pages, self.page_size = kv_pages, page_size
