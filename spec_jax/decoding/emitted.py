@@ -19,10 +19,9 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.decoding.logprobs import TokenLogprobs
+from spec_jax.decoding.logprobs import TokenLogprobs, last_positions, take_positions
 
 
 def window_width(chunk_steps: int, pass_max: int, capacity: int) -> int:
@@ -36,21 +35,13 @@ def read_window(tokens: jax.Array, lengths: jax.Array, logprobs: TokenLogprobs |
     """(starts [B], tokens[b, starts[b] : starts[b] + width] [B, width], the same window of the
     logprobs buffers or None). starts[b] = lengths[b] - width, clipped into the buffer, so each
     window ends at its row's length or covers the row's start. Traceable; `width` is static."""
-    capacity = tokens.shape[1]
-    starts = jnp.clip(lengths - width, 0, capacity - width).astype(jnp.int32)
-
-    def rows(buffer: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, width, ...]
-        return jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, width, 0))(buffer, starts)
-
+    positions = last_positions(lengths, width, tokens.shape[1])  # [B, width]
     if logprobs is not None:  # its buffers may be a ring (`TokenLogprobs.as_ring`): by slot
-        slots = logprobs.slots(starts[:, None] + jnp.arange(width, dtype=jnp.int32))  # [B, width]
-
-        def ring_rows(buffer: jax.Array) -> jax.Array:
-            return jnp.take_along_axis(buffer, slots.reshape(slots.shape + (1,) * (buffer.ndim - 2)), axis=1)
-
-        logprobs = logprobs.replace(chosen=ring_rows(logprobs.chosen), top_ids=ring_rows(logprobs.top_ids),
-                                    top_values=ring_rows(logprobs.top_values))
-    return starts, rows(tokens), logprobs
+        slots = logprobs.slots(positions)
+        logprobs = logprobs.replace(chosen=take_positions(logprobs.chosen, slots),
+                                    top_ids=take_positions(logprobs.top_ids, slots),
+                                    top_values=take_positions(logprobs.top_values, slots))
+    return positions[:, 0], take_positions(tokens, positions), logprobs
 
 
 read_window_jit = jax.jit(read_window, static_argnames="width")

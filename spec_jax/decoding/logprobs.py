@@ -14,6 +14,19 @@ import jax.numpy as jnp
 from flax import struct
 
 
+def last_positions(lengths: jax.Array, width: int, capacity: int) -> jax.Array:
+    """Each row's last `width` buffer positions before its length [B] -> [B, width] int32: the
+    window ends at the row's length, or starts at 0 for a row shorter than `width` (width <=
+    capacity: the window stays inside the buffer)."""
+    starts = jnp.clip(lengths - width, 0, capacity - width).astype(jnp.int32)
+    return starts[:, None] + jnp.arange(width, dtype=jnp.int32)
+
+
+def take_positions(buffer: jax.Array, slots: jax.Array) -> jax.Array:
+    """buffer [B, S, ...] at each row's own slots [B, W] -> [B, W, ...]."""
+    return jnp.take_along_axis(buffer, slots.reshape(slots.shape + (1,) * (buffer.ndim - 2)), axis=1)
+
+
 @struct.dataclass
 class TokenLogprobs:
     """Per committed token, its log-probability and the `top` most likely tokens there.
@@ -47,12 +60,11 @@ class TokenLogprobs:
         positions before its length [B] (all that a row not yet read can have recorded)."""
         capacity = self.positions
         width = min(width, capacity)
-        starts = jnp.clip(lengths - width, 0, capacity - width)
-        window = starts[:, None] + jnp.arange(width, dtype=starts.dtype)  # [B, W] positions
+        window = last_positions(lengths, width, capacity)  # [B, W]
         rows = jnp.arange(window.shape[0])[:, None]
 
         def ring(buffer: jax.Array) -> jax.Array:
-            taken = jnp.take_along_axis(buffer, window.reshape(window.shape + (1,) * (buffer.ndim - 2)), axis=1)
+            taken = take_positions(buffer, window)
             return jnp.zeros_like(taken).at[rows, window % width].set(taken)
 
         return TokenLogprobs(ring(self.chosen), ring(self.top_ids), ring(self.top_values), self.wanted, capacity)
